@@ -1,0 +1,93 @@
+"""Attention backends: how a forward attends, given the cache and the plan in `ForwardContext`.
+
+- `sdpa`: PyTorch scaled_dot_product_attention with a boolean mask, each KV group's query heads folded
+  into the query-length dimension so K/V are never repeated. Runs everywhere; the CPU default.
+- `triton`: our split-K (flash-decoding) GQA kernels for the verify / decode step and for sparse
+  verification over an index list. The GPU default (see docs/benchmarks.md for the measurements).
+Prefill of a fresh sequence always uses SDPA's causal kernel over the prompt itself.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dustin.attention.context import SparsePlan
+from dustin.attention.reference import verify_mask
+
+BACKENDS = ("sdpa", "triton")
+MAX_TRITON_QUERIES = 16  # verify kernels fold G*T rows into one tile; longer chunks go to SDPA
+
+
+def _fold_gqa(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[B, Hq, T, D] -> [B, Hkv, G*T, D], rows ordered (g, t)."""
+    B, Hq, T, D = q.shape
+    return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
+
+
+def _unfold_gqa(o: torch.Tensor, n_q: int) -> torch.Tensor:
+    B, Hkv, GT, D = o.shape
+    return o.reshape(B, n_q, GT * Hkv // n_q, D)
+
+
+def sdpa_verify(q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int, mask=None):
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    S = min(max_len, k_cache.shape[2])
+    if mask is None:
+        mask = verify_mask(lengths, T, S, sinks, window)  # [B, 1, T, S]
+    G = Hq // Hkv
+    mask = mask.expand(B, G, T, S).reshape(B, 1, G * T, S)
+    out = F.scaled_dot_product_attention(_fold_gqa(q, Hkv), k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask)
+    return _unfold_gqa(out, Hq)
+
+
+def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torch.Tensor:
+    """[B, 1, T, S] mask: the selected cached positions plus the new tokens, causally."""
+    B = lengths.shape[0]
+    K = plan.indices.shape[1]
+    valid = torch.arange(K, device=lengths.device)[None, :] < plan.counts[:, None]
+    selected = torch.zeros(B, S, dtype=torch.bool, device=lengths.device)
+    selected.scatter_(1, plan.indices.long().clamp_max(S - 1), valid)
+    j = torch.arange(S, device=lengths.device)
+    causal_new = verify_mask(lengths, T, S)[:, 0] & (j[None, None, :] >= lengths.long()[:, None, None])
+    return (selected[:, None, :] | causal_new)[:, None]
+
+
+class AttentionBackend:
+    def __init__(self, name: str = "sdpa") -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+        self.name = name
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, name: str = "auto") -> "AttentionBackend":
+        if name == "auto":
+            name = "triton" if torch.device(device).type == "cuda" and _triton_available() else "sdpa"
+        return cls(name)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        G = q.shape[1] // k.shape[1]
+        if G > 1:  # once per prompt: repeating K/V keeps every SDPA kernel (flash included) available
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def verify(self, q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int):
+        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
+            from dustin.kernels.verify_attention import verify_attention
+            return verify_attention(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
+        return sdpa_verify(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
+
+    def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
+        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
+            from dustin.kernels.sparse_verify import sparse_verify_attention
+            return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts)
+        S = min(max_len, k_cache.shape[2])
+        return sdpa_verify(q, k_cache, v_cache, lengths, max_len=S, mask=sparse_mask(lengths, plan, q.shape[2], S))
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

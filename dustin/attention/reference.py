@@ -1,0 +1,65 @@
+"""Plain PyTorch references for the verify-step attention variants.
+
+Conventions shared by every backend and kernel:
+- q: [B, Hq, T, D], the T new tokens' queries (T = gamma + 1 while verifying, 1 while decoding).
+- k_cache, v_cache: [B, Hkv, S_cap, D]; the T new tokens are already written at positions
+  lengths[b] .. lengths[b] + T - 1.
+- lengths: int [B], the number of cached positions of sequence b *before* the new tokens.
+- Query t of sequence b sits at position p = lengths[b] + t and sees keys j <= p (causal among new tokens).
+- Streaming (sinks > 0 or window > 0): query at p sees only j < sinks or p - window < j <= p.
+- Sparse: query at p sees the cached positions indices[b, :counts[b]] (all < lengths[b]) plus the new
+  tokens lengths[b] .. p.
+- Query head h uses KV head h // (Hq // Hkv) (grouped-query attention).
+These references compute in float32 and are slow on purpose: they define the expected results.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(n_q_heads // x.shape[1], dim=1)
+
+
+def verify_mask(lengths: torch.Tensor, T: int, S: int, sinks: int = 0, window: int = 0) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S]: True where query t of sequence b may attend to key j."""
+    pos = lengths.to(torch.long)[:, None] + torch.arange(T, device=lengths.device)[None, :]  # [B, T]
+    j = torch.arange(S, device=lengths.device)[None, None, :]
+    mask = j <= pos[:, :, None]
+    if window > 0 or sinks > 0:
+        mask = mask & ((j < sinks) | (j > pos[:, :, None] - window))
+    return mask[:, None]
+
+
+def verify_attention_reference(q, k_cache, v_cache, lengths, *, sinks: int = 0, window: int = 0,
+                               scale: float | None = None) -> torch.Tensor:
+    B, Hq, T, D = q.shape
+    S = int(lengths.max().item()) + T
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    k = _expand_kv(k_cache[:, :, :S].float(), Hq)
+    v = _expand_kv(v_cache[:, :, :S].float(), Hq)
+    scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
+    scores = scores.masked_fill(~verify_mask(lengths, T, S, sinks, window), float("-inf"))
+    return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v).to(q.dtype)
+
+
+def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, counts, *,
+                                      scale: float | None = None) -> torch.Tensor:
+    """Attention over the selected cached positions plus the new tokens (see module docstring)."""
+    B, Hq, T, D = q.shape
+    S = int(lengths.max().item()) + T
+    pos = lengths.to(torch.long)[:, None] + torch.arange(T, device=q.device)[None, :]
+    j = torch.arange(S, device=q.device)
+    selected = torch.zeros(B, S, dtype=torch.bool, device=q.device)
+    for b in range(B):
+        selected[b, indices[b, : int(counts[b])].long()] = True
+    new_tok = (j[None, None, :] >= lengths.long()[:, None, None]) & (j[None, None, :] <= pos[:, :, None])
+    mask = (selected[:, None, :] & (j[None, None, :] < lengths.long()[:, None, None])) | new_tok  # [B, T, S]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    k = _expand_kv(k_cache[:, :, :S].float(), Hq)
+    v = _expand_kv(v_cache[:, :, :S].float(), Hq)
+    scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v).to(q.dtype)

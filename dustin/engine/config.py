@@ -1,0 +1,71 @@
+"""Generation settings, validated once, and the table of decoding methods."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dustin.engine.sampling import SamplingParams
+from dustin.errors import InputError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    speculative: bool
+    draft_kv: str | None  # "full" | "streaming" | None (no draft)
+    policy: str = "full"  # verification-time KV selection policy
+
+
+METHODS: dict[str, MethodSpec] = {
+    "vanilla": MethodSpec(speculative=False, draft_kv=None),
+    "classic": MethodSpec(speculative=True, draft_kv="full"),
+    "magicdec": MethodSpec(speculative=True, draft_kv="streaming"),
+}
+DRAFT_KV_MODES = ("full", "streaming")
+
+
+@dataclass
+class GenerationConfig:
+    method: str = "classic"
+    gamma: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    draft_kv: str | None = None  # None: the method's default
+    draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_budget - 4) recent positions
+    draft_budget: int = 512
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.gamma < 1:
+            raise InputError(f"--gamma must be >= 1 (draft tokens per step), got {self.gamma}")
+        if self.gamma > 15:
+            raise InputError(f"--gamma must be <= 15 (the verify kernels take at most 16 queries), got {self.gamma}")
+        if self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.draft_kv is None:
+            self.draft_kv = METHODS[self.method].draft_kv
+        elif self.draft_kv not in DRAFT_KV_MODES:
+            raise InputError(f"--draft-kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
+        if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_budget:
+            raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < budget ({self.draft_budget})")
+
+    @property
+    def spec(self) -> MethodSpec:
+        return METHODS[self.method]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def draft_window(self) -> int:
+        return self.draft_budget - self.draft_sinks if self.draft_kv == "streaming" else 0

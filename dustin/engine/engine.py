@@ -1,0 +1,198 @@
+"""The Python API: a target (and optional draft) model pair, validated once, that generates batches.
+
+    engine = Engine.from_pretrained("default", "default", device="cuda")
+    result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dustin.attention.backend import AttentionBackend
+from dustin.engine.config import GenerationConfig
+from dustin.engine.session import Session
+from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
+from dustin.models.loader import load_model
+from dustin.models.transformer import Transformer
+from dustin.selection.base import SelectionPolicy
+
+
+@dataclass
+class SequenceResult:
+    prompt_len: int
+    token_ids: list[int]
+    text: str | None
+
+
+@dataclass
+class GenerationResult:
+    method: str
+    sequences: list[SequenceResult]
+    steps: int
+    tau: float
+    tokens_per_s: float
+    prefill_s: float
+    decode_s: float
+    time_split_s: dict[str, float]
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method, "steps": self.steps, "tau": round(self.tau, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "time_split_s": {k: round(v, 4) for k, v in self.time_split_s.items()},
+            "sequences": [{"prompt_len": s.prompt_len, "token_ids": s.token_ids, "text": s.text}
+                          for s in self.sequences],
+        }
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise InputError(f"--dtype must be one of {', '.join(table)}, got {name!r}")
+    return table[name]
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+class Engine:
+    def __init__(self, target: Transformer, draft: Transformer | None = None, tokenizer=None,
+                 draft_tokenizer=None) -> None:
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.device = target.embed_tokens.weight.device
+        if draft is not None:
+            _check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
+        sizes = [target.args.vocab_size] + ([draft.args.vocab_size] if draft is not None else [])
+        if tokenizer is not None:
+            sizes.append(len(tokenizer))
+        self.vocab_limit = min(sizes)  # rows past the tokenizer are padding: never sample them
+        eos = set(target.args.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = eos
+
+    @classmethod
+    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
+                        dtype: str | None = None, attention: str = "auto") -> "Engine":
+        from dustin.models.fetch import resolve_model_path
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InputError("--device cuda was requested but no CUDA GPU is available")
+        dt = resolve_dtype(dtype, dev)
+        backend = AttentionBackend.for_device(dev, attention)
+        t_path = resolve_model_path(str(target), "target")
+        t_model = load_model(t_path, dev, dt, backend)
+        d_model = d_tok = None
+        if draft is not None:
+            d_path = resolve_model_path(str(draft), "draft")
+            d_model = load_model(d_path, dev, dt, backend)
+            d_tok = _load_tokenizer(d_path)
+        return cls(t_model, d_model, _load_tokenizer(t_path), d_tok)
+
+    # ------------------------------------------------------------------ API
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InputError("this model folder has no tokenizer: pass token ids instead of text")
+        if chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def session(self, prompts: list[list[int]], cfg: GenerationConfig,
+                policy: SelectionPolicy | None = None) -> Session:
+        if cfg.spec.speculative and self.draft is None:
+            raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
+        self._validate(prompts, cfg)
+        try:
+            return Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
+                           self.eos_ids, self.vocab_limit, policy)
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
+                                   f"lower the batch size, the prompt length or --max-new-tokens") from None
+
+    def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
+                 policy: SelectionPolicy | None = None, chat: bool = False) -> GenerationResult:
+        ids = [self.encode(p, chat) for p in prompts]
+        try:
+            s = self.session(ids, cfg, policy).run()
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
+                                   f"lower the batch size or the context length") from None
+        seqs = [SequenceResult(len(p), out, self._decode(out)) for p, out in zip(ids, s.outputs)]
+        st = s.stats
+        split = dict(st.phases)
+        split["other"] = max(st.decode_s - sum(split.values()), 0.0)
+        return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
+                                st.prefill_s, st.decode_s, split)
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
+        if not prompts:
+            raise InputError("no prompts given")
+        context = self.target.args.max_position_embeddings
+        if self.draft is not None and cfg.spec.speculative:
+            context = min(context, self.draft.args.max_position_embeddings)
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InputError(f"prompt {i} is empty")
+            if max(p) >= self.vocab_limit or min(p) < 0:
+                raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{self.vocab_limit - 1})")
+            need = len(p) + cfg.max_new_tokens + cfg.gamma + 1
+            if need > context:
+                raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {cfg.max_new_tokens} and "
+                                 f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
+                                 f"({context})")
+        self._check_memory(prompts, cfg)
+
+    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
+        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.gamma + 2
+        elem = self.target.embed_tokens.weight.element_size()
+        per_tok = self.target.args.kv_bytes_per_token(elem)
+        if self.draft is not None and cfg.spec.speculative:
+            per_tok += self.draft.args.kv_bytes_per_token(elem)
+        need = per_tok * capacity * len(prompts)
+        free = _free_memory(self.device)
+        if free is not None and need > 0.9 * free:
+            raise OutOfMemoryError(f"the KV caches for {len(prompts)} sequences x {capacity} positions need "
+                                   f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
+                                   f"memory is free: lower the batch size, the prompt length or --max-new-tokens")
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_same_vocabulary(target, draft, tok_t, tok_d) -> None:
+    if tok_t is not None and tok_d is not None:
+        if tok_t.get_vocab() != tok_d.get_vocab():
+            raise TokenizerMismatchError("target and draft tokenizers differ: speculative decoding needs a draft "
+                                         "that shares the target's tokenizer (same vocabulary and token ids)")
+    elif target.args.vocab_size != draft.args.vocab_size:
+        raise TokenizerMismatchError(f"target vocabulary ({target.args.vocab_size}) and draft vocabulary "
+                                     f"({draft.args.vocab_size}) differ and no tokenizers were given to compare")

@@ -1,0 +1,85 @@
+"""Token choice: greedy, temperature / top-k / top-p sampling, and the speculative acceptance rules.
+
+Everything here is batched and runs on the device without host syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """fp32 probabilities after temperature, top-k and top-p (nucleus) filtering; logits [..., V]."""
+    logits = logits.float() / max(p.temperature, 1e-6)
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass of the tokens strictly before it already reaches top_p
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None):
+    """Return (tokens, probs or None): argmax when greedy, else a sample and the distribution it came from."""
+    if p.greedy:
+        return logits.argmax(-1), None
+    probs = probabilities(logits, p)
+    return sample(probs, generator), probs
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
+    """draft [B, G], target_logits [B, G+1, V] -> (n_accepted [B], next token [B]).
+
+    A draft token is accepted while it equals the target's argmax; the next token is the target's own
+    choice at the first mismatch (or the bonus token after the last draft token)."""
+    target_choice = target_logits.argmax(-1)  # [B, G+1]
+    match = (draft == target_choice[:, :-1]).int()
+    n_acc = match.cumprod(dim=1).sum(dim=1)
+    next_tok = target_choice.gather(1, n_acc[:, None]).squeeze(1)
+    return n_acc, next_tok
+
+
+def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
+                       p: SamplingParams, generator: torch.Generator | None):
+    """Lossless speculative sampling (Leviathan et al. / Chen et al.).
+
+    Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from
+    the residual norm(max(0, p_i - q_i)); if all are accepted sample the bonus token from p_{G+1}. The output
+    then follows the target's (processed) distribution exactly."""
+    B, G = draft.shape
+    target_probs = probabilities(target_logits, p)  # [B, G+1, V]
+    p_x = target_probs[:, :G].gather(2, draft[..., None]).squeeze(2)
+    q_x = draft_probs.gather(2, draft[..., None]).squeeze(2)
+    u = torch.rand(B, G, device=draft.device, generator=generator)
+    ok = (u * q_x <= p_x).int()  # u < p/q without dividing by a possibly tiny q
+    n_acc = ok.cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(B, device=draft.device)
+    p_at = target_probs[rows, n_acc]  # [B, V]: target distribution at the first rejected slot (or bonus)
+    q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n_acc]
+    residual = (p_at - q_at).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    # all accepted (q_at = 0 -> residual = p) or a degenerate residual: fall back to p itself
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+    return n_acc, sample(residual, generator)

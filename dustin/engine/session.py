@@ -1,0 +1,202 @@
+"""One batched generation: prefill, then a step loop that benchmarks and evaluation can drive.
+
+Invariant (target and draft alike): the KV cache holds every committed token of a sequence except the last
+one, `pending`, whose K/V is computed by the next forward. A speculative step:
+  1. draft Γ tokens: the first draft forward re-reads [prev, pending] (two tokens, so the draft cache is
+     right whether or not the previous step accepted all drafts), then one token per forward;
+  2. the selection policy plans the verify attention (None = full cache);
+  3. the target verifies [pending, d1..dΓ] in one forward and accepts a prefix (greedy or lossless sampling);
+  4. cache lengths advance by 1 + accepted; rejected rows are simply overwritten later (rollback is free).
+One host sync per step reads the accepted tokens back for stopping and output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dustin.attention.context import ForwardContext
+from dustin.cache.kv_cache import KVCache
+from dustin.engine.config import GenerationConfig
+from dustin.engine.sampling import accept_greedy, accept_speculative, choose
+from dustin.engine.timing import PhaseTimer
+from dustin.models.transformer import Transformer
+from dustin.selection.base import FullSelection, SelectionPolicy
+
+
+@dataclass
+class SessionStats:
+    steps: int = 0
+    active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
+    produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
+    step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per target forward per sequence (1.0 for vanilla)."""
+        return self.step_tokens / max(self.active_seq_steps, 1)
+
+
+class Session:
+    def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
+                 cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
+                 policy: SelectionPolicy | None = None) -> None:
+        self.target, self.draft, self.cfg = target, draft, cfg
+        self.spec = cfg.spec
+        self.prompts = prompts
+        self.eos_ids = eos_ids if cfg.stop_at_eos else set()
+        self.V = vocab_limit
+        self.policy = policy or FullSelection()
+        self.device = target.embed_tokens.weight.device
+        self.B = len(prompts)
+        self.gamma = cfg.gamma if self.spec.speculative else 0
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.timer = PhaseTimer(self.device)
+        self.stats = SessionStats()
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.finished = [False] * self.B
+        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + self.gamma + 2
+        a = target.args
+        dtype = target.embed_tokens.weight.dtype
+        self.target_cache = KVCache(a.n_layers, self.B, a.n_kv_heads, a.head_dim, capacity, dtype, self.device)
+        self.draft_cache = None
+        if self.spec.speculative:
+            d = draft.args
+            self.draft_cache = KVCache(d.n_layers, self.B, d.n_kv_heads, d.head_dim, capacity, dtype, self.device)
+        self._prefill()
+
+    # ---------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        t0 = time.perf_counter()
+        first = []
+        for b, prompt in enumerate(self.prompts):
+            n = len(prompt)
+            toks = torch.tensor(prompt, device=self.device)[None]
+            pos = torch.arange(n, device=self.device)[None]
+            last = torch.tensor([n - 1], device=self.device)
+            zero = torch.zeros(1, dtype=torch.int32, device=self.device)
+            ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
+            logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
+            first.append(choose(logits, self.cfg.sampling, self.generator)[0])
+            if self.draft is not None and self.draft_cache is not None:
+                dctx = ForwardContext(self.draft_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
+                self.draft(toks, dctx, logits_at=last)
+        lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.int32, device=self.device)
+        self.target_cache.lengths.copy_(lengths)
+        self.host_lengths = [len(p) for p in self.prompts]
+        self.pending = torch.cat(first)  # [B]
+        self.prev = torch.tensor([p[-1] for p in self.prompts], device=self.device)
+        self.done = torch.zeros(self.B, dtype=torch.bool, device=self.device)
+        for b, tok in enumerate(self.pending.tolist()):
+            self._commit(b, [tok])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.stats.prefill_s = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- decode
+    @property
+    def is_done(self) -> bool:
+        return all(self.finished)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One target forward (vanilla) or one draft-then-verify round (speculative)."""
+        t0 = time.perf_counter()
+        L = self.target_cache.lengths
+        max_len = max(self.host_lengths)
+        if self.spec.speculative:
+            self.policy.begin_step(self)
+            self.timer.start("draft")
+            drafts, draft_probs = self._draft(L, max_len)
+            self.timer.stop("draft")
+            plan = self.policy.plan(self)
+            self.timer.start("verify")
+            inp = torch.cat([self.pending[:, None], drafts], dim=1)
+            pos = L.long()[:, None] + torch.arange(self.gamma + 1, device=self.device)
+            ctx = ForwardContext(self.target_cache, pos, L, max_len + self.gamma + 1, sparse=plan,
+                                 observers=self.policy.target_observers(self))
+            logits = self.target(inp, ctx)[..., : self.V]
+            self.timer.stop("verify")
+            if self.cfg.sampling.greedy:
+                n_acc, nxt = accept_greedy(drafts, logits)
+            else:
+                n_acc, nxt = accept_speculative(drafts, draft_probs, logits, self.cfg.sampling, self.generator)
+            self.policy.after_verify(self, n_acc)
+            last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
+            new_prev = torch.where(n_acc == 0, self.pending, last_draft)
+        else:
+            self.timer.start("verify")
+            ctx = ForwardContext(self.target_cache, L.long()[:, None], L, max_len + 1)
+            logits = self.target(self.pending[:, None], ctx)[:, 0, : self.V]
+            self.timer.stop("verify")
+            nxt, _ = choose(logits, self.cfg.sampling, self.generator)
+            n_acc = torch.zeros_like(nxt)
+            drafts = nxt[:, None][:, :0]
+            new_prev = self.pending
+        # rows already finished stay put so they never outgrow the cache
+        self.target_cache.lengths.add_(torch.where(self.done, 0, 1 + n_acc).to(torch.int32))
+        self.prev = torch.where(self.done, self.prev, new_prev)
+        self.pending = torch.where(self.done, self.pending, nxt)
+        host = torch.cat([n_acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the step's one host sync
+        self._bookkeep(host)
+        self.stats.decode_s += time.perf_counter() - t0
+
+    def _draft(self, L: torch.Tensor, max_len: int):
+        """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
+        cfg, cache = self.cfg, self.draft_cache
+        sinks, window = (cfg.draft_sinks, cfg.draft_window) if cfg.draft_kv == "streaming" else (0, 0)
+        observers = self.policy.draft_observers(self)
+        inp = torch.stack([self.prev, self.pending], dim=1)
+        pos = L.long()[:, None] + torch.arange(-1, 1, device=self.device)
+        lengths = L - 1
+        tokens, probs = [], []
+        for i in range(self.gamma):
+            ctx = ForwardContext(cache, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
+                                 observers=observers)
+            logits = self.draft(inp, ctx)[:, -1, : self.V]
+            tok, p = choose(logits, cfg.sampling, self.generator)
+            tokens.append(tok)
+            probs.append(p)
+            inp, pos, lengths = tok[:, None], pos[:, -1:] + 1, L + i + 1
+        drafts = torch.stack(tokens, dim=1)
+        return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def _bookkeep(self, host: list[list[int]]) -> None:
+        active = 0
+        for b, row in enumerate(host):
+            if self.finished[b]:
+                continue
+            active += 1
+            n_acc, nxt, drafts = row[0], row[1], row[2:]
+            new = drafts[:n_acc] + [nxt]
+            self.host_lengths[b] += len(new)
+            self.stats.step_tokens += len(new)
+            self.stats.produced += self._commit(b, new)
+        self.stats.steps += 1
+        self.stats.active_seq_steps += active
+        self.done.copy_(torch.tensor(self.finished, device=self.device))
+
+    def _commit(self, b: int, new: list[int]) -> int:
+        """Append new tokens to sequence b, stopping at EOS or the token limit; returns tokens kept."""
+        out, kept = self.outputs[b], 0
+        for tok in new:
+            if len(out) >= self.cfg.max_new_tokens:
+                break
+            out.append(tok)
+            kept += 1
+            if tok in self.eos_ids:
+                break
+        if len(out) >= self.cfg.max_new_tokens or (out and out[-1] in self.eos_ids):
+            self.finished[b] = True
+        return kept
+
+    def run(self) -> "Session":
+        while not self.is_done:
+            self.step()
+        self.stats.phases = self.timer.totals()
+        return self

@@ -1,0 +1,119 @@
+"""Load a local Hugging Face folder (config.json + safetensors, sharded or not) into our `Transformer`,
+or build one with random weights of a named shape (benchmarks)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dustin.attention.backend import AttentionBackend
+from dustin.errors import CheckpointError, OutOfMemoryError
+from dustin.models.args import ModelArgs
+from dustin.models.rope import RotaryEmbedding
+from dustin.models.transformer import Transformer
+
+
+def read_args(folder: Path) -> ModelArgs:
+    cfg_path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})") from None
+    return ModelArgs.from_hf_config(cfg)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e})") from None
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} holds no *.safetensors weights (only safetensors checkpoints are read)")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} is missing weight shards: {', '.join(missing)}")
+    return files
+
+
+def _our_name(hf_name: str) -> str:
+    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               backend: AttentionBackend | None = None) -> Transformer:
+    folder = Path(folder)
+    args = read_args(folder)
+    with torch.device("meta"):
+        model = Transformer(args, backend)
+    expected = dict(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(folder):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    ours = _our_name(name)
+                    if ours not in expected:
+                        continue  # e.g. rotary inv_freq saved by old exports
+                    t = sf.get_tensor(name)
+                    if t.shape != expected[ours].shape:
+                        raise CheckpointError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
+                                              f"config.json implies {tuple(expected[ours].shape)}")
+                    state[ours] = _to_device(t, device, dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
+            if isinstance(e, torch.OutOfMemoryError):
+                raise OutOfMemoryError(f"the weights of {folder} do not fit on {device}") from None
+            raise CheckpointError(f"cannot read {f}: {e}") from None
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{folder} is missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+    model.load_state_dict(state, strict=False, assign=True)
+    return _finish(model, args, device)
+
+
+def _to_device(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    try:
+        return t.to(device=device, dtype=dtype)
+    except torch.OutOfMemoryError:
+        raise OutOfMemoryError(f"model weights do not fit on {device}") from None
+
+
+def _finish(model: Transformer, args: ModelArgs, device) -> Transformer:
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(args).to(device)  # buffers built on meta must be recomputed
+    return model.eval().requires_grad_(False)
+
+
+def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0, backend: AttentionBackend | None = None) -> Transformer:
+    """Random weights of a real shape, for benchmarks: timing does not depend on the values."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    try:
+        with torch.device("meta"):
+            model = Transformer(args, backend)
+        model = model.to_empty(device=device).to(dtype)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.data.fill_(1.0)
+            else:  # fill in fp32 chunks on the CPU generator for reproducibility, std 0.02 like HF init
+                p.data.copy_(torch.randn(p.shape, generator=gen).mul_(0.02)) if p.numel() < 2**26 \
+                    else p.data.normal_(0.0, 0.02)
+    except torch.OutOfMemoryError:
+        raise OutOfMemoryError(f"a random {args.num_params() / 1e9:.1f}B-parameter model does not fit on {device}")
+    return _finish(model, args, device)

@@ -1,0 +1,116 @@
+"""Decoder-only transformer for the Llama / Qwen2 family (gpt-fast style, one file).
+
+RMSNorm, RoPE (default / llama3 / yarn), grouped-query attention with an optional qkv bias (Qwen2),
+SwiGLU MLP, optionally tied embeddings. Attention reads and writes a batched `KVCache`; *how* it attends
+(dense, streaming, sparse) is decided by the `ForwardContext` and the attention backend.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dustin.attention.backend import AttentionBackend
+from dustin.attention.context import ForwardContext
+from dustin.models.args import ModelArgs
+from dustin.models.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like the reference implementations, then cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer, self.args = layer, args
+        hd = args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                backend: AttentionBackend) -> torch.Tensor:
+        B, T, _ = x.shape
+        a = self.args
+        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache = ctx.cache
+        cache.write(self.layer, k, v, ctx.positions, ctx.rows)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        if ctx.rows is not None:
+            k_cache, v_cache = k_cache[ctx.rows], v_cache[ctx.rows]
+        for obs in ctx.observers:
+            if self.layer in obs.layers:
+                obs(self.layer, q, k_cache, ctx)
+        if ctx.fresh:
+            out = backend.prefill(q, k, v)
+        elif ctx.sparse is not None:
+            out = backend.sparse_verify(q, k_cache, v_cache, ctx.lengths, ctx.sparse, max_len=ctx.max_len)
+        else:
+            out = backend.verify(q, k_cache, v_cache, ctx.lengths, sinks=ctx.sinks, window=ctx.window,
+                                 max_len=ctx.max_len)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, ctx, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head)."""
+
+    def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args)
+        self.backend = backend or AttentionBackend.for_device("cpu")
+
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T)."""
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary(ctx.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx, self.backend)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at]
+        return self.lm_head(self.norm(x)).float()

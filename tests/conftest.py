@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random checkpoints written by transformers itself, so our loader and model are
+checked against the reference implementation of the same files."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter in tests
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", rope="llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A target and a smaller draft sharing a tokenizer (draft = the target plus weight noise)."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_tiny_checkpoint(root / "target", "qwen2", layers=3, seed=1)
+    draft = make_tiny_draft(target, root / "draft", noise=0.1)
+    return target, draft
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
