@@ -1,0 +1,112 @@
+"""Exactness of the speculative methods, batching, stopping, and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.errors import InputError, TokenizerMismatchError
+from dustin.models.loader import load_model
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return Engine(load_model(target), load_model(draft))
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(engine, prompts, **kw):
+    kw.setdefault("stop_at_eos", False)
+    return engine.generate(prompts, GenerationConfig(**kw))
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_vanilla(engine, gamma):
+    prompts = _prompts([5, 23, 61, 12, 40])
+    vanilla = _run(engine, prompts, method="vanilla", max_new_tokens=40)
+    for method, extra in [("classic", {}), ("magicdec", {"draft_budget": 16}), ("classic", {"draft_kv": "streaming",
+                                                                                         "draft_budget": 9})]:
+        out = _run(engine, prompts, method=method, gamma=gamma, max_new_tokens=40, **extra)
+        assert [s.token_ids for s in out.sequences] == [s.token_ids for s in vanilla.sequences], (method, extra)
+        assert all(len(s.token_ids) == 40 for s in out.sequences)
+        assert out.steps < 40  # speculation really accepted draft tokens
+        assert 1.0 < out.tau <= gamma + 1
+
+
+def test_outputs_are_not_degenerate(engine):
+    """The equality above is meaningful only if the outputs vary with the prompt."""
+    out = _run(engine, _prompts([8, 8, 8], seed=3), method="vanilla", max_new_tokens=20)
+    seqs = [tuple(s.token_ids) for s in out.sequences]
+    assert len(set(seqs)) == 3 and all(len(set(s)) > 5 for s in seqs)
+
+
+def test_batch_equals_one_by_one(engine):
+    prompts = _prompts([3, 50, 17, 33])
+    batch = _run(engine, prompts, method="classic", gamma=4, max_new_tokens=30)
+    for p, s in zip(prompts, batch.sequences):
+        single = _run(engine, [p], method="classic", gamma=4, max_new_tokens=30)
+        assert single.sequences[0].token_ids == s.token_ids
+        assert s.prompt_len == len(p)
+
+
+def test_streaming_draft_changes_drafts_not_output(engine):
+    """MagicDec's draft reads only sinks + window: its acceptance differs from the full draft at long prompts."""
+    prompts = _prompts([200, 150])
+    full = _run(engine, prompts, method="classic", gamma=4, max_new_tokens=30)
+    stream = _run(engine, prompts, method="magicdec", gamma=4, max_new_tokens=30, draft_budget=8)
+    assert [s.token_ids for s in full.sequences] == [s.token_ids for s in stream.sequences]
+    assert full.steps != stream.steps or full.tau != stream.tau
+
+
+def test_each_sequence_stops_on_its_own_eos(engine):
+    prompts = _prompts([10, 20, 30])
+    ref = _run(engine, prompts, method="vanilla", max_new_tokens=25)
+    eos = ref.sequences[1].token_ids[6]  # make a token the second sequence emits early its stop token
+    engine.eos_ids, saved = {eos}, engine.eos_ids
+    try:
+        out = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
+    finally:
+        engine.eos_ids = saved
+    for r, s in zip(ref.sequences, out.sequences):
+        expected = r.token_ids[: r.token_ids.index(eos) + 1] if eos in r.token_ids else r.token_ids
+        assert s.token_ids == expected
+
+
+@pytest.mark.parametrize("kwargs,match", [({"gamma": 0}, "gamma"), ({"top_p": 0.0}, "top-p"),
+                                          ({"method": "nope"}, "unknown method"), ({"temperature": -1}, "temperature"),
+                                          ({"max_new_tokens": 0}, "max-new-tokens")])
+def test_bad_generation_config(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        GenerationConfig(**kwargs)
+
+
+def test_prompt_longer_than_context(engine):
+    too_long = [5] * (engine.target.args.max_position_embeddings - 10)
+    with pytest.raises(InputError, match="more than the model context"):
+        _run(engine, [too_long], method="classic", max_new_tokens=20)
+    with pytest.raises(InputError, match="empty"):
+        _run(engine, [[]], method="vanilla")
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        _run(engine, [[1, 2, 10_000]], method="vanilla")
+
+
+def test_mismatched_vocabularies(tmp_path, tiny_pair):
+    other = make_tiny_checkpoint(tmp_path / "other", "qwen2", vocab=80)
+    with pytest.raises(TokenizerMismatchError):
+        Engine(load_model(tiny_pair[0]), load_model(other))
+
+
+def test_batch_too_large_for_memory(engine, monkeypatch):
+    from dustin.engine import engine as engine_mod
+    from dustin.errors import OutOfMemoryError
+
+    monkeypatch.setattr(engine_mod, "_free_memory", lambda device: 1024)
+    with pytest.raises(OutOfMemoryError, match="lower the batch size"):
+        _run(engine, _prompts([10, 10]), method="classic")

@@ -1,0 +1,94 @@
+"""Speculative sampling is lossless: its outputs follow the target's distribution (statistical tests)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dustin.attention.context import ForwardContext
+from dustin.cache.kv_cache import KVCache
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.sampling import SamplingParams, accept_speculative, probabilities
+from dustin.models.loader import load_model
+
+
+def chi2_pvalue_upper(stat: float, dof: int) -> float:
+    """Upper tail of the chi-square distribution (Wilson-Hilferty normal approximation)."""
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chi2_test(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value that `samples` were drawn from `probs`; bins with expected count < 5 are merged."""
+    n = samples.numel()
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return chi2_pvalue_upper(stat, int(keep.sum()) - 1)
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = probabilities(logits, SamplingParams(1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and p[0, :2].sum().item() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    p = probabilities(logits, SamplingParams(1.0, top_p=float(full[0] + full[1] / 2)))
+    assert (p[0, 2:] == 0).all() and (p[0, :2] > 0).all()
+
+
+def test_acceptance_rule_is_lossless():
+    """For fixed p and q, the first emitted token follows p; a biased rule is detected (negative control)."""
+    g = torch.Generator().manual_seed(0)
+    V, N, G = 12, 60_000, 3
+    target_logits = torch.randn(1, G + 1, V, generator=g).expand(N, G + 1, V)
+    q = torch.randn(1, G, V, generator=g).softmax(-1).expand(N, G, V)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(N, G)
+    n_acc, nxt = accept_speculative(drafts, q, target_logits, SamplingParams(1.0), g)
+    first = torch.where(n_acc > 0, drafts[:, 0], nxt)
+    p1 = target_logits[0, 0].softmax(-1)
+    assert chi2_test(first, p1) > 1e-3
+    assert chi2_test(drafts[:, 0], p1) < 1e-6  # taking the draft's tokens as they are is not lossless
+
+
+@pytest.mark.slow
+def test_generated_tokens_follow_target_distribution(tiny_pair):
+    """End to end: the 2nd and 3rd generated tokens' marginals equal the target's exact marginals."""
+    target, draft = load_model(tiny_pair[0]), load_model(tiny_pair[1])
+    engine = Engine(target, draft)
+    prompt = [5, 17, 42, 8, 33, 71]
+    N, V = 3000, engine.vocab_limit
+    params = SamplingParams(temperature=1.0, top_k=20)
+    cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=3, temperature=1.0, top_k=20, seed=1,
+                           stop_at_eos=False)
+    out = engine.generate([prompt] * N, cfg)
+    toks = torch.tensor([s.token_ids for s in out.sequences])
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        B, T = prefixes.shape
+        a = target.args
+        cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, T, torch.float32, "cpu")
+        ctx = ForwardContext(cache, torch.arange(T)[None].expand(B, T), torch.zeros(B, dtype=torch.int32), T,
+                             fresh=True)
+        with torch.no_grad():
+            return probabilities(target(prefixes, ctx)[:, -1, :V], params)
+
+    base = torch.tensor(prompt)
+    p1 = next_probs(base[None])[0]
+    cand1 = torch.nonzero(p1).flatten()
+    p2_given = next_probs(torch.cat([base.expand(len(cand1), -1), cand1[:, None]], 1))
+    p2 = (p1[cand1, None] * p2_given).sum(0)
+    assert chi2_test(toks[:, 0], p1) > 1e-3
+    assert chi2_test(toks[:, 1], p2) > 1e-3
+    # third token: enumerate the (t1, t2) pairs with probability mass
+    pairs = [(i, j) for i in cand1.tolist() for j in torch.nonzero(p2_given[cand1.tolist().index(i)]).flatten().tolist()]
+    pref = torch.tensor([prompt + [i, j] for i, j in pairs])
+    w = torch.tensor([float(p1[i] * p2_given[cand1.tolist().index(i), j]) for i, j in pairs])
+    p3 = (w[:, None] * next_probs(pref)).sum(0)
+    assert chi2_test(toks[:, 2], p3) > 1e-3
+    assert chi2_test(toks[:, 2], p2) < 1e-6  # negative control: a wrong reference distribution is rejected
