@@ -110,3 +110,21 @@ def test_batch_too_large_for_memory(engine, monkeypatch):
     monkeypatch.setattr(engine_mod, "_free_memory", lambda device: 1024)
     with pytest.raises(OutOfMemoryError, match="lower the batch size"):
         _run(engine, _prompts([10, 10]), method="classic")
+
+
+def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
+    """The engine on the Triton kernels (CPU interpreter here) gives the SDPA backend's tokens."""
+    from dustin.attention.backend import AttentionBackend
+    from tests.tiny_models import make_tiny_draft
+
+    target = make_tiny_checkpoint(tmp_path / "t", "qwen2", heads=4, kv_heads=2, seed=3)  # head_dim 16
+    draft = make_tiny_draft(target, tmp_path / "d", noise=0.1)
+    tri = AttentionBackend("triton")
+    eng_tri = Engine(load_model(target, backend=tri), load_model(draft, backend=tri))
+    eng_sdpa = Engine(load_model(target), load_model(draft))
+    prompts = _prompts([6, 29])
+    for method, extra in [("vanilla", {}), ("magicdec", {"draft_budget": 10})]:
+        a = _run(eng_tri, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
+        b = _run(eng_sdpa, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+        assert a.steps == b.steps

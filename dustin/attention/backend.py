@@ -13,32 +13,10 @@ import torch.nn.functional as F
 
 from dustin.attention.context import SparsePlan
 from dustin.attention.reference import verify_mask
+from dustin.attention.sdpa import verify_attention_sdpa
 
 BACKENDS = ("sdpa", "triton")
 MAX_TRITON_QUERIES = 16  # verify kernels fold G*T rows into one tile; longer chunks go to SDPA
-
-
-def _fold_gqa(q: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """[B, Hq, T, D] -> [B, Hkv, G*T, D], rows ordered (g, t)."""
-    B, Hq, T, D = q.shape
-    return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
-
-
-def _unfold_gqa(o: torch.Tensor, n_q: int) -> torch.Tensor:
-    B, Hkv, GT, D = o.shape
-    return o.reshape(B, n_q, GT * Hkv // n_q, D)
-
-
-def sdpa_verify(q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int, mask=None):
-    B, Hq, T, D = q.shape
-    Hkv = k_cache.shape[1]
-    S = min(max_len, k_cache.shape[2])
-    if mask is None:
-        mask = verify_mask(lengths, T, S, sinks, window)  # [B, 1, T, S]
-    G = Hq // Hkv
-    mask = mask.expand(B, G, T, S).reshape(B, 1, G * T, S)
-    out = F.scaled_dot_product_attention(_fold_gqa(q, Hkv), k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask)
-    return _unfold_gqa(out, Hq)
 
 
 def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torch.Tensor:
@@ -75,14 +53,15 @@ class AttentionBackend:
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.verify_attention import verify_attention
             return verify_attention(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
-        return sdpa_verify(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
+        return verify_attention_sdpa(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
 
     def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.sparse_verify import sparse_verify_attention
             return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts)
         S = min(max_len, k_cache.shape[2])
-        return sdpa_verify(q, k_cache, v_cache, lengths, max_len=S, mask=sparse_mask(lengths, plan, q.shape[2], S))
+        return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S,
+                                     mask=sparse_mask(lengths, plan, q.shape[2], S))
 
 
 def _triton_available() -> bool:

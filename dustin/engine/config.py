@@ -35,6 +35,7 @@ class GenerationConfig:
     draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_budget - 4) recent positions
     draft_budget: int = 512
     stop_at_eos: bool = True
+    cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -162,7 +162,7 @@ class Engine:
         self._check_memory(prompts, cfg)
 
     def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
-        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.gamma + 2
+        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (cfg.gamma + 2)
         elem = self.target.embed_tokens.weight.element_size()
         per_tok = self.target.args.kv_bytes_per_token(elem)
         if self.draft is not None and cfg.spec.speculative:

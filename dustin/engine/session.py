@@ -19,6 +19,7 @@ import torch
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
+from dustin.engine.cuda_graphs import GraphedForward
 from dustin.engine.sampling import accept_greedy, accept_speculative, choose
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
@@ -59,7 +60,7 @@ class Session:
         self.stats = SessionStats()
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.B
-        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + self.gamma + 2
+        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (self.gamma + 2)  # + graph scratch
         a = target.args
         dtype = target.embed_tokens.weight.dtype
         self.target_cache = KVCache(a.n_layers, self.B, a.n_kv_heads, a.head_dim, capacity, dtype, self.device)
@@ -67,6 +68,10 @@ class Session:
         if self.spec.speculative:
             d = draft.args
             self.draft_cache = KVCache(d.n_layers, self.B, d.n_kv_heads, d.head_dim, capacity, dtype, self.device)
+        # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend, no per-step observers)
+        self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
+                           and isinstance(self.policy, FullSelection))
+        self._graphs: dict[tuple, GraphedForward] = {}
         self._prefill()
 
     # ---------------------------------------------------------------- prefill
@@ -118,9 +123,8 @@ class Session:
             self.timer.start("verify")
             inp = torch.cat([self.pending[:, None], drafts], dim=1)
             pos = L.long()[:, None] + torch.arange(self.gamma + 1, device=self.device)
-            ctx = ForwardContext(self.target_cache, pos, L, max_len + self.gamma + 1, sparse=plan,
-                                 observers=self.policy.target_observers(self))
-            logits = self.target(inp, ctx)[..., : self.V]
+            logits = self._forward("target", inp, pos, L, max_len + self.gamma + 1, sparse=plan,
+                                   observers=self.policy.target_observers(self))[..., : self.V]
             self.timer.stop("verify")
             if self.cfg.sampling.greedy:
                 n_acc, nxt = accept_greedy(drafts, logits)
@@ -131,8 +135,7 @@ class Session:
             new_prev = torch.where(n_acc == 0, self.pending, last_draft)
         else:
             self.timer.start("verify")
-            ctx = ForwardContext(self.target_cache, L.long()[:, None], L, max_len + 1)
-            logits = self.target(self.pending[:, None], ctx)[:, 0, : self.V]
+            logits = self._forward("target", self.pending[:, None], L.long()[:, None], L, max_len + 1)[:, 0, : self.V]
             self.timer.stop("verify")
             nxt, _ = choose(logits, self.cfg.sampling, self.generator)
             n_acc = torch.zeros_like(nxt)
@@ -148,7 +151,7 @@ class Session:
 
     def _draft(self, L: torch.Tensor, max_len: int):
         """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
-        cfg, cache = self.cfg, self.draft_cache
+        cfg = self.cfg
         sinks, window = (cfg.draft_sinks, cfg.draft_window) if cfg.draft_kv == "streaming" else (0, 0)
         observers = self.policy.draft_observers(self)
         inp = torch.stack([self.prev, self.pending], dim=1)
@@ -156,15 +159,27 @@ class Session:
         lengths = L - 1
         tokens, probs = [], []
         for i in range(self.gamma):
-            ctx = ForwardContext(cache, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
-                                 observers=observers)
-            logits = self.draft(inp, ctx)[:, -1, : self.V]
+            logits = self._forward("draft", inp, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
+                                   observers=observers)[:, -1, : self.V]
             tok, p = choose(logits, cfg.sampling, self.generator)
             tokens.append(tok)
             probs.append(p)
             inp, pos, lengths = tok[:, None], pos[:, -1:] + 1, L + i + 1
         drafts = torch.stack(tokens, dim=1)
         return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def _forward(self, which: str, tokens, positions, lengths, max_len: int, *, sinks: int = 0, window: int = 0,
+                 sparse=None, observers=()) -> torch.Tensor:
+        model = self.target if which == "target" else self.draft
+        cache = self.target_cache if which == "target" else self.draft_cache
+        if self.use_graphs and not observers and sparse is None:
+            key = (which, tokens.shape[1])
+            if key not in self._graphs:
+                self._graphs[key] = GraphedForward(model, cache, self.B, tokens.shape[1], sinks=sinks, window=window)
+            return self._graphs[key](tokens, positions, lengths)
+        ctx = ForwardContext(cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
+                             observers=list(observers))
+        return model(tokens, ctx)
 
     def _bookkeep(self, host: list[list[int]]) -> None:
         active = 0

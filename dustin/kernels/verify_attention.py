@@ -1,0 +1,265 @@
+"""GQA-aware split-K (flash-decoding) attention for the verify step, in Triton, plus the PyTorch SDPA path.
+
+Semantics are those of `dustin.attention.reference.verify_attention_reference` (see its module docstring).
+
+Why this design: verifying T = gamma + 1 tokens against a long cache is memory-bound (a few FLOPs per K/V
+byte), so the kernel must read each K/V row from HBM exactly once and keep every SM busy.
+- One program owns one (sequence, KV head) pair and one slice ("split") of its key range. It loads the
+  queries of the whole KV group - the G = Hq / Hkv heads x T tokens folded into G*T rows (row r = g*T + t,
+  head-major, so a contiguous q is one contiguous [G*T, D] block) - and streams its K/V tiles once for all
+  of them, with tl.dot for QK^T and PV. K/V are never repeated per query head.
+- Splits (grid axis 0) give parallelism when B * Hkv alone cannot fill the GPU. Each split writes a partial
+  (acc, running max m, running sum l) in fp32; a second small kernel merges the splits by log-sum-exp.
+  Measured on the H200, the best grid is one wave of resident programs (see PROGRAMS_PER_SM): at
+  B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at 77-105% of the device copy bandwidth.
+- The grid is sized on the host from an upper bound (max_len or the cache capacity) with no device sync;
+  splits past a sequence's own range return at once, so ragged batches cost only what they read and the
+  launch is CUDA-graph friendly.
+- Streaming (sinks/window) walks a "virtual" key range: the sink positions [0, n_sink) followed by the
+  window positions [win_lo, end). Only ~sinks + window + T rows are read, whatever the sequence length.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dustin.attention.reference import verify_mask
+
+H200_NUM_SMS = 132
+# Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
+# Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
+# a grid just past a whole wave (e.g. 1.2-1.5 waves) is the worst case.
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _visible_key_range(length, T: tl.constexpr, sinks, window, STREAMING: tl.constexpr):
+    """(n_sink, win_lo, n_keys): virtual key v < n_sink is position v, else position win_lo + v - n_sink."""
+    end = length + T
+    if STREAMING:
+        n_sink = tl.minimum(end, sinks)
+        # The earliest query (p = length) sees j > length - window; window == 0 leaves only the sinks.
+        win_lo = tl.where(window > 0, tl.maximum(n_sink, length - window + 1), end)
+        return n_sink, win_lo, n_sink + end - win_lo
+    else:
+        return 0, 0, end
+
+
+@triton.jit(do_not_specialize=["sinks", "window"])
+def _verify_attention_split_kernel(
+        Q, K, V, Lengths, PartAcc, PartM, PartL,
+        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+        n_kv_heads, split_size, num_splits, sinks, window, qk_scale_log2,
+        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_kv_heads).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
+    kv_head = (bh % n_kv_heads).to(tl.int64)
+    length = tl.load(Lengths + b).to(tl.int32)
+    n_sink, win_lo, n_keys = _visible_key_range(length, T, sinks, window, STREAMING)
+    start = split * split_size
+    if start >= n_keys:  # the grid is sized for the longest sequence; shorter ones stop here
+        return
+    stop = tl.minimum(start + split_size, n_keys)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < G * T
+    group_head = rows // T
+    pos = length + rows % T  # each row's query position
+    dims = tl.arange(0, D)
+    q_ptrs = (Q + b * sq_b + (kv_head * G + group_head)[:, None] * sq_h + (rows % T)[:, None] * sq_t
+              + dims[None, :] * sq_d)
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    if UPCAST_DOT:  # Triton's CPU interpreter multiplies bf16 bit patterns as integers: use fp32 there
+        q = q.to(tl.float32)
+
+    p_dtype: tl.constexpr = V.dtype.element_ty  # P is rounded to the cache dtype for the PV product
+    k_base = K + b * sk_b + kv_head * sk_h
+    v_base = V + b * sv_b + kv_head * sv_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for v0 in range(start, stop, BLOCK_N):
+        virt = v0 + tl.arange(0, BLOCK_N)
+        in_split = virt < stop
+        if STREAMING:
+            key_pos = tl.where(virt < n_sink, virt, virt - n_sink + win_lo)
+        else:
+            key_pos = virt
+        k = tl.load(k_base + key_pos[:, None] * sk_s + dims[None, :] * sk_d, mask=in_split[:, None], other=0.0)
+        v = tl.load(v_base + key_pos[:, None] * sv_s + dims[None, :] * sv_d, mask=in_split[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        visible = in_split[None, :] & (key_pos[None, :] <= pos[:, None])
+        if STREAMING:
+            visible = visible & ((key_pos[None, :] < sinks) | (key_pos[None, :] > pos[:, None] - window))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key of this tile yet (causal/streaming): keep -inf - -inf from making NaNs.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    part = (bh * num_splits + split) * (G * T) + rows
+    tl.store(PartM + part, m_i, mask=row_valid)
+    tl.store(PartL + part, l_i, mask=row_valid)
+    tl.store(PartAcc + part[:, None] * D + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["sinks", "window"])
+def _verify_attention_combine_kernel(
+        PartAcc, PartM, PartL, Lengths, Out, so_b, so_h, so_t, so_d,
+        n_kv_heads, split_size, num_splits, sinks, window,
+        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, STREAMING: tl.constexpr):
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    kv_head = (bh % n_kv_heads).to(tl.int64)
+    length = tl.load(Lengths + b).to(tl.int32)
+    _, _, n_keys = _visible_key_range(length, T, sinks, window, STREAMING)
+    n_active = tl.minimum(tl.cdiv(n_keys, split_size), num_splits)  # splits that did not exit early
+
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row_valid = rows < G * T
+    dims = tl.arange(0, D)
+    m_all = tl.full([ROWS], float("-inf"), tl.float32)
+    l_all = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for split in range(0, n_active):
+        part = (bh * num_splits + split) * (G * T) + rows
+        m_s = tl.load(PartM + part, mask=row_valid, other=float("-inf"))
+        l_s = tl.load(PartL + part, mask=row_valid, other=0.0)
+        acc_s = tl.load(PartAcc + part[:, None] * D + dims[None, :], mask=row_valid[:, None], other=0.0)
+        m_new = tl.maximum(m_all, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_all = l_all * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_all = m_new
+    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # l == 0 only on padding rows (not stored)
+    o_ptrs = (Out + b * so_b + (kv_head * G + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t
+              + dims[None, :] * so_d)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_NUM_SMS
+
+
+def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 0) -> int:
+    """Most keys one (sequence, head) visits, given seq_upper_bound >= max(lengths) + T (host ints only)."""
+    if sinks > 0 or window > 0:
+        return min(seq_upper_bound, sinks + (window + T - 1 if window > 0 else 0))
+    return seq_upper_bound
+
+
+def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, num_sms: int = H200_NUM_SMS,
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs.
+
+    n_kv_programs = B * Hkv; n_keys is the per-sequence key bound; a split never holds less than one tile."""
+    n_tiles = max(1, triton.cdiv(n_keys, block_n))
+    return max(1, min(n_tiles, programs_per_sm * num_sms // max(1, n_kv_programs)))
+
+
+def default_launch_config(rows: int, head_dim: int) -> dict:
+    """BLOCK_N / num_warps / num_stages for Hopper; bigger folded query blocks get more warps (registers)."""
+    big = rows * head_dim > 64 * 128
+    return {"block_n": 64, "num_warps": 8 if big else 4, "num_stages": 3}
+
+
+def _check_inputs(q, k_cache, v_cache, lengths):
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"expected q [B,Hq,T,D] and caches [B,Hkv,S,D], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    B, Hq, T, D = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                         f"do not match q {tuple(q.shape)}")
+    Hkv = k_cache.shape[1]
+    if Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must have shape [{B}], got {tuple(lengths.shape)}")
+    return B, Hq, Hkv, T, D
+
+
+def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, *,
+                     sinks: int = 0, window: int = 0, scale: float | None = None, max_len: int | None = None,
+                     num_splits: int | None = None, out: torch.Tensor | None = None, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Split-K Triton verify attention; see the module docstring. Returns out ([B, Hq, T, D], q.dtype).
+
+    max_len: optional host bound on max(lengths) + T, used only to size the grid (default: cache capacity);
+    keys past it are not read. block_n / num_warps / num_stages / num_splits override the tuned defaults."""
+    B, Hq, Hkv, T, D = _check_inputs(q, k_cache, v_cache, lengths)
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"verify_attention supports power-of-two head dims 16..256, got D={D}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    G = Hq // Hkv
+    rows = G * T
+    block_m = max(16, triton.next_power_of_2(rows))  # tl.dot needs >= 16 rows
+    if block_m > 256:
+        raise ValueError(f"G*T = {G}*{T} = {rows} folded query rows exceed 256; split the verify step")
+    config = default_launch_config(rows, D)
+    block_n = block_n or config["block_n"]
+    num_warps = num_warps or config["num_warps"]
+    num_stages = num_stages or config["num_stages"]
+    if sinks < 0 or window < 0:
+        raise ValueError(f"sinks and window must be >= 0, got {sinks}, {window}")
+    streaming = sinks > 0 or window > 0
+
+    seq_bound = min(max_len, k_cache.shape[2]) if max_len is not None else k_cache.shape[2]
+    n_keys = max(1, key_upper_bound(seq_bound, T, sinks, window))
+    if num_splits is None:
+        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device))
+    # Each split is a whole number of tiles; recompute the count so no split is empty by construction.
+    n_tiles = triton.cdiv(n_keys, block_n)
+    split_tiles = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
+    split_size = split_tiles * block_n
+    num_splits = triton.cdiv(n_tiles, split_tiles)
+
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    # One scratch allocation (fewer host calls per layer): partial acc, then running max m, then sum l.
+    n_parts = B * Hkv * num_splits * rows
+    scratch = torch.empty(n_parts * (D + 2), dtype=torch.float32, device=q.device)
+    part_acc, part_m, part_l = scratch[:n_parts * D], scratch[n_parts * D:-n_parts], scratch[-n_parts:]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    upcast_dot = _interpreting() and q.dtype == torch.bfloat16
+    # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
+    dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
+
+    _verify_attention_split_kernel[(num_splits, B * Hkv)](
+        q, k_cache, v_cache, lengths, part_acc, part_m, part_l,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        Hkv, split_size, num_splits, sinks, window, scale * math.log2(math.e),
+        T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
+        UPCAST_DOT=upcast_dot, num_warps=num_warps, num_stages=num_stages)
+    combine_rows = min(16, triton.next_power_of_2(rows))
+    _verify_attention_combine_kernel[(B * Hkv, triton.cdiv(rows, combine_rows))](
+        part_acc, part_m, part_l, lengths, out, *out.stride(),
+        Hkv, split_size, num_splits, sinks, window,
+        T=T, G=G, D=D, ROWS=combine_rows, STREAMING=streaming, num_warps=4)
+    return out

