@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dustin.errors import CheckpointError, FetchError
-from dustin.models import fetch
+from dustin.models import fetch, gguf_convert
 from dustin.models.fetch import ChunkedGGUF, convert_gguf, fetch_model, is_complete, resolve_model_path
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 32, 2, 1, 64, 2
@@ -27,7 +27,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values (what byte-level BPE vocabularies contain)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     extra = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
@@ -63,7 +63,8 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
         shapes = {"attn_norm.weight": (HIDDEN,), "ffn_norm.weight": (HIDDEN,), "attn_q.weight": (q, HIDDEN),
                   "attn_q.bias": (q,), "attn_k.weight": (kv, HIDDEN), "attn_k.bias": (kv,),
                   "attn_v.weight": (kv, HIDDEN), "attn_v.bias": (kv,), "attn_output.weight": (HIDDEN, q),
-                  "ffn_gate.weight": (INTER, HIDDEN), "ffn_up.weight": (INTER, HIDDEN), "ffn_down.weight": (HIDDEN, INTER)}
+                  "ffn_gate.weight": (INTER, HIDDEN), "ffn_up.weight": (INTER, HIDDEN),
+                  "ffn_down.weight": (HIDDEN, INTER)}
         for name, shape in shapes.items():
             weights[f"blk.{i}.{name}"] = rng.standard_normal(shape).astype(np.float32) * 0.1
     for name, values in weights.items():
@@ -194,7 +195,7 @@ def test_interrupted_conversion_leaves_no_model_folder(tiny, tmp_path, copy_down
 
     def boom(*args, **kwargs):
         raise error("stop")
-    monkeypatch.setattr(fetch, "_write_tokenizer", boom)  # after the weights are written
+    monkeypatch.setattr(gguf_convert, "_write_tokenizer", boom)  # after the weights are written
     with pytest.raises(FetchError if error is KeyboardInterrupt else RuntimeError,
                        match="interrupted while converting" if error is KeyboardInterrupt else "stop"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.attention.reference import verify_mask
 
 H200_NUM_SMS = 132
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
