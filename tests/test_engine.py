@@ -128,3 +128,18 @@ def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
         b = _run(eng_sdpa, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
         assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
         assert a.steps == b.steps
+
+
+def test_reused_prefill_gives_the_same_tokens(tiny_pair):
+    target, draft = tiny_pair
+    eng = Engine(load_model(target), load_model(draft))
+    prompts = _prompts([30, 7, 52])
+    fresh = {m: _run(eng, prompts, method=m, gamma=3, max_new_tokens=20) for m in ("classic", "vanilla", "magicdec")}
+    kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
+    reused = {m: eng.generate(prompts, GenerationConfig(method=m, **kw), reuse_prefill=True)
+              for m in ("classic", "vanilla", "magicdec")}
+    for m in fresh:
+        assert [s.token_ids for s in reused[m].sequences] == [s.token_ids for s in fresh[m].sequences], m
+    assert eng._saved_prefill is not None and eng._saved_prefill.draft_kv is not None
+    other = eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), reuse_prefill=True)
+    assert other.sequences[2].prompt_len == 51  # different prompts never reuse the saved caches

@@ -81,6 +81,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
+        self._saved_prefill = None  # see session(reuse_prefill=True)
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
@@ -114,22 +115,31 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def session(self, prompts: list[list[int]], cfg: GenerationConfig,
-                policy: SelectionPolicy | None = None) -> Session:
+                policy: SelectionPolicy | None = None, reuse_prefill: bool = False) -> Session:
+        """A generation to drive with `step()`. With `reuse_prefill`, greedy sessions over the same prompts
+        share one prefill (the prompt caches are copied), which is how methods are compared side by side."""
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         self._validate(prompts, cfg)
+        reuse = self._saved_prefill
+        key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
+        reuse = reuse if (reuse_prefill and cfg.sampling.greedy and reuse is not None and reuse.key == key) else None
         try:
-            return Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
-                           self.eos_ids, self.vocab_limit, policy)
+            s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
+                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse)
+            if reuse_prefill and cfg.sampling.greedy and (reuse is None or reuse.draft_kv is None):
+                self._saved_prefill = s.prefill_state()
+            return s
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
                                    f"lower the batch size, the prompt length or --max-new-tokens") from None
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
-                 policy: SelectionPolicy | None = None, chat: bool = False) -> GenerationResult:
+                 policy: SelectionPolicy | None = None, chat: bool = False,
+                 reuse_prefill: bool = False) -> GenerationResult:
         ids = [self.encode(p, chat) for p in prompts]
         try:
-            s = self.session(ids, cfg, policy).run()
+            s = self.session(ids, cfg, policy, reuse_prefill).run()
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None

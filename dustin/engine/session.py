@@ -42,10 +42,20 @@ class SessionStats:
         return self.step_tokens / max(self.active_seq_steps, 1)
 
 
+@dataclass
+class PrefillState:
+    """Prompt K/V of target (and draft) and the first token, reusable by a later greedy session."""
+
+    key: tuple
+    target_kv: tuple[torch.Tensor, torch.Tensor]
+    draft_kv: tuple[torch.Tensor, torch.Tensor] | None
+    first_tokens: torch.Tensor
+
+
 class Session:
     def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
                  cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
-                 policy: SelectionPolicy | None = None) -> None:
+                 policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None) -> None:
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.prompts = prompts
@@ -72,12 +82,18 @@ class Session:
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and isinstance(self.policy, FullSelection))
         self._graphs: dict[tuple, GraphedForward] = {}
-        self._prefill()
+        self._prefill(reuse_prefill)
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
-    def _prefill(self) -> None:
+    def _prefill(self, reuse: "PrefillState | None") -> None:
+        """Run the prompts through the target (and draft), one sequence at a time; or copy the caches of an
+        earlier greedy session over the same prompts (`reuse`), so comparing methods prefills only once."""
         t0 = time.perf_counter()
+        n_max = max(len(p) for p in self.prompts)
+        if reuse is not None:
+            self.target_cache.k[..., :n_max, :].copy_(reuse.target_kv[0])
+            self.target_cache.v[..., :n_max, :].copy_(reuse.target_kv[1])
         first = []
         for b, prompt in enumerate(self.prompts):
             n = len(prompt)
@@ -85,12 +101,18 @@ class Session:
             pos = torch.arange(n, device=self.device)[None]
             last = torch.tensor([n - 1], device=self.device)
             zero = torch.zeros(1, dtype=torch.int32, device=self.device)
-            ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
-            logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
-            first.append(choose(logits, self.cfg.sampling, self.generator)[0])
-            if self.draft is not None and self.draft_cache is not None:
+            if reuse is None:
+                ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
+                logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
+                first.append(choose(logits, self.cfg.sampling, self.generator)[0])
+            if self.draft_cache is not None and (reuse is None or reuse.draft_kv is None):
                 dctx = ForwardContext(self.draft_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
                 self.draft(toks, dctx, logits_at=last)
+        if reuse is not None:
+            first = [reuse.first_tokens]
+            if self.draft_cache is not None and reuse.draft_kv is not None:
+                self.draft_cache.k[..., :n_max, :].copy_(reuse.draft_kv[0])
+                self.draft_cache.v[..., :n_max, :].copy_(reuse.draft_kv[1])
         lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.int32, device=self.device)
         self.target_cache.lengths.copy_(lengths)
         self.host_lengths = [len(p) for p in self.prompts]
@@ -102,6 +124,15 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stats.prefill_s = time.perf_counter() - t0
+
+    def prefill_state(self) -> "PrefillState":
+        """Snapshot of the prompt caches right after prefill (call before the first step)."""
+        n_max = max(len(p) for p in self.prompts)
+        kv = (lambda c: None if c is None else (c.k[..., :n_max, :].clone(), c.v[..., :n_max, :].clone()))
+        return PrefillState(self._prefill_key(), kv(self.target_cache), kv(self.draft_cache), self.pending.clone())
+
+    def _prefill_key(self) -> tuple:
+        return tuple(tuple(p) for p in self.prompts), self.target_cache.k.dtype
 
     # ---------------------------------------------------------------- decode
     @property
