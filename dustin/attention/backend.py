@@ -20,15 +20,20 @@ MAX_TRITON_QUERIES = 16  # verify kernels fold G*T rows into one tile; longer ch
 
 
 def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torch.Tensor:
-    """[B, 1, T, S] mask: the selected cached positions plus the new tokens, causally."""
-    B = lengths.shape[0]
-    K = plan.indices.shape[1]
-    valid = torch.arange(K, device=lengths.device)[None, :] < plan.counts[:, None]
-    selected = torch.zeros(B, S, dtype=torch.bool, device=lengths.device)
-    selected.scatter_(1, plan.indices.long().clamp_max(S - 1), valid)
+    """[B, H, T, S] mask: the selected cached positions plus the new tokens, causally. H = 1 for a
+    per-sequence plan (indices [B, K]), Hkv for per-KV-head lists (indices [B, Hkv, K], e.g. Quest)."""
+    indices = plan.indices if plan.indices.dim() == 3 else plan.indices[:, None]
+    counts = plan.counts if plan.counts.dim() == 2 else plan.counts[:, None]
+    B, H, K = indices.shape
+    valid = torch.arange(K, device=lengths.device)[None, None, :] < counts[:, :, None]
+    # Add, don't assign: padding slots hold position 0, and a plain scatter_ of their False could land
+    # after (and erase) the True of a real pick of position 0 (duplicate-index scatter order is undefined).
+    hits = torch.zeros(B, H, S, dtype=torch.int32, device=lengths.device)
+    selected = hits.scatter_add_(2, indices.long().clamp_max(S - 1), valid.to(torch.int32)) > 0
     j = torch.arange(S, device=lengths.device)
-    causal_new = verify_mask(lengths, T, S)[:, 0] & (j[None, None, :] >= lengths.long()[:, None, None])
-    return (selected[:, None, :] | causal_new)[:, None]
+    old = j[None, None, :] < lengths.long()[:, None, None]  # [B, 1, S]; picks past lengths[b] are ignored
+    causal_new = verify_mask(lengths, T, S)[:, 0] & ~old
+    return (selected & old)[:, :, None, :] | causal_new[:, None]
 
 
 class AttentionBackend:

@@ -8,7 +8,7 @@ Conventions shared by every backend and kernel:
 - Query t of sequence b sits at position p = lengths[b] + t and sees keys j <= p (causal among new tokens).
 - Streaming (sinks > 0 or window > 0): query at p sees only j < sinks or p - window < j <= p.
 - Sparse: query at p sees the cached positions indices[b, :counts[b]] (all < lengths[b]) plus the new
-  tokens lengths[b] .. p.
+  tokens lengths[b] .. p; with per-KV-head lists, head h sees indices[b, h // G, :counts[b, h // G]].
 - Query head h uses KV head h // (Hq // Hkv) (grouped-query attention).
 These references compute in float32 and are slow on purpose: they define the expected results.
 """
@@ -47,19 +47,24 @@ def verify_attention_reference(q, k_cache, v_cache, lengths, *, sinks: int = 0, 
 
 def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, counts, *,
                                       scale: float | None = None) -> torch.Tensor:
-    """Attention over the selected cached positions plus the new tokens (see module docstring)."""
+    """Attention over the selected cached positions plus the new tokens (see module docstring).
+    indices/counts are [B, K]/[B] (one list per sequence) or [B, Hkv, K]/[B, Hkv] (one per KV head)."""
     B, Hq, T, D = q.shape
     S = int(lengths.max().item()) + T
+    if indices.dim() == 2:  # a per-sequence list is the per-head case with one list shared by all heads
+        indices, counts = indices[:, None], counts[:, None]
     pos = lengths.to(torch.long)[:, None] + torch.arange(T, device=q.device)[None, :]
     j = torch.arange(S, device=q.device)
-    selected = torch.zeros(B, S, dtype=torch.bool, device=q.device)
+    selected = torch.zeros(B, indices.shape[1], S, dtype=torch.bool, device=q.device)  # [B, Hkv or 1, S]
     for b in range(B):
-        selected[b, indices[b, : int(counts[b])].long()] = True
+        for h in range(indices.shape[1]):
+            selected[b, h, indices[b, h, : int(counts[b, h])].long()] = True
+    old = selected & (j[None, None, :] < lengths.long()[:, None, None])  # out-of-range picks are ignored
     new_tok = (j[None, None, :] >= lengths.long()[:, None, None]) & (j[None, None, :] <= pos[:, :, None])
-    mask = (selected[:, None, :] & (j[None, None, :] < lengths.long()[:, None, None])) | new_tok  # [B, T, S]
+    mask = old[:, :, None, :] | new_tok[:, None]  # [B, Hkv or 1, T, S]
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     k = _expand_kv(k_cache[:, :, :S].float(), Hq)
     v = _expand_kv(v_cache[:, :, :S].float(), Hq)
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores = scores.masked_fill(~_expand_kv(mask, Hq), float("-inf"))
     return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v).to(q.dtype)

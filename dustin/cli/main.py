@@ -36,6 +36,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-kv", choices=["full", "streaming"], default=None, help="override the method's draft cache")
     g.add_argument("--draft-budget", type=int, default=512, help="streaming draft: sinks + window positions")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    g.add_argument("--budget", type=int, default=None, help="sparse verification: KV positions per sequence (k)")
+    g.add_argument("--config", default=None, help="sparse verification config JSON (score heads, m)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from dustin.bench.decode import add_arguments as add_decode_bench
     add_decode_bench(bsub.add_parser("decode", help="vanilla decode and verify step latency vs bandwidth limit"))
+    try:
+        from dustin.bench.attention import add_arguments as add_attention_bench
+        add_attention_bench(bsub.add_parser("attention", help="verify self-attention breakdown: full vs sparse"))
+    except ImportError:  # triton missing: the GPU attention benchmark is unavailable
+        pass
+
+    ev = sub.add_parser("eval", help="evaluation")
+    esub = ev.add_subparsers(dest="eval_command", required=True)
+    from dustin.eval.fidelity import add_arguments as add_fidelity
+    add_fidelity(esub.add_parser("fidelity", help="τ, output equality and ARR of sparse verification"))
     return parser
 
 
@@ -105,7 +117,8 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                           draft_kv=args.draft_kv, draft_budget=args.draft_budget, stop_at_eos=not args.ignore_eos)
+                           draft_kv=args.draft_kv, draft_budget=args.draft_budget, stop_at_eos=not args.ignore_eos,
+                           budget=args.budget, sparse_config=args.config)
     draft = args.draft if cfg.spec.speculative else None
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
     result = engine.generate(prompts, cfg, chat=args.chat)
@@ -144,8 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return cmd_models(args)
         if args.command == "bench":
+            if args.bench_command == "attention":
+                from dustin.bench.attention import run as run_attention_bench
+                return run_attention_bench(args)
             from dustin.bench.decode import run as run_decode_bench
             return run_decode_bench(args)
+        if args.command == "eval":
+            from dustin.eval.fidelity import run as run_fidelity
+            return run_fidelity(args)
     except DustinError as e:
         print(f"dustin: error: {e}", file=sys.stderr)
         return e.exit_code

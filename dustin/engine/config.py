@@ -18,6 +18,13 @@ METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec(speculative=False, draft_kv=None),
     "classic": MethodSpec(speculative=True, draft_kv="full"),
     "magicdec": MethodSpec(speculative=True, draft_kv="streaming"),
+    # sparse verification (paper Sec. 4): the draft defaults to the streaming cache, the fastest mode, since its
+    # score heads read the full draft cache anyway (docs/sparse_verification.md)
+    "dustin": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin"),
+    "dustin-t": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-t"),
+    "dustin-d": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-d"),
+    "streaming": MethodSpec(speculative=True, draft_kv="streaming", policy="streaming"),
+    "oracle": MethodSpec(speculative=True, draft_kv="full", policy="oracle"),
 }
 DRAFT_KV_MODES = ("full", "streaming")
 
@@ -36,6 +43,8 @@ class GenerationConfig:
     draft_budget: int = 512
     stop_at_eos: bool = True
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
+    budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
+    sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +65,8 @@ class GenerationConfig:
             self.draft_kv = METHODS[self.method].draft_kv
         elif self.draft_kv not in DRAFT_KV_MODES:
             raise InputError(f"--draft-kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
+        if self.budget is not None and self.budget < 21:
+            raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {self.budget}")
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_budget:
             raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < budget ({self.draft_budget})")
 

@@ -121,13 +121,15 @@ class Engine:
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         self._validate(prompts, cfg)
+        policy = policy or self.make_policy(cfg)
+        reuse_prefill = reuse_prefill and cfg.sampling.greedy
         reuse = self._saved_prefill
         key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
-        reuse = reuse if (reuse_prefill and cfg.sampling.greedy and reuse is not None and reuse.key == key) else None
+        reuse = reuse if (reuse_prefill and reuse is not None and reuse.key == key) else None
         try:
             s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
                         self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse)
-            if reuse_prefill and cfg.sampling.greedy and (reuse is None or reuse.draft_kv is None):
+            if reuse_prefill and (reuse is None or reuse.draft_kv is None):
                 self._saved_prefill = s.prefill_state()
             return s
         except torch.OutOfMemoryError:
@@ -146,9 +148,26 @@ class Engine:
         seqs = [SequenceResult(len(p), out, self._decode(out)) for p, out in zip(ids, s.outputs)]
         st = s.stats
         split = dict(st.phases)
+        if "estimate_draft" in split:  # S_draft is accumulated inside the draft forwards: report it apart
+            split["draft"] = split.get("draft", 0.0) - split["estimate_draft"]
+            split["estimate"] = split.get("estimate", 0.0) + split.pop("estimate_draft")
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split)
+
+    def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:
+        """The verification policy of cfg.method, with its sparse config (file, or the built-in default)."""
+        from dustin.selection.config import SparseConfig, default_config
+        from dustin.selection.policies import make_policy
+
+        if cfg.spec.policy == "full":
+            return make_policy("full", None)
+        d_args = self.draft.args if self.draft is not None else None
+        sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else default_config(self.target.args, d_args)
+        if cfg.budget is not None:
+            sc = sc.with_budget(cfg.budget)
+        sc.validate_for(self.target.args, d_args)
+        return make_policy(cfg.spec.policy, sc)
 
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -102,7 +102,8 @@ class Session:
             last = torch.tensor([n - 1], device=self.device)
             zero = torch.zeros(1, dtype=torch.int32, device=self.device)
             if reuse is None:
-                ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
+                ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True,
+                                     observers=self.policy.target_observers(self))
                 logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
                 first.append(choose(logits, self.cfg.sampling, self.generator)[0])
             if self.draft_cache is not None and (reuse is None or reuse.draft_kv is None):
@@ -110,6 +111,11 @@ class Session:
                 self.draft(toks, dctx, logits_at=last)
         if reuse is not None:
             first = [reuse.first_tokens]
+            if self.policy.observes_prefill:  # let the policy see the last prompt token's query again
+                last = torch.tensor([[p[-1]] for p in self.prompts], device=self.device)
+                L = torch.tensor([len(p) - 1 for p in self.prompts], dtype=torch.int32, device=self.device)
+                self._forward("target", last, L.long()[:, None], L, n_max, observers=self.policy.target_observers(self))
+                self.policy.after_verify(self, torch.zeros(self.B, dtype=torch.long, device=self.device))
             if self.draft_cache is not None and reuse.draft_kv is not None:
                 self.draft_cache.k[..., :n_max, :].copy_(reuse.draft_kv[0])
                 self.draft_cache.v[..., :n_max, :].copy_(reuse.draft_kv[1])
@@ -150,13 +156,15 @@ class Session:
             self.timer.start("draft")
             drafts, draft_probs = self._draft(L, max_len)
             self.timer.stop("draft")
-            plan = self.policy.plan(self)
-            self.timer.start("verify")
             inp = torch.cat([self.pending[:, None], drafts], dim=1)
             pos = L.long()[:, None] + torch.arange(self.gamma + 1, device=self.device)
+            self.verify_input, self.verify_positions = inp, pos  # what the policy may look at
+            plan = self.policy.plan(self)
+            phase = "verify" if plan is None else "sparse_verify"
+            self.timer.start(phase)
             logits = self._forward("target", inp, pos, L, max_len + self.gamma + 1, sparse=plan,
                                    observers=self.policy.target_observers(self))[..., : self.V]
-            self.timer.stop("verify")
+            self.timer.stop(phase)
             if self.cfg.sampling.greedy:
                 n_acc, nxt = accept_greedy(drafts, logits)
             else:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class SelectionPolicy:
     name = "full"
+    observes_prefill = False  # True if target_observers must also see the prompt's last token
 
     def draft_observers(self, session: "Session") -> list[QueryObserver]:
         return []

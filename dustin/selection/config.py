@@ -1,0 +1,95 @@
+"""Sparse-verification configuration: which heads score positions, and how the budget k is split (Eq. 6).
+
+A small JSON file, e.g. configs/qwen2.5-coder-1.5b+0.5b.json:
+    {"target": [{"layer": 20, "heads": [3, 9]}],
+     "draft":  [{"layer": 6, "heads": [0, 5]}, {"layer": 12, "heads": [2, 11]}],
+     "budget": 512, "draft_topm": 128, "sinks": 4, "window": 16}
+`target` heads score S_target (the last accepted token's query); `draft` heads score S_draft (the draft's Γ
+lookahead queries). Heads are query-head indices. The profiling tools write tuned files in this format.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from dustin.errors import InputError
+from dustin.models.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class ScoreHeads:
+    layer: int
+    heads: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    target: tuple[ScoreHeads, ...] = ()
+    draft: tuple[ScoreHeads, ...] = ()
+    budget: int = 512  # k: positions read per sequence while verifying (protected ones included)
+    draft_topm: int = 128  # m: positions filled from S_draft before S_target fills the rest
+    sinks: int = 4
+    window: int = 16
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.budget < self.sinks + self.window + 1:
+            raise InputError(f"--budget {self.budget} must exceed sinks + window = {self.sinks + self.window}")
+        if not 0 <= self.draft_topm <= self.budget - self.sinks - self.window:
+            raise InputError(f"draft_topm (m = {self.draft_topm}) must be in [0, budget - sinks - window = "
+                             f"{self.budget - self.sinks - self.window}]")
+
+    @property
+    def free_budget(self) -> int:
+        return self.budget - self.sinks - self.window
+
+    def with_budget(self, budget: int) -> "SparseConfig":
+        """Change k keeping m's share of the unprotected budget (m scales with k - sinks - window)."""
+        share = self.draft_topm / max(self.free_budget, 1)
+        free = budget - self.sinks - self.window
+        return replace(self, budget=budget, draft_topm=max(0, min(free, round(share * free))))
+
+    def validate_for(self, target: ModelArgs, draft: ModelArgs | None) -> None:
+        for role, items, args in (("target", self.target, target), ("draft", self.draft, draft)):
+            if args is None:
+                continue
+            for sh in items:
+                if not 0 <= sh.layer < args.n_layers:
+                    raise InputError(f"{self.source or 'config'}: {role} layer {sh.layer} out of range "
+                                     f"(model has {args.n_layers} layers)")
+                bad = [h for h in sh.heads if not 0 <= h < args.n_heads]
+                if bad or not sh.heads:
+                    raise InputError(f"{self.source or 'config'}: {role} layer {sh.layer} heads {list(sh.heads)} "
+                                     f"invalid (model has {args.n_heads} query heads)")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SparseConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"sparse config {path} does not exist")
+        try:
+            raw = json.loads(path.read_text())
+            heads = {role: tuple(ScoreHeads(int(e["layer"]), tuple(int(h) for h in e["heads"]))
+                                 for e in raw.get(role, [])) for role in ("target", "draft")}
+            scalars = {k: int(raw[k]) for k in ("budget", "draft_topm", "sinks", "window") if k in raw}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise InputError(f"sparse config {path} is malformed ({e})") from None
+        return cls(**heads, **scalars, source=str(path))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+
+def default_config(target: ModelArgs, draft: ModelArgs | None) -> SparseConfig:
+    """A hand-written fallback when no tuned file exists: a deep target layer and three draft layers,
+    2 heads each (the profiling issue replaces this with heads found by Algorithm 1)."""
+    t_layer = (2 * target.n_layers) // 3
+    tgt = (ScoreHeads(t_layer, (0, target.n_heads // 2)),)
+    drf: tuple[ScoreHeads, ...] = ()
+    if draft is not None:
+        layers = sorted({draft.n_layers // 4, draft.n_layers // 2, (3 * draft.n_layers) // 4})
+        drf = tuple(ScoreHeads(layer, (0, draft.n_heads // 2)) for layer in layers)
+    return SparseConfig(target=tgt, draft=drf, source="built-in default")

@@ -1,0 +1,144 @@
+"""Verification-time KV selection policies (paper Sec. 4.1 and baselines), all behind `SelectionPolicy`.
+
+- `streaming`: 4 sinks + the most recent k - 4 positions (StreamingLLM applied to the target).
+- `dustin`:   Eq. 6: sinks + window protected, top-m by S_draft, the rest by S_target.
+- `dustin-t`: m = 0 (target-historical only); `dustin-d`: the whole unprotected budget from S_draft.
+- `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
+              it runs a full-cache forward first, so it is for analysis only.
+One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
+tokens are appended and nothing is evicted, so any position can be selected at a later step.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dustin.attention.context import SparsePlan
+from dustin.selection.base import FullSelection, SelectionPolicy
+from dustin.selection.config import SparseConfig
+from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
+
+if TYPE_CHECKING:
+    from dustin.engine.session import Session
+
+
+def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
+    from dustin.kernels.selection import select_dustin
+
+    idx, counts = select_dustin(s_target, s_draft, lengths, k=cfg.budget, m=m, sinks=cfg.sinks, window=cfg.window)
+    return SparsePlan(idx, counts)
+
+
+class StreamingSelection(SelectionPolicy):
+    name = "streaming"
+
+    def __init__(self, cfg: SparseConfig) -> None:
+        self.cfg = cfg
+
+    def plan(self, session: "Session") -> SparsePlan:
+        from dustin.kernels.selection import select_streaming
+
+        idx, counts = select_streaming(session.target_cache.lengths, self.cfg.budget, self.cfg.sinks)
+        return SparsePlan(idx, counts)
+
+
+class DustinSelection(SelectionPolicy):
+    """Hybrid draft-lookahead + target-historical selection. variant: "dustin" | "dustin-t" | "dustin-d"."""
+
+    def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
+        self.cfg, self.name = cfg, variant
+        self.m = {"dustin": cfg.draft_topm, "dustin-t": 0, "dustin-d": cfg.free_budget}[variant]
+        self.uses_draft = self.m > 0 and bool(cfg.draft)
+        self.uses_target = self.m < cfg.free_budget and bool(cfg.target)
+        self.observes_prefill = self.uses_target  # S_target of step 1 needs the last prompt token's query
+        self._draft_scores: DraftLookaheadScores | None = None
+        self._target_scores: TargetHistoricalScores | None = None
+
+    def _setup(self, session: "Session") -> None:
+        if self._target_scores is not None or self._draft_scores is not None:
+            return
+        B, cap, dev = session.B, session.target_cache.capacity, session.device
+        if self.uses_target:
+            self._target_scores = TargetHistoricalScores(self.cfg.target, session.target.args.gqa_group, B, cap, dev)
+        if self.uses_draft:
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
+                                                       session.timer)
+        self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
+
+    def target_observers(self, session: "Session"):
+        self._setup(session)
+        return [self._target_scores] if self._target_scores is not None else []
+
+    def draft_observers(self, session: "Session"):
+        self._setup(session)
+        return [self._draft_scores] if self._draft_scores is not None else []
+
+    def begin_step(self, session: "Session") -> None:
+        if self._draft_scores is not None:
+            self._draft_scores.reset(session.target_cache.lengths)
+
+    def plan(self, session: "Session") -> SparsePlan:
+        L = session.target_cache.lengths
+        s_target = self._zeros
+        if self._target_scores is not None:
+            session.timer.start("estimate")
+            caches = {layer: session.target_cache.k[layer] for layer in self._target_scores.layers}
+            s_target = self._target_scores.compute(caches, L)
+            session.timer.stop("estimate")
+        s_draft = self._draft_scores.scores if self._draft_scores is not None else self._zeros
+        session.timer.start("select")
+        plan = _select(s_target, s_draft, L, self.cfg, self.m)
+        session.timer.stop("select")
+        return plan
+
+    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
+        if self._target_scores is not None:
+            self._target_scores.after_verify(n_accepted)
+
+
+class OracleSelection(SelectionPolicy):
+    """Top-k of the mean attention the verify window's queries really pay (all target layers and heads)."""
+
+    name = "oracle"
+
+    def __init__(self, cfg: SparseConfig) -> None:
+        self.cfg = cfg
+
+    def plan(self, session: "Session") -> SparsePlan:
+        from dustin.selection.oracle import window_attention
+
+        mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
+        L = session.target_cache.lengths.long()
+        j = torch.arange(mass.shape[1], device=mass.device)[None]
+        protected = (j < self.cfg.sinks) | ((j >= L[:, None] - self.cfg.window) & (j < L[:, None]))
+        mass = mass.masked_fill(protected, float("inf")).masked_fill(j >= L[:, None], float("-inf"))
+        k = min(self.cfg.budget, mass.shape[1])
+        counts = torch.clamp(L, max=k).to(torch.int32)
+        return SparsePlan(_sorted_valid_first(mass.topk(k, dim=1).indices, counts), counts)
+
+
+def _sorted_valid_first(top: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Sort the first counts[b] picks of each row ascending and pad the rest with 0 (the kernels' format)."""
+    k = top.shape[1]
+    valid = torch.arange(k, device=top.device)[None] < counts[:, None]
+    big = torch.iinfo(torch.int64).max
+    ordered = torch.where(valid, top, torch.full_like(top, big)).sort(dim=1).values
+    return torch.where(valid, ordered, torch.zeros_like(ordered)).to(torch.int32)
+
+
+POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "oracle")
+
+
+def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
+    if name == "full":
+        return FullSelection()
+    if cfg is None:
+        raise ValueError(f"policy {name!r} needs a SparseConfig")
+    if name == "streaming":
+        return StreamingSelection(cfg)
+    if name in ("dustin", "dustin-t", "dustin-d"):
+        return DustinSelection(cfg, name)
+    if name == "oracle":
+        return OracleSelection(cfg)
+    raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
