@@ -55,12 +55,17 @@ def main() -> int:
     van_eager = run(method="vanilla", cuda_graphs=False)
     for name, res in [("vanilla-eager", van_eager), ("classic", run(method="classic", gamma=4)),
                       ("classic-eager", run(method="classic", gamma=4, cuda_graphs=False)),
-                      ("magicdec", run(method="magicdec", gamma=4, draft_budget=256))]:
+                      ("magicdec", run(method="magicdec", gamma=4, draft_budget=256)),
+                      # sparse verification with k above every length selects everything: classic's output
+                      ("dustin-k4096", run(method="dustin", gamma=4, budget=4096, draft_kv="full")),
+                      ("dustin-k128", run(method="dustin", gamma=4, budget=128)),
+                      ("streaming-k128", run(method="streaming", gamma=4, budget=128))]:
         div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, res.sequences)]
         gaps = [None if d is None else gap_at(p, a.token_ids, d)
                 for p, d, a in zip(prompts, div, van.sequences)]
         report[name] = {"first_divergence": div, "top2_gap_there": gaps, "tau": round(res.tau, 3),
-                        "steps": res.steps, "tokens_per_s": round(res.tokens_per_s, 1)}
+                        "steps": res.steps, "tokens_per_s": round(res.tokens_per_s, 1),
+                        "time_split_s": {k: round(v, 4) for k, v in res.time_split_s.items()}}
     single = [eng.generate([p], GenerationConfig(method="classic", gamma=4, max_new_tokens=64, stop_at_eos=False))
               .sequences[0].token_ids for p in prompts]
     div = [first_divergence(s.token_ids, a) for a, s in zip(single, van.sequences)]

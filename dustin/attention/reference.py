@@ -48,7 +48,8 @@ def verify_attention_reference(q, k_cache, v_cache, lengths, *, sinks: int = 0, 
 def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, counts, *,
                                       scale: float | None = None) -> torch.Tensor:
     """Attention over the selected cached positions plus the new tokens (see module docstring).
-    indices/counts are [B, K]/[B] (one list per sequence) or [B, Hkv, K]/[B, Hkv] (one per KV head)."""
+    indices/counts are [B, K]/[B] (one list per sequence) or [B, Hkv, K]/[B, Hkv] (one per KV head: query
+    head h then sees indices[b, h // G, :counts[b, h // G]], G = Hq // Hkv)."""
     B, Hq, T, D = q.shape
     S = int(lengths.max().item()) + T
     if indices.dim() == 2:  # a per-sequence list is the per-head case with one list shared by all heads

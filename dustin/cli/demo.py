@@ -12,7 +12,7 @@ from pathlib import Path
 from dustin.errors import InputError
 
 DEFAULT_SOURCE = "argparse.py"
-DEMO_METHODS = ("vanilla", "classic", "magicdec")
+DEMO_METHODS = ("vanilla", "classic", "magicdec", "dustin")
 
 
 def long_code_prompt(tokenizer, n_tokens: int, source: str | None = None) -> tuple[str, str]:
@@ -52,8 +52,9 @@ def run_demo(args) -> int:
     results = {}
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is
     # prefilled once; each method's decode is timed on its own.
-    for method in ("classic", "vanilla", "magicdec"):
-        cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens)
+    for method in ("classic", "vanilla", "magicdec", "dustin"):
+        cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                               budget=args.budget if method == "dustin" else None)
         with console.status(f"decoding with {method}..."):
             results[method] = engine.generate([ids], cfg, reuse_prefill=True)
     results = {m: results[m] for m in DEMO_METHODS}
@@ -63,7 +64,7 @@ def run_demo(args) -> int:
     table = Table(title=f"{len(ids)}-token prompt, {args.max_new_tokens} new tokens, Γ={args.gamma}, "
                         f"{args.device}, {str(engine.target.embed_tokens.weight.dtype).replace('torch.', '')}")
     console.print(f"prefill (target + draft, once): {results['classic'].prefill_s:.1f}s")
-    for col in ("method", "steps", "τ", "tokens/s", "decode s", "same as vanilla"):
+    for col in ("method", "steps", "τ", "tokens/s", "decode s", "same as vanilla"):  # dustin: sparse verify, k
         table.add_column(col, justify="right")
     for method, r in results.items():
         out = r.sequences[0].token_ids

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--gamma", type=int, default=4)
     demo.add_argument("--source", default=None, help="stdlib module file to complete (default: a long one)")
+    demo.add_argument("--budget", type=int, default=512, help="dustin's KV budget k")
 
     models = sub.add_parser("models", help="manage the default model pair")
     msub = models.add_subparsers(dest="models_command", required=True)
