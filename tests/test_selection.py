@@ -153,3 +153,36 @@ def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
     outs = [e.generate(prompts, GenerationConfig(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
                                                  sparse_config=str(path), draft_budget=24)) for e in engines]
     assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]
+
+
+def test_draft_scores_sum_the_lookahead_attention(engine):
+    """S_draft of a step equals Eq. 5 recomputed from a fresh draft forward: the attention of the Γ lookahead
+    queries (pending, d1, .., d_{Γ-1}) at the configured heads, summed, on the committed context."""
+    cfg = SparseConfig(target=(), draft=(ScoreHeads(0, (1, 4)),), budget=40, draft_topm=20)
+    policy = DustinSelection(cfg, "dustin-d")
+    prompt = _prompts([50], seed=2)[0]
+    gamma = 3
+    s = engine.session([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
+                                                  stop_at_eos=False, draft_kv="full"), policy=policy)
+    L0 = int(s.target_cache.lengths[0])
+    s.step()
+    got = policy._draft_scores.scores[0, :L0]
+    lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
+    ids = (prompt + s.outputs[0])[:L0] + lookahead
+    draft, a = engine.draft, engine.draft.args
+    captured = {}
+
+    def grab(layer, q, k_cache, ctx):
+        captured["q"] = q[0, [1, 4], -gamma:]
+        captured["k"] = k_cache[0, [1 // a.gqa_group, 4 // a.gqa_group]]
+
+    grab.layers = frozenset({0})
+    n = len(ids)
+    cache = KVCache(a.n_layers, 1, a.n_kv_heads, a.head_dim, n, torch.float32, "cpu")
+    with torch.inference_mode():
+        draft(torch.tensor([ids]), ForwardContext(cache, torch.arange(n)[None], torch.zeros(1, dtype=torch.int32), n,
+                                                  fresh=True, observers=[grab]))
+    logits = torch.einsum("htd,hsd->hts", captured["q"].float(), captured["k"][:, :n].float()) / a.head_dim ** 0.5
+    causal = torch.arange(n)[None, :] <= torch.arange(L0, L0 + gamma)[:, None]
+    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+    torch.testing.assert_close(got, probs.sum(dim=(0, 1))[:L0], rtol=1e-4, atol=1e-5)

@@ -148,9 +148,6 @@ class Engine:
         seqs = [SequenceResult(len(p), out, self._decode(out)) for p, out in zip(ids, s.outputs)]
         st = s.stats
         split = dict(st.phases)
-        if "estimate_draft" in split:  # S_draft is accumulated inside the draft forwards: report it apart
-            split["draft"] = split.get("draft", 0.0) - split["estimate_draft"]
-            split["estimate"] = split.get("estimate", 0.0) + split.pop("estimate_draft")
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split)

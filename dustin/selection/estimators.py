@@ -38,30 +38,38 @@ def _kv_heads(heads: tuple[int, ...], group: int, device) -> torch.Tensor:
 
 
 class DraftLookaheadScores:
-    def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device,
-                 timer=None) -> None:
+    """Collects, per configured draft layer, the lookahead query of each draft forward; `compute` then scores
+    all Γ of them in one pass over the draft cache (causal: the query at position p sees keys j <= p)."""
+
+    def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device) -> None:
         self.by_layer = {sh.layer: torch.tensor(sh.heads, device=device) for sh in heads}
         self.kv_heads = {sh.layer: _kv_heads(sh.heads, group, device) for sh in heads}
         self.layers = frozenset(self.by_layer)
-        self.timer = timer
         self.scores = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
-        self.context = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._queries: dict[int, list[torch.Tensor]] = {}
+        self._positions: dict[int, list[torch.Tensor]] = {}
 
-    def reset(self, context_lengths: torch.Tensor) -> None:
-        self.scores.zero_()
-        self.context.copy_(context_lengths)
+    def reset(self) -> None:
+        self._queries.clear()
+        self._positions.clear()
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         if ctx.fresh:
             return  # prefill: no lookahead yet
-        if self.timer is not None:
-            self.timer.start("estimate_draft")
-        q_last = q[:, self.by_layer[layer], -1:]  # the query of the token this forward reads last
-        pos = ctx.positions[:, -1:]
-        accumulate_scores(q_last, k_cache, self.kv_heads[layer], (pos[:, 0] + 1).to(torch.int32), pos,
-                          self.scores, self.context)
-        if self.timer is not None:
-            self.timer.stop("estimate_draft")
+        # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1})
+        self._queries.setdefault(layer, []).append(q[:, self.by_layer[layer], -1:])
+        self._positions.setdefault(layer, []).append(ctx.positions[:, -1:])
+
+    @torch.inference_mode()
+    def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor) -> torch.Tensor:
+        """S_draft over the committed context j < context[b] (Eq. 5: summed over heads, layers, Γ queries)."""
+        self.scores.zero_()
+        for layer, qs in self._queries.items():
+            q = torch.cat(qs, dim=2)  # [B, H_sel, Γ, D]
+            pos = torch.cat(self._positions[layer], dim=1)  # [B, Γ]
+            accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos[:, -1] + 1).to(torch.int32), pos,
+                              self.scores, context)
+        return self.scores
 
 
 class TargetHistoricalScores:

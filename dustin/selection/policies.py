@@ -62,8 +62,7 @@ class DustinSelection(SelectionPolicy):
         if self.uses_target:
             self._target_scores = TargetHistoricalScores(self.cfg.target, session.target.args.gqa_group, B, cap, dev)
         if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
-                                                       session.timer)
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
 
     def target_observers(self, session: "Session"):
@@ -76,17 +75,19 @@ class DustinSelection(SelectionPolicy):
 
     def begin_step(self, session: "Session") -> None:
         if self._draft_scores is not None:
-            self._draft_scores.reset(session.target_cache.lengths)
+            self._draft_scores.reset()
 
     def plan(self, session: "Session") -> SparsePlan:
         L = session.target_cache.lengths
-        s_target = self._zeros
+        s_target = s_draft = self._zeros
+        session.timer.start("estimate")
         if self._target_scores is not None:
-            session.timer.start("estimate")
             caches = {layer: session.target_cache.k[layer] for layer in self._target_scores.layers}
             s_target = self._target_scores.compute(caches, L)
-            session.timer.stop("estimate")
-        s_draft = self._draft_scores.scores if self._draft_scores is not None else self._zeros
+        if self._draft_scores is not None:
+            caches = {layer: session.draft_cache.k[layer] for layer in self._draft_scores.layers}
+            s_draft = self._draft_scores.compute(caches, L)
+        session.timer.stop("estimate")
         session.timer.start("select")
         plan = _select(s_target, s_draft, L, self.cfg, self.m)
         session.timer.stop("select")
