@@ -26,11 +26,9 @@ def long_code_prompt(tokenizer, n_tokens: int, source: str | None = None) -> tup
     if len(ids) < n_tokens // 2:
         raise InputError(f"{path.name} has only {len(ids)} tokens; pick a longer --source")
     head = tokenizer.decode(ids[:n_tokens])
-    cut = head.rfind("\n    def ")
-    if cut < 0:
-        cut = head.rfind("\ndef ")
-    end = head.find("\n", head.find(":\n", cut + 1) + 1) if cut >= 0 else -1
-    return (head[:end + 1] if end > 0 else head), path.name
+    cut = max(head.rfind("\n    def "), head.rfind("\ndef "))
+    end = head.find("\n", cut + 1) if cut > len(head) // 2 else -1  # keep the whole `def` line, drop the rest
+    return (head[: end + 1] if end > 0 else head), path.name
 
 
 def run_demo(args) -> int:
