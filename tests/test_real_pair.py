@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dustin.cli.demo import long_code_prompt
+from dustin.eval.inputs import long_code_prompt
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import CheckpointError

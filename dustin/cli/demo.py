@@ -6,29 +6,10 @@ greedily; the table shows τ, speed and whether the output equals vanilla's toke
 """
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 from dustin.errors import InputError
+from dustin.eval.inputs import common_prefix, long_code_prompt
 
-DEFAULT_SOURCE = "argparse.py"
 DEMO_METHODS = ("vanilla", "classic", "magicdec", "dustin")
-
-
-def long_code_prompt(tokenizer, n_tokens: int, source: str | None = None) -> tuple[str, str]:
-    """The first ~n_tokens of a stdlib module, cut after the last complete `def ...:` line."""
-    path = Path(source) if source and Path(source).is_file() else Path(sysconfig.get_paths()["stdlib"]) / (
-        source or DEFAULT_SOURCE)
-    if not path.is_file():
-        raise InputError(f"demo source {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) < n_tokens // 2:
-        raise InputError(f"{path.name} has only {len(ids)} tokens; pick a longer --source")
-    head = tokenizer.decode(ids[:n_tokens])
-    cut = max(head.rfind("\n    def "), head.rfind("\ndef "))
-    end = head.find("\n", cut + 1) if cut > len(head) // 2 else -1  # keep the whole `def` line, drop the rest
-    return (head[: end + 1] if end > 0 else head), path.name
 
 
 def run_demo(args) -> int:
@@ -66,16 +47,7 @@ def run_demo(args) -> int:
         table.add_column(col, justify="right")
     for method, r in results.items():
         out = r.sequences[0].token_ids
-        same = "yes" if out == reference else f"no (first {_common_prefix(out, reference)} tokens)"
+        same = "yes" if out == reference else f"no (first {common_prefix(out, reference)} tokens)"
         table.add_row(method, str(r.steps), f"{r.tau:.2f}", f"{r.tokens_per_s:.2f}", f"{r.decode_s:.1f}", same)
     console.print(table)
     return 0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import time
 
-from dustin.cli.demo import long_code_prompt
 from dustin.engine.config import GenerationConfig
 from dustin.eval.arr import ARRProbe
+from dustin.eval.inputs import common_prefix, long_code_prompt
 
 DEFAULT_SOURCES = ("argparse.py", "inspect.py", "tarfile.py", "typing.py", "pydoc.py")
 SPARSE_METHODS = ("dustin", "dustin-t", "dustin-d", "streaming")
@@ -34,15 +34,6 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="sparse config JSON (default: built-in for the pair)")
     p.add_argument("--no-arr", action="store_true", help="skip the ARR measurement")
     p.add_argument("--json-out", default=None)
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run(args) -> int:
@@ -80,7 +71,7 @@ def run(args) -> int:
                 "method": method, "budget": k, "tau": r.tau,
                 "tau_vs_full_verify": r.tau / full_same_draft.tau,
                 "same_as_classic": sum(o == c for o, c in zip(outs, ref)) / len(ref),
-                "mean_common_prefix": sum(_common_prefix(o, c) for o, c in zip(outs, ref)) / len(ref)}
+                "mean_common_prefix": sum(common_prefix(o, c) for o, c in zip(outs, ref)) / len(ref)}
         if not args.no_arr:
             cfg = GenerationConfig(method="classic", **{**base, "budget": k})
             policies = {m: engine.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))
