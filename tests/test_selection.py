@@ -39,7 +39,7 @@ def _run(engine, prompts, **kw):
     return engine.generate(prompts, GenerationConfig(stop_at_eos=False, max_new_tokens=24, gamma=3, **kw))
 
 
-@pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "oracle"])
+@pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
 def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, method):
     """With k >= every sequence's length, each policy selects every cached position: classic's output."""
     prompts = _prompts([20, 47, 9])
@@ -51,7 +51,7 @@ def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, method):
     assert "sparse_verify" in sparse.time_split_s and "verify" not in sparse.time_split_s
 
 
-@pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "oracle"])
+@pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
 def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
     """At k far below the context the output may change, but decoding works and the phases are reported."""
     prompts = _prompts([150, 210])

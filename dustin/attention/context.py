@@ -23,6 +23,13 @@ class SparsePlan:
     counts: torch.Tensor  # int32 [B]
 
 
+class LayerPlanner(Protocol):
+    """Plans the sparse set of each layer from that layer's queries (Quest) or from per-layer scores (SpecAttn);
+    returning None keeps a layer dense."""
+
+    def plan_layer(self, layer: int, q: torch.Tensor, ctx: "ForwardContext") -> SparsePlan | None: ...
+
+
 class QueryObserver(Protocol):
     layers: frozenset[int]
 
@@ -40,7 +47,7 @@ class ForwardContext:
     fresh: bool = False  # the cache is empty for these rows: attend over the new tokens only
     sinks: int = 0  # streaming attention (MagicDec draft): sinks + recent window only
     window: int = 0
-    sparse: SparsePlan | None = None
+    sparse: SparsePlan | LayerPlanner | None = None  # one set for every layer, or a per-layer planner
     observers: list[QueryObserver] = field(default_factory=list)
 
     @property

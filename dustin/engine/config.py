@@ -24,6 +24,8 @@ METHODS: dict[str, MethodSpec] = {
     "dustin-t": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-t"),
     "dustin-d": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-d"),
     "streaming": MethodSpec(speculative=True, draft_kv="streaming", policy="streaming"),
+    "quest": MethodSpec(speculative=True, draft_kv="streaming", policy="quest"),
+    "specattn": MethodSpec(speculative=True, draft_kv="streaming", policy="specattn"),
     "oracle": MethodSpec(speculative=True, draft_kv="full", policy="oracle"),
 }
 DRAFT_KV_MODES = ("full", "streaming")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dustin.attention.backend import AttentionBackend
-from dustin.attention.context import ForwardContext
+from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.models.args import ModelArgs
 from dustin.models.rope import RotaryEmbedding, apply_rope
 
@@ -72,10 +72,13 @@ class Attention(nn.Module):
         for obs in ctx.observers:
             if self.layer in obs.layers:
                 obs(self.layer, q, k_cache, ctx)
+        plan = ctx.sparse
+        if plan is not None and not isinstance(plan, SparsePlan):
+            plan = plan.plan_layer(self.layer, q, ctx)
         if ctx.fresh:
             out = backend.prefill(q, k, v)
-        elif ctx.sparse is not None:
-            out = backend.sparse_verify(q, k_cache, v_cache, ctx.lengths, ctx.sparse, max_len=ctx.max_len)
+        elif plan is not None:
+            out = backend.sparse_verify(q, k_cache, v_cache, ctx.lengths, plan, max_len=ctx.max_len)
         else:
             out = backend.verify(q, k_cache, v_cache, ctx.lengths, sinks=ctx.sinks, window=ctx.window,
                                  max_len=ctx.max_len)

@@ -61,15 +61,19 @@ class DraftLookaheadScores:
         self._positions.setdefault(layer, []).append(ctx.positions[:, -1:])
 
     @torch.inference_mode()
-    def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor) -> torch.Tensor:
-        """S_draft over the committed context j < context[b] (Eq. 5: summed over heads, layers, Γ queries)."""
+    def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor, per_layer: bool = False):
+        """S_draft over the committed context j < context[b] (Eq. 5: summed over heads, layers, Γ queries);
+        with per_layer, a dict layer -> its own score row instead (SpecAttn selects per layer)."""
         self.scores.zero_()
+        rows = {}
         for layer, qs in self._queries.items():
             q = torch.cat(qs, dim=2)  # [B, H_sel, Γ, D]
             pos = torch.cat(self._positions[layer], dim=1)  # [B, Γ]
+            out = torch.zeros_like(self.scores) if per_layer else self.scores
             accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos[:, -1] + 1).to(torch.int32), pos,
-                              self.scores, context)
-        return self.scores
+                              out, context)
+            rows[layer] = out
+        return rows if per_layer else self.scores
 
 
 class TargetHistoricalScores:

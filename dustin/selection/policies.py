@@ -128,7 +128,7 @@ def _sorted_valid_first(top: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     return torch.where(valid, ordered, torch.zeros_like(ordered)).to(torch.int32)
 
 
-POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "oracle")
+POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "oracle")
 
 
 def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
@@ -142,4 +142,7 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
         return DustinSelection(cfg, name)
     if name == "oracle":
         return OracleSelection(cfg)
+    if name in ("quest", "specattn"):
+        from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
+        return QuestSelection(cfg) if name == "quest" else SpecAttnSelection(cfg)
     raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")

@@ -1,0 +1,102 @@
+"""Baselines that select a different set per layer (paper Sec. 5 and appendix F):
+
+- `quest`: pages of 16; per layer and KV head, pages are scored from per-page min/max key statistics against the
+  layer's current (verify) queries; the top pages fill k; layers 0-1 stay dense (Quest's practice).
+- `specattn`: per target layer, the positions the draft's corresponding layer attends to most (all of its heads,
+  the Γ lookahead queries), with sinks + recent window protected.
+Both act as a `LayerPlanner`: the verify forward asks them for each layer's set.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dustin.attention.context import SparsePlan
+from dustin.selection.base import SelectionPolicy
+from dustin.selection.config import ScoreHeads, SparseConfig
+from dustin.selection.estimators import DraftLookaheadScores
+
+if TYPE_CHECKING:
+    from dustin.engine.session import Session
+
+QUEST_DENSE_LAYERS = 2
+
+
+class QuestSelection(SelectionPolicy):
+    name = "quest"
+
+    def __init__(self, cfg: SparseConfig) -> None:
+        self.cfg = cfg
+        self.pages = None
+
+    def plan(self, session: "Session"):
+        from dustin.kernels.quest import QuestPages
+
+        cache = session.target_cache
+        if self.pages is None:  # first step: page statistics of the prompts
+            a = session.target.args
+            self.pages = QuestPages(a.n_layers, session.B, a.n_kv_heads, a.head_dim, cache.capacity, cache.k.dtype,
+                                    session.device)
+            for layer in range(a.n_layers):
+                self.pages.build(layer, cache.k[layer], cache.lengths)
+        return self
+
+    def plan_layer(self, layer: int, q: torch.Tensor, ctx) -> SparsePlan | None:
+        if layer < QUEST_DENSE_LAYERS:
+            return None
+        idx, counts = self.pages.select(layer, q, ctx.lengths, self.cfg.budget)
+        return SparsePlan(idx, counts)
+
+    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
+        before = session.target_cache.lengths
+        after = (before + torch.where(session.done, 0, 1 + n_accepted)).to(torch.int32)
+        for layer in range(session.target.args.n_layers):
+            self.pages.update(layer, session.target_cache.k[layer], before, after,
+                              max_new=session.gamma + 1)
+
+
+class SpecAttnSelection(SelectionPolicy):
+    name = "specattn"
+
+    def __init__(self, cfg: SparseConfig) -> None:
+        self.cfg = cfg
+        self.scores: DraftLookaheadScores | None = None
+        self._plans: dict[int, SparsePlan] = {}
+
+    def draft_observers(self, session: "Session"):
+        if self.scores is None:
+            d = session.draft.args
+            every = tuple(ScoreHeads(layer, tuple(range(d.n_heads))) for layer in range(d.n_layers))
+            self.scores = DraftLookaheadScores(every, d.gqa_group, session.B, session.target_cache.capacity,
+                                               session.device)
+        return [self.scores]
+
+    def begin_step(self, session: "Session") -> None:
+        self.draft_observers(session)
+        self.scores.reset()
+
+    def plan(self, session: "Session"):
+        from dustin.kernels.selection import select_dustin
+
+        L = session.target_cache.lengths
+        session.timer.start("estimate")
+        caches = {layer: session.draft_cache.k[layer] for layer in self.scores.layers}
+        per_layer = self.scores.compute(caches, L, per_layer=True)
+        session.timer.stop("estimate")
+        session.timer.start("select")
+        n_target, n_draft = session.target.args.n_layers, session.draft.args.n_layers
+        by_draft: dict[int, SparsePlan] = {}
+        zeros = torch.zeros_like(self.scores.scores)
+        for layer in range(n_target):
+            d = min(n_draft - 1, layer * n_draft // n_target)  # the draft layer at the same relative depth
+            if d not in by_draft:
+                idx, counts = select_dustin(zeros, per_layer[d], L, k=self.cfg.budget, m=self.cfg.free_budget,
+                                            sinks=self.cfg.sinks, window=self.cfg.window)
+                by_draft[d] = SparsePlan(idx, counts)
+            self._plans[layer] = by_draft[d]
+        session.timer.stop("select")
+        return self
+
+    def plan_layer(self, layer: int, q: torch.Tensor, ctx) -> SparsePlan | None:
+        return self._plans[layer]
