@@ -123,6 +123,9 @@ def cmd_generate(args) -> int:
     draft = args.draft if cfg.spec.speculative else None
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
     result = engine.generate(prompts, cfg, chat=args.chat)
+    from dustin.parallel.tp import is_main_process
+    if not is_main_process():  # tensor-parallel run: only rank 0 prints
+        return 0
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
         return 0

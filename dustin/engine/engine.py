@@ -91,6 +91,9 @@ class Engine:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise InputError("--device cuda was requested but no CUDA GPU is available")
+        from dustin.parallel.tp import init_distributed, maybe_shard, rank_device
+        init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
+        dev = rank_device(dev)
         dt = resolve_dtype(dtype, dev)
         backend = AttentionBackend.for_device(dev, attention)
         t_path = resolve_model_path(str(target), "target")
@@ -100,7 +103,7 @@ class Engine:
             d_path = resolve_model_path(str(draft), "draft")
             d_model = load_model(d_path, dev, dt, backend)
             d_tok = _load_tokenizer(d_path)
-        return cls(t_model, d_model, _load_tokenizer(t_path), d_tok)
+        return maybe_shard(cls(t_model, d_model, _load_tokenizer(t_path), d_tok))
 
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

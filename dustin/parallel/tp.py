@@ -1,0 +1,181 @@
+"""Tensor parallelism of the target model (Megatron / gpt-fast `tp.py` style), launched with torchrun.
+
+    torchrun --nproc-per-node 2 -m dustin generate --method classic --device cuda ...
+
+Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_transformer`:
+- attention: q/k/v_proj are column-parallel by heads. Rank r keeps the contiguous query heads
+  [r * H/world, (r+1) * H/world) and KV heads [r * Hkv/world, (r+1) * Hkv/world) (with their bias rows). Since
+  H/world = group * Hkv/world, every local query head's KV head is local too, so attention needs no communication.
+  o_proj is row-parallel (the input columns of the rank's heads) and its output is all_reduced (`RowParallelLinear`).
+- MLP: gate/up_proj column-parallel over the intermediate size, down_proj row-parallel + all_reduce.
+- embed_tokens, norms and lm_head are replicated: the simplest correct choice (no vocabulary gather); every rank
+  computes identical logits from the identical all_reduced hidden state, so greedy choices agree on all ranks and
+  sampling agrees too because each rank's Session seeds its generator from cfg.seed.
+- `model.args` (and every Attention's `args`) becomes the per-rank shape (n_heads, n_kv_heads, intermediate_size
+  divided by world), so the unchanged Attention reshapes work and the Session's `KVCache(target.args...)` holds only
+  the rank's KV heads. The full shape stays in `model.tp_full_args`.
+The draft is replicated: every rank runs the same draft forward (deterministic, no communication).
+Sparse selection (`dustin` policies) under TP lives in tp_selection.py.
+
+Limitation: each rank loads the full checkpoint and then slices it (peak memory = one full copy per rank);
+sharded loading straight from safetensors is not done.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dustin.errors import InputError
+
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _set_no_multicast_env() -> None:
+    for k, v in _NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """Join the torchrun process group; (rank, world), or (0, 1) when not launched distributed.
+
+    nccl when CUDA is available (and the rank's GPU becomes the current device, so `--device cuda` loads on
+    LOCAL_RANK's GPU), gloo otherwise. Idempotent. NVLink multicast (NVLS) is switched off before init."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or not dist.is_available():
+        return 0, 1
+    _set_no_multicast_env()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    atexit.register(_shutdown)
+    return rank, world
+
+
+def _shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_device(device: torch.device | str) -> torch.device:
+    """Under a distributed CUDA run, every rank uses its own GPU (LOCAL_RANK's, made current by init_distributed),
+    whatever index --device named; otherwise `device` unchanged."""
+    device = torch.device(device)
+    if device.type == "cuda" and tp_rank_world()[1] > 1:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_main_process() -> bool:
+    """True on rank 0 or when not distributed: only this process prints results."""
+    return tp_rank_world()[0] == 0
+
+
+class RowParallelLinear(nn.Module):
+    """A row-parallel linear layer: the wrapped `Linear` holds this rank's input columns; the partial outputs are
+    summed over ranks with one all_reduce (a bias, if any, is added once, after the reduce)."""
+
+    def __init__(self, inner: nn.Linear, group=None) -> None:
+        super().__init__()
+        self.bias = None
+        if inner.bias is not None:
+            self.bias = inner.bias
+            inner.bias = None
+        self.inner, self.group = inner, group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out if self.bias is None else out + self.bias
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return t.narrow(0, start, size).clone()  # clone: free the full tensor, keep a contiguous shard
+
+
+def _shard_out(linear: nn.Linear, start: int, size: int) -> None:
+    """Column-parallel: keep output features [start, start + size) (weight rows, bias entries)."""
+    linear.weight = nn.Parameter(_rows(linear.weight.data, start, size), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(_rows(linear.bias.data, start, size), requires_grad=False)
+    linear.out_features = size
+
+
+def _shard_in(linear: nn.Linear, start: int, size: int) -> None:
+    """Row-parallel: keep input features [start, start + size) (weight columns)."""
+    w = linear.weight.data.narrow(1, start, size).clone()
+    linear.weight = nn.Parameter(w, requires_grad=False)
+    linear.in_features = size
+
+
+def check_shardable(args, world: int) -> None:
+    if args.n_kv_heads % world:
+        raise InputError(f"tensor parallelism over {world} ranks needs the KV head count ({args.n_kv_heads}) to be "
+                         f"a multiple of the world size: run with --nproc-per-node dividing {args.n_kv_heads}")
+    if args.intermediate_size % world:
+        raise InputError(f"tensor parallelism over {world} ranks needs intermediate_size ({args.intermediate_size}) "
+                         f"to be a multiple of the world size")
+
+
+def shard_transformer(model, rank: int, world: int, group=None):
+    """Shard a loaded `Transformer` in place for rank `rank` of `world` (see the module docstring)."""
+    if world == 1 or getattr(model, "tp_world", 1) > 1:
+        return model
+    full = model.args
+    check_shardable(full, world)
+    hd = full.head_dim
+    hq, hkv, inter = full.n_heads // world, full.n_kv_heads // world, full.intermediate_size // world
+    local = replace(full, n_heads=hq, n_kv_heads=hkv, head_dim=hd, intermediate_size=inter)
+    for layer in model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        _shard_out(att.q_proj, rank * hq * hd, hq * hd)
+        _shard_out(att.k_proj, rank * hkv * hd, hkv * hd)
+        _shard_out(att.v_proj, rank * hkv * hd, hkv * hd)
+        _shard_in(att.o_proj, rank * hq * hd, hq * hd)
+        att.o_proj = RowParallelLinear(att.o_proj, group)
+        att.args = local
+        _shard_out(mlp.gate_proj, rank * inter, inter)
+        _shard_out(mlp.up_proj, rank * inter, inter)
+        _shard_in(mlp.down_proj, rank * inter, inter)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    model.args = local
+    model.tp_full_args, model.tp_rank, model.tp_world, model.tp_group = full, rank, world, group
+    return model
+
+
+def full_args(model):
+    """The model's unsharded shape (its `args` when not sharded)."""
+    return getattr(model, "tp_full_args", model.args)
+
+
+def maybe_shard(engine):
+    """Shard `engine.target` over the torchrun process group (a no-op when not distributed) and make the engine's
+    selection policies TP-aware. Call it on the Engine built by `Engine.from_pretrained`, after
+    `init_distributed()` ran before loading. Returns the engine."""
+    rank, world = tp_rank_world()
+    if world == 1:
+        return engine
+    shard_transformer(engine.target, rank, world)
+    from dustin.parallel.tp_selection import install_tp_policies
+
+    install_tp_policies(engine)
+    return engine

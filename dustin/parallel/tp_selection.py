@@ -1,0 +1,114 @@
+"""Sparse-verification selection with a tensor-parallel target: every rank must attend to the same index sets.
+
+Design (dustin, dustin-t, dustin-d):
+- S_draft comes from the draft, which is replicated, so every rank computes the same row with no communication.
+- S_target (Eq. 5) is a sum over the configured target (layer, head) pairs. A configured query head h lives on
+  rank h // (H / world), next to its KV head, so each rank scores only the configured heads it owns (local index
+  h - rank * H/world) into a partial [B, S_cap] row, and one all_reduce(SUM) gives every rank the full S_target.
+- The selection kernel then runs on every rank over identical inputs; as a safety net the final SparsePlan
+  (indices, counts) is broadcast from rank 0, so the index sets are identical even if a backend's all_reduce
+  were not bitwise identical across ranks.
+Sparse configs name global head indices and are validated/defaulted against the unsharded shape
+(`tp_full_args`), so a run with and without TP picks the same heads.
+`streaming` needs no scores (lengths only) and works unchanged. `quest`, `specattn` and `oracle` are not supported
+under TP (they read every target head) and raise an InputError.
+"""
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from dustin.attention.context import SparsePlan
+from dustin.errors import InputError
+from dustin.selection.config import ScoreHeads
+from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
+from dustin.selection.policies import DustinSelection
+
+if TYPE_CHECKING:
+    from dustin.engine.session import Session
+
+TP_POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d")
+
+
+def local_score_heads(heads: tuple[ScoreHeads, ...], rank: int, heads_per_rank: int) -> tuple[ScoreHeads, ...]:
+    """The configured (layer, global heads) owned by `rank`, as local head indices (layers with none dropped)."""
+    lo, hi = rank * heads_per_rank, (rank + 1) * heads_per_rank
+    out = []
+    for sh in heads:
+        mine = tuple(h - lo for h in sh.heads if lo <= h < hi)
+        if mine:
+            out.append(ScoreHeads(sh.layer, mine))
+    return tuple(out)
+
+
+class TPTargetHistoricalScores(TargetHistoricalScores):
+    """S_target from this rank's share of the configured heads, summed over ranks."""
+
+    def __init__(self, heads, group: int, batch: int, capacity: int, device, rank: int, heads_per_rank: int,
+                 pg=None) -> None:
+        super().__init__(local_score_heads(heads, rank, heads_per_rank), group, batch, capacity, device)
+        self.pg = pg
+
+    @torch.inference_mode()
+    def compute(self, k_caches, lengths: torch.Tensor) -> torch.Tensor:
+        scores = super().compute(k_caches, lengths)  # partial: this rank's heads only (zeros if it owns none)
+        dist.all_reduce(scores, op=dist.ReduceOp.SUM, group=self.pg)
+        return scores
+
+
+class TPDustinSelection(DustinSelection):
+    def _setup(self, session: Session) -> None:
+        if self._target_scores is not None or self._draft_scores is not None:
+            return
+        target = session.target
+        B, cap, dev = session.B, session.target_cache.capacity, session.device
+        if self.uses_target:
+            self._target_scores = TPTargetHistoricalScores(
+                self.cfg.target, target.args.gqa_group, B, cap, dev, target.tp_rank, target.args.n_heads,
+                getattr(target, "tp_group", None))
+        if self.uses_draft:
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev)
+        self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
+
+    def plan(self, session: Session) -> SparsePlan:
+        plan = super().plan(session)
+        return broadcast_plan(plan, getattr(session.target, "tp_group", None))
+
+
+def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    indices, counts = plan.indices.contiguous(), plan.counts.contiguous()
+    dist.broadcast(indices, src, group=group)
+    dist.broadcast(counts, src, group=group)
+    return SparsePlan(indices, counts)
+
+
+def make_tp_policy(engine, cfg):
+    """Engine.make_policy for a TP-sharded target: configs name global heads (checked against the full shape)."""
+    from dustin.parallel.tp import full_args
+    from dustin.selection.config import SparseConfig, default_config
+    from dustin.selection.policies import make_policy
+
+    name = cfg.spec.policy
+    if name not in TP_POLICIES:
+        raise InputError(f"method {cfg.method!r} (policy {name!r}) is not supported with tensor parallelism; "
+                         f"supported policies: {', '.join(TP_POLICIES)}")
+    if name == "full":
+        return make_policy("full", None)
+    t_args = full_args(engine.target)
+    d_args = engine.draft.args if engine.draft is not None else None
+    sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else default_config(t_args, d_args)
+    if cfg.budget is not None:
+        sc = sc.with_budget(cfg.budget)
+    sc.validate_for(t_args, d_args)
+    if name == "streaming":
+        return make_policy("streaming", sc)
+    return TPDustinSelection(sc, name)
+
+
+def install_tp_policies(engine) -> None:
+    """Route `engine.make_policy` (used by Engine.session) through `make_tp_policy` for this engine instance."""
+    engine.make_policy = types.MethodType(make_tp_policy, engine)

@@ -1,0 +1,65 @@
+"""The command line: clear one-line errors with a non-zero exit, and `generate --json` end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dustin.cli.main import main
+from dustin.errors import CheckpointError
+
+
+def _error(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    code, err = _error(capsys, ["generate", "--target", str(tmp_path / "nope"), "--prompt", "x"])
+    assert code == 2 and err.startswith("dustin: error:") and "does not exist" in err and "Traceback" not in err
+
+
+def test_corrupt_checkpoint(capsys, tmp_path, tiny_qwen2):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_qwen2, bad)
+    (bad / "config.json").write_text("{ not json")
+    code, err = _error(capsys, ["generate", "--target", str(bad), "--method", "vanilla", "--prompt", "x"])
+    assert code == 2 and "not valid JSON" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gamma", "0"], "--gamma must be >= 1"),
+    (["--budget", "5", "--method", "dustin"], "--budget must be >= 21"),
+    (["--top-p", "1.5"], "--top-p"),
+])
+def test_bad_generation_flags(capsys, argv, needle):
+    code, err = _error(capsys, ["generate", "--prompt", "x", *argv])
+    assert code == 2 and needle in err
+
+
+def test_bad_prompts_file(capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    code, err = _error(capsys, ["generate", "--prompts-jsonl", str(f), "--method", "vanilla"])
+    assert code == 2 and "p.jsonl:2" in err
+    code, err = _error(capsys, ["generate", "--prompt-file", str(tmp_path / "missing.txt")])
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.realmodels
+def test_generate_json_on_the_default_pair(capsys):
+    try:
+        from dustin.models.fetch import resolve_model_path
+        resolve_model_path("default", "target")
+    except CheckpointError:
+        pytest.skip("default pair not fetched")
+    code = main(["generate", "--method", "classic", "--prompt", "def fibonacci(n):", "--max-new-tokens", "12",
+                 "--ignore-eos", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    seq = out["sequences"][0]
+    assert len(seq["token_ids"]) == 12 and seq["prompt_len"] > 3 and seq["text"]
+    assert out["method"] == "classic" and out["tau"] >= 1.0 and set(out["time_split_s"]) >= {"draft", "verify"}
