@@ -65,7 +65,7 @@ def test_tokenizers_are_shared(engine):
 def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, method):
     # reuse_prefill: the prompts are prefilled once for all methods (the CPU prefill dominates this test)
     out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=48), reuse_prefill=True)
-    assert all(len(p) >= N_TOKENS * 0.8 for p in prompts)
+    assert all(len(p) > N_TOKENS // 2 for p in prompts)  # cut after the last `def` of the second half
     for p, ref, got in zip(prompts, vanilla.sequences, out.sequences):
         assert_same_or_near_tie(ref.token_ids, got.token_ids, p, _score_fn(engine), NEAR_TIE_EPS[torch.float32])
     assert out.tau > 1.5  # the real draft agrees with the real target on code
