@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-kv", choices=["full", "streaming"], default="streaming")
     p.add_argument("--config", default=None, help="sparse config JSON (default: built-in for the pair)")
     p.add_argument("--no-arr", action="store_true", help="skip the ARR measurement")
+    p.add_argument("--with-vanilla", action="store_true",
+                   help="also decode with vanilla and check classic / magicdec against it token for token")
     p.add_argument("--json-out", default=None)
 
 
@@ -63,6 +65,13 @@ def run(args) -> int:
     full_same_draft = generate("classic") if args.draft_kv != "full" else classic
     results["runs"]["classic"] = {"tau": classic.tau}
     results["runs"][f"full-verify ({args.draft_kv} draft)"] = {"tau": full_same_draft.tau}
+    if args.with_vanilla:  # the lossless methods must reproduce the target's own greedy output
+        van = [s.token_ids for s in generate("vanilla").sequences]
+        for name, r in (("classic", classic), (f"full-verify ({args.draft_kv} draft)", full_same_draft)):
+            outs = [s.token_ids for s in r.sequences]
+            results["runs"][name].update({"same_as_vanilla": sum(o == v for o, v in zip(outs, van)) / len(van),
+                                          "first_divergence_from_vanilla": [
+                                              None if o == v else common_prefix(o, v) for o, v in zip(outs, van)]})
     for k in [int(x) for x in args.budgets.split(",")]:
         for method in args.methods.split(","):
             r = generate(method, budget=k)
