@@ -66,6 +66,22 @@ def main() -> int:
         report[name] = {"first_divergence": div, "top2_gap_there": gaps, "tau": round(res.tau, 3),
                         "steps": res.steps, "tokens_per_s": round(res.tokens_per_s, 1),
                         "time_split_s": {k: round(v, 4) for k, v in res.time_split_s.items()}}
+    # sparse policies under CUDA graphs (graph-safe observers, static index plan) must equal their eager runs
+    for method in ("dustin", "dustin-t", "dustin-d", "streaming"):
+        kw = dict(method=method, gamma=4, budget=128)
+        g, e = run(**kw), run(cuda_graphs=False, **kw)
+        report[f"{method}-k128 graphs vs eager"] = {
+            "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences)],
+            "tokens_per_s_graphs": round(g.tokens_per_s, 1), "tokens_per_s_eager": round(e.tokens_per_s, 1)}
+    # the fused norm / RoPE kernels against the plain PyTorch ops (bf16: equal up to rare near-ties)
+    import dustin.models.transformer as tr
+    tr._FUSED = False
+    plain = run(method="vanilla")
+    tr._FUSED = True
+    div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, plain.sequences)]
+    report["fused_vs_plain_ops"] = {"first_divergence": div, "top2_gap_there": [
+        None if d is None else gap_at(p, a.token_ids, d) for p, d, a in zip(prompts, div, van.sequences)],
+        "tokens_per_s_fused": round(van.tokens_per_s, 1), "tokens_per_s_plain": round(plain.tokens_per_s, 1)}
     single = [eng.generate([p], GenerationConfig(method="classic", gamma=4, max_new_tokens=64, stop_at_eos=False))
               .sequences[0].token_ids for p in prompts]
     div = [first_divergence(s.token_ids, a) for a, s in zip(single, van.sequences)]

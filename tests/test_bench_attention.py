@@ -22,7 +22,7 @@ def test_smoke_run_writes_table_json_and_plot(tmp_path, capsys):
     res = json.loads(json_out.read_text())
     assert res["smoke"] and res["checks"]["ok"] and len(res["rows"]) == 2 and not res["skipped"]
     for r in res["rows"]:
-        for key in ("full_us", "dustin_sparse_us", "s_target_us", "s_draft_layer_us", "select_us",
+        for key in ("full_us", "dustin_sparse_us", "s_target_us", "s_draft_us", "select_us",
                     "dustin_est_step_us", "dustin_est_layer_us", "quest_score_us", "quest_est_us", "quest_sparse_us",
                     "naive_est_layer_us", "speedup_dustin", "speedup_quest", "full_frac_copy_bw"):
             assert r[key] > 0, key

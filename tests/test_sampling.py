@@ -92,3 +92,47 @@ def test_generated_tokens_follow_target_distribution(tiny_pair):
     p3 = (w[:, None] * next_probs(pref)).sum(0)
     assert chi2_test(toks[:, 2], p3) > 1e-3
     assert chi2_test(toks[:, 2], p2) < 1e-6  # negative control: a wrong reference distribution is rejected
+
+
+@pytest.mark.parametrize("tau,gamma", [(2.2, 4), (1.0, 4), (3.5, 7), (1.9, 1)])
+def test_accept_prob_for_tau_solves_the_geometric_sum(tau, gamma):
+    from dustin.engine.sampling import accept_prob_for_tau
+
+    p = accept_prob_for_tau(tau, gamma)
+    assert 0.0 <= p < 1.0
+    assert sum(p ** i for i in range(gamma + 1)) == pytest.approx(tau, abs=1e-9)
+
+
+@pytest.mark.parametrize("tau,gamma", [(0.9, 4), (5.0, 4), (2.0, 1)])
+def test_accept_prob_for_tau_rejects_unreachable_tau(tau, gamma):
+    from dustin.engine.sampling import accept_prob_for_tau
+
+    with pytest.raises(ValueError, match="tau must be in"):
+        accept_prob_for_tau(tau, gamma)
+
+
+def test_accept_controlled_hits_the_requested_tau_and_keeps_the_target_token():
+    """Mean tokens per step (accepted + 1) converges to (1 - p^(Γ+1)) / (1 - p); the next token is the target's
+    argmax at the first rejected slot."""
+    from dustin.engine.sampling import accept_controlled
+
+    B, G, V, p = 20000, 4, 7, 0.5737
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, G + 1, V, generator=g)
+    draft = torch.randint(0, V, (B, G), generator=g)
+    n_acc, nxt = accept_controlled(draft, logits, p, g)
+    want = sum(p ** i for i in range(G + 1))
+    se = (n_acc.float() + 1).std().item() / math.sqrt(B)
+    assert abs((n_acc.float() + 1).mean().item() - want) < 5 * se
+    assert torch.equal(nxt, logits.argmax(-1).gather(1, n_acc[:, None].long()).squeeze(1))
+    assert torch.equal(accept_controlled(draft, logits, 0.0, g)[0], torch.zeros(B, dtype=n_acc.dtype))
+    assert torch.equal(accept_controlled(draft, logits, 1.0, g)[0], torch.full((B,), G, dtype=n_acc.dtype))
+
+
+def test_accept_prob_config_validation():
+    from dustin.errors import InputError
+
+    with pytest.raises(InputError, match="accept-prob"):
+        GenerationConfig(method="dustin", accept_prob=1.5)
+    with pytest.raises(InputError, match="speculative"):
+        GenerationConfig(method="vanilla", accept_prob=0.5)

@@ -259,3 +259,38 @@ def test_sdpa_sparse_mask_matches_reference(per_head):
     got = AttentionBackend("sdpa").sparse_verify(q, k, v, L, plan, max_len=S)
     want = sparse_verify_attention_reference(q, k, v, L, indices, counts)
     torch.testing.assert_close(got, want, **_tol(torch.float32))
+
+
+# ---- in-kernel merge of the splits (merge="kernel": the last split merges, found by an atomic counter) ----
+
+# (Hq, Hkv, T, D, lengths, counts, k_max, dtype, num_splits, block_n, per_head): GQA 1, 4, 7; T 1..8;
+# ragged, incl. an empty list.
+MERGE_CASES = [
+    (4, 4, 1, 64, [17, 100], [17, 40], 40, torch.float32, 2, 16, False),
+    (8, 2, 5, 64, [1000, 333], [150, 0], 150, torch.float32, 3, 32, False),
+    (14, 2, 8, 64, [100, 1000], [100, 61], 128, torch.bfloat16, 4, 16, False),
+    (28, 4, 5, 64, [200, 45, 17], None, 64, torch.float32, 2, 16, True),
+    (8, 2, 3, 128, [333, 60], None, 96, torch.bfloat16, 4, 16, True),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,T,D,lengths,counts,k_max,dtype,splits,block_n,per_head", MERGE_CASES)
+def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dtype, splits, block_n, per_head):
+    from dustin.kernels import sparse_verify as sv
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, L = _cache(len(lengths), Hq, Hkv, T, D, lengths, dtype, gen)
+    if per_head:
+        indices, counts_t = _per_head_indices(lengths, Hkv, k_max, gen)
+    else:
+        indices, counts_t = _random_indices(lengths, counts, k_max, gen)
+    want = sparse_verify_attention_reference(q, k, v, L, indices, counts_t)
+    launch = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n,
+                                     merge="launch")
+    for _ in range(2):  # the second call checks that the counters were left at zero
+        out = torch.full_like(q, float("nan"))
+        got = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n,
+                                      merge="kernel", out=out)
+        torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+        torch.testing.assert_close(got, launch, atol=0, rtol=0)  # same partials, same merge order
+        assert int(sv._COUNTERS[torch.device("cpu")].abs().sum()) == 0

@@ -16,7 +16,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
-from dustin.parallel.tp import maybe_shard, shard_transformer
+from dustin.parallel.tp import TPShard, maybe_shard, shard_transformer
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
 
 WORKER_TIMEOUT_S = 120
@@ -28,6 +28,8 @@ RUNS = {  # name -> GenerationConfig kwargs
     "dustin": {"method": "dustin", "gamma": 3, "draft_budget": 12, "budget": 26},
     "dustin-t": {"method": "dustin-t", "gamma": 3, "draft_budget": 12, "budget": 24},
     "sampled": {"method": "classic", "gamma": 3, "temperature": 0.8, "seed": 5},
+    # acceptance-controlled benchmark mode: the random accept decisions must be identical on every rank
+    "controlled": {"method": "dustin", "gamma": 3, "draft_budget": 12, "budget": 26, "accept_prob": 0.6},
 }
 
 
@@ -61,7 +63,8 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
 
     assert init_distributed("gloo") == (rank, world)
     try:
-        engine = maybe_shard(Engine(load_model(target), load_model(draft)))
+        # sharded loading (each rank reads only its slices), as Engine.from_pretrained does under torchrun
+        engine = maybe_shard(Engine(load_model(target, shard=TPShard(rank, world)), load_model(draft)))
         a = engine.target.args
         assert (a.n_heads, a.n_kv_heads) == (8 // world, 4 // world)
         assert engine.target.layers[0].self_attn.k_proj.weight.shape[0] == a.n_kv_heads * a.head_dim
@@ -127,3 +130,55 @@ def test_shard_rejects_indivisible_kv_heads(tp_pair):
 def test_maybe_shard_is_a_noop_without_distributed(tp_pair):
     engine = Engine(load_model(tp_pair[0]))
     assert maybe_shard(engine) is engine and engine.target.args.n_heads == 8
+
+
+def _bench_worker(rank: int, world: int, port: int, target, draft, out_json) -> None:
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT_S, exit=True)
+    torch.set_num_threads(1)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from dustin.cli.main import main
+
+    try:  # what `torchrun --nproc-per-node 2 -m dustin bench e2e ...` runs on each rank
+        assert main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "60,75",
+                     "--batches", "2", "--steps", "4", "--warmup", "1", "--budget", "26", "--draft-budget", "12",
+                     "--gamma", "3", "--tau", "2.0", "--json-out", out_json]) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_bench_e2e_under_tensor_parallelism(tp_pair, tmp_path):
+    """The end-to-end benchmark runs tensor-parallel (random sharded target, replicated draft, acceptance control)
+    and rank 0 alone writes one row per (context, method)."""
+    target, draft = tp_pair
+    out = tmp_path / "e2e.json"
+    mp.spawn(_bench_worker, args=(2, _free_port(), str(target), str(draft), str(out)), nprocs=2, join=True)
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["label"] == "acceptance-controlled"
+    rows = data["results"]
+    assert [(r["context"], r["method"]) for r in rows] == [
+        (c, m) for c in (60, 75) for m in ("vanilla", "classic", "magicdec", "dustin")]
+    for r in rows:
+        assert r["tp"] == 2 and r["steps"] == 4 and r["tokens_per_s"] > 0
+        if r["method"] == "vanilla":
+            assert r["tau"] == 1.0 and r["accept_prob"] is None
+        else:  # p solved for tau 2.0 at gamma 3; the same random accept draws for every speculative method
+            assert 0.4 < r["accept_prob"] < 0.6 and 1.0 <= r["tau"] <= 4.0
+    taus = {r["tau"] for r in rows if r["method"] != "vanilla" and r["context"] == 60}
+    assert len(taus) == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_loading_reads_exactly_the_rank_slices(tp_pair, world):
+    """load_model(shard=...) reads each rank's slices from safetensors; they equal slicing the full model."""
+    for rank in range(world):
+        direct = load_model(tp_pair[0], shard=TPShard(rank, world)).state_dict()
+        sliced = shard_transformer(load_model(tp_pair[0]), rank, world).state_dict()
+        assert direct.keys() == sliced.keys()
+        for name, t in sliced.items():
+            assert torch.equal(direct[name], t), name
+        assert direct["layers.0.self_attn.o_proj.inner.weight"].shape[1] == 64 // world

@@ -5,8 +5,8 @@ Rows, all per target layer (us):
 - full: `verify_attention` over the whole cache (the FlashAttention-style baseline);
 - dustin: sparse attention over the `select_dustin` set + estimation amortized per layer. The engine
   computes S_target (1 SRH x 1 query over one target layer's cache), S_draft (4 SRHs x Γ queries over
-  each of 3 Qwen2.5-0.5B draft layers) and one selection per verify step, shared by every target layer:
-  per-layer estimation = (S_target + 3 S_draft + selection) / n_target_layers;
+  3 Qwen2.5-0.5B draft layers, one multi-layer estimate) and one selection per verify step, shared by every
+  target layer: per-layer estimation = (S_target + S_draft + selection) / n_target_layers;
 - quest-16: per layer, page scoring of every KV head for the layer's verify queries + its top-k, and the
   sparse attention over the per-KV-head page lists;
 - naive: the same sums over ALL heads of ALL target layers (1 query) and draft layers (Γ queries) +
@@ -105,7 +105,8 @@ def copy_bandwidth_cpu(nbytes=16 << 20):
 
 def measure(name, shape, draft, ctx, B, args, timer, dev):
     from dustin.kernels.quest import QuestPages, page_scores, quest_select
-    from dustin.kernels.score_estimation import attention_scores
+    from dustin.kernels.score_estimation import attention_scores, attention_scores_multi
+    from dustin.selection.estimators import DRAFT_SINGLE_PASS, TARGET_SINGLE_PASS
     from dustin.kernels.selection import select_dustin
     from dustin.kernels.sparse_verify import sparse_verify_attention
     from dustin.kernels.verify_attention import verify_attention
@@ -124,23 +125,26 @@ def measure(name, shape, draft, ctx, B, args, timer, dev):
     r["full_us"] = timer(lambda: verify_attention(q, k, v, L, max_len=ctx + T, out=out))
     r["full_bytes"] = B * Hkv * (ctx + T) * D * 2 * 2 + 2 * q.numel() * 2
 
-    # dustin: the per-step estimation, shared by all target layers
+    # dustin: the per-step estimation, shared by all target layers, made as the engine's estimators make it
+    # (dustin/selection/estimators.py): one multi-layer estimate for S_target and one for S_draft
     acc_t, acc_d = torch.zeros(B, S, device=dev), torch.zeros(B, S, device=dev)
-    q_t, last = rnd(B, 1, 1, D), (L.long() - 1)[:, None]  # the last committed token's query
+    q_t, last = rnd(B, 1, 1, 1, D), (L.long() - 1)[:, None]  # the last committed token's query
     # index tensors are built here, not in the timed lambdas: a host->device copy cannot be graph-captured
-    kv_t, L_d = kv_of([1], Hq, Hkv), L + gamma
-    r["s_target_us"] = timer(lambda: attention_scores(q_t, k, kv_t, L, last, acc_t))
-    kd = rnd(B, dHkv, S, dD)
+    kv_t, L_d = kv_of([1], Hq, Hkv)[None], L + gamma
+    r["s_target_us"] = timer(lambda: attention_scores_multi(q_t, k[None], None, kv_t, L, None, acc_t,
+                                                            accumulate=False, single_pass=TARGET_SINGLE_PASS))
+    n_d = min(SRH_DRAFT_LAYERS, d_layers)
+    kd = rnd(n_d, B, dHkv, S, dD)  # the configured draft layers' K caches
     srh_d = [h % dHq for h in SRH_DRAFT_HEADS]
-    q_d, qpos = rnd(B, len(srh_d), gamma, dD), L.long()[:, None] + torch.arange(gamma, device=dev)[None]
-    kv_d = kv_of(srh_d, dHq, dHkv)
-    r["s_draft_layer_us"] = timer(lambda: attention_scores(q_d, kd, kv_d, L_d, qpos, acc_d, ctx_lengths=L))
+    q_d, qpos = rnd(B, n_d, len(srh_d), gamma, dD), L.long()[:, None] + torch.arange(gamma, device=dev)[None]
+    kv_d = kv_of(srh_d, dHq, dHkv)[None].expand(n_d, -1).contiguous()
+    r["s_draft_us"] = timer(lambda: attention_scores_multi(q_d, kd, None, kv_d, None, qpos, acc_d, ctx_lengths=L,
+                                                           accumulate=False, single_pass=DRAFT_SINGLE_PASS))
     st, sd = torch.rand(B, S, device=dev, generator=g), torch.rand(B, S, device=dev, generator=g)
     r["select_us"] = timer(lambda: select_dustin(st, sd, L, k=args.k, m=args.m))
     idx, cnt = select_dustin(st, sd, L, k=args.k, m=args.m)
     r["dustin_sparse_us"] = timer(lambda: sparse_verify_attention(q, k, v, L, idx, cnt, out=out))
-    n_d = min(SRH_DRAFT_LAYERS, d_layers)
-    r["dustin_est_step_us"] = r["s_target_us"] + n_d * r["s_draft_layer_us"] + r["select_us"]
+    r["dustin_est_step_us"] = r["s_target_us"] + r["s_draft_us"] + r["select_us"]
     r["dustin_est_layer_us"] = r["dustin_est_step_us"] / n_layers
 
     def quest():  # quest-16: per layer, all KV heads, this layer's verify queries
@@ -163,7 +167,7 @@ def measure(name, shape, draft, ctx, B, args, timer, dev):
                for h in range(max(Hkv, dHkv))]
         q_all, q_alld = rnd(B, Hq, 1, D), rnd(B, dHq, gamma, dD)
         r["naive_target_layer_us"] = timer(lambda: all_heads(q_all, k, Hkv, L, last, acc_t))
-        r["naive_draft_layer_us"] = timer(lambda: all_heads(q_alld, kd, dHkv, L_d, qpos, acc_d))
+        r["naive_draft_layer_us"] = timer(lambda: all_heads(q_alld, kd[0], dHkv, L_d, qpos, acc_d))
         r["naive_est_step_us"] = (n_layers * r["naive_target_layer_us"] + d_layers * r["naive_draft_layer_us"]
                                   + r["select_us"])
         r["naive_est_layer_us"] = r["naive_est_step_us"] / n_layers

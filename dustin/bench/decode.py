@@ -65,9 +65,11 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
     from dustin.engine.cuda_graphs import GraphedForward
     from dustin.models.args import named_config
     from dustin.models.loader import random_model
+    from dustin.parallel.tp import current_shard
 
-    args = named_config(name)
-    model = random_model(args, "cuda", torch.bfloat16, backend=AttentionBackend(attention))
+    model = random_model(named_config(name), "cuda", torch.bfloat16, backend=AttentionBackend(attention),
+                         shard=current_shard())  # under torchrun: this rank's tensor-parallel shard
+    args = model.args  # per-rank shape: the KV heads and weights this GPU reads
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if n != "embed_tokens.weight" or args.tie_word_embeddings)
     rows = []
@@ -111,29 +113,34 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
 
 
 def run(args) -> int:
+    from dustin.parallel.tp import init_distributed, is_main_process
+
     if not torch.cuda.is_available():
         raise InputError("dustin bench decode needs a CUDA GPU")
+    _, world = init_distributed()  # torchrun: tensor-parallel target, bytes and limits per GPU; rank 0 reports
+    main = is_main_process()
+    say = print if main else (lambda *a, **k: None)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s "
-          f"| {time.strftime('%Y-%m-%d')}", flush=True)
-    print("| model | batch | context | decode ms | decode % of limit | verify (Γ+1) ms | verify % of limit |")
-    print("|---|---|---|---|---|---|---|")
+    say(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s "
+        f"| tensor parallel {world} | {time.strftime('%Y-%m-%d')}", flush=True)
+    say("| model | batch | context | decode ms | decode % of limit | verify (Γ+1) ms | verify % of limit |")
+    say("|---|---|---|---|---|---|---|")
     results = []
     for name in args.models.split(","):
         for r in bench_model(name, contexts, batches, args.gamma, args.attention, not args.no_graphs, args.iters, bw):
             results.append(r)
             if "skipped" in r:
-                print(f"| {name} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | |", flush=True)
+                say(f"| {name} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | |", flush=True)
                 continue
-            print(f"| {name} | {r['batch']} | {r['context']} | {r['decode_ms']:.2f} | "
-                  f"{100 * r['decode_fraction_of_limit']:.0f}% | {r['verify_ms']:.2f} | "
-                  f"{100 * r['verify_fraction_of_limit']:.0f}% |", flush=True)
+            say(f"| {name} | {r['batch']} | {r['context']} | {r['decode_ms']:.2f} | "
+              f"{100 * r['decode_fraction_of_limit']:.0f}% | {r['verify_ms']:.2f} | "
+              f"{100 * r['verify_fraction_of_limit']:.0f}% |", flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
-           "gamma": args.gamma, "results": results}
+           "gamma": args.gamma, "tensor_parallel": world, "results": results}
     path = args.json_out or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None)
-    if path:
+    if path and main:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
     return 0

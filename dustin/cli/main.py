@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from dustin.bench.decode import add_arguments as add_decode_bench
     add_decode_bench(bsub.add_parser("decode", help="vanilla decode and verify step latency vs bandwidth limit"))
+    from dustin.bench.e2e import add_arguments as add_e2e_bench
+    add_e2e_bench(bsub.add_parser("e2e", help="end-to-end decoding throughput per method (acceptance-controlled, "
+                                             "random weights, torchrun for tensor parallelism)"))
     try:
         from dustin.bench.attention import add_arguments as add_attention_bench
         add_attention_bench(bsub.add_parser("attention", help="verify self-attention breakdown: full vs sparse"))
@@ -161,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             return cmd_models(args)
         if args.command == "bench":
+            if args.bench_command == "e2e":
+                from dustin.bench.e2e import run as run_e2e_bench
+                return run_e2e_bench(args)
             if args.bench_command == "attention":
                 from dustin.bench.attention import run as run_attention_bench
                 return run_attention_bench(args)

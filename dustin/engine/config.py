@@ -47,6 +47,9 @@ class GenerationConfig:
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
     budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
+    # benchmarks with random weights only: accept each draft token with this probability instead of checking it
+    # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
+    accept_prob: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,6 +72,11 @@ class GenerationConfig:
             raise InputError(f"--draft-kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
         if self.budget is not None and self.budget < 21:
             raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {self.budget}")
+        if self.accept_prob is not None:
+            if not 0.0 <= self.accept_prob <= 1.0:
+                raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
+            if not self.spec.speculative:
+                raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_budget:
             raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < budget ({self.draft_budget})")
 

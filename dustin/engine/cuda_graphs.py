@@ -16,7 +16,10 @@ from dustin.models.transformer import Transformer
 
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
-                 window: int = 0, sparse_k: int | None = None, warmup: int = 2) -> None:
+                 window: int = 0, sparse_k: int | None = None, observers=(), warmup: int = 2) -> None:
+        """sparse_k: capture sparse verification over a static [batch, sparse_k] index plan (copied in per call).
+        observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
+        replay repeats their writes; warm-up and capture also run them, on dummy inputs)."""
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(batch, num_new, dtype=torch.long, device=dev)
@@ -30,7 +33,7 @@ class GraphedForward:
             self.plan = SparsePlan(torch.zeros(batch, sparse_k, dtype=torch.int32, device=dev),
                                    torch.zeros(batch, dtype=torch.int32, device=dev))
         self.ctx = ForwardContext(cache, self.positions, self.lengths, cache.capacity, sinks=sinks, window=window,
-                                  sparse=self.plan)
+                                  sparse=self.plan, observers=list(observers))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():

@@ -91,13 +91,13 @@ class Engine:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise InputError("--device cuda was requested but no CUDA GPU is available")
-        from dustin.parallel.tp import init_distributed, maybe_shard, rank_device
+        from dustin.parallel.tp import current_shard, init_distributed, maybe_shard, rank_device
         init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
         dev = rank_device(dev)
         dt = resolve_dtype(dtype, dev)
         backend = AttentionBackend.for_device(dev, attention)
         t_path = resolve_model_path(str(target), "target")
-        t_model = load_model(t_path, dev, dt, backend)
+        t_model = load_model(t_path, dev, dt, backend, shard=current_shard())  # each rank reads only its slices
         d_model = d_tok = None
         if draft is not None:
             d_path = resolve_model_path(str(draft), "draft")
@@ -118,20 +118,22 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def session(self, prompts: list[list[int]], cfg: GenerationConfig,
-                policy: SelectionPolicy | None = None, reuse_prefill: bool = False) -> Session:
+                policy: SelectionPolicy | None = None, reuse_prefill: bool = False,
+                random_prefill: bool = False) -> Session:
         """A generation to drive with `step()`. With `reuse_prefill`, greedy sessions over the same prompts
-        share one prefill (the prompt caches are copied), which is how methods are compared side by side."""
+        share one prefill (the prompt caches are copied), which is how methods are compared side by side.
+        `random_prefill` fills the prompt caches with noise instead (benchmarks with random weights)."""
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         self._validate(prompts, cfg)
         policy = policy or self.make_policy(cfg)
-        reuse_prefill = reuse_prefill and cfg.sampling.greedy
+        reuse_prefill = reuse_prefill and cfg.sampling.greedy and not random_prefill
         reuse = self._saved_prefill
         key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
         reuse = reuse if (reuse_prefill and reuse is not None and reuse.key == key) else None
         try:
             s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
-                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse)
+                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill)
             if reuse_prefill and (reuse is None or reuse.draft_kv is None):
                 self._saved_prefill = s.prefill_state()
             return s

@@ -83,3 +83,31 @@ def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_lo
     # all accepted (q_at = 0 -> residual = p) or a degenerate residual: fall back to p itself
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
     return n_acc, sample(residual, generator)
+
+
+def accept_prob_for_tau(tau: float, gamma: int) -> float:
+    """The per-token acceptance probability p whose expected tokens per step, (1 - p^(Γ+1)) / (1 - p), is tau
+    (bisection: that sum is increasing in p). tau must lie in [1, Γ + 1)."""
+    if not 1.0 <= tau < gamma + 1:
+        raise ValueError(f"tau must be in [1, {gamma + 1}) for gamma {gamma}, got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(gamma + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_prob: float,
+                      generator: torch.Generator | None):
+    """Acceptance-controlled verification, for benchmarks with random weights only: draft token i is accepted
+    with probability `accept_prob`, independently, until the first rejection (so E[tokens per step] =
+    (1 - p^(Γ+1)) / (1 - p)). The next token is the target's argmax at the first rejected slot, as in greedy
+    verification: every computation of the real method still runs, only the accept decision is replaced."""
+    B, G = draft.shape
+    u = torch.rand(B, G, device=draft.device, generator=generator)
+    n_acc = (u < accept_prob).int().cumprod(dim=1).sum(dim=1)
+    next_tok = target_logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+    return n_acc, next_tok

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dustin.attention.context import ForwardContext
+from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import GraphedForward
-from dustin.engine.sampling import accept_greedy, accept_speculative, choose
+from dustin.engine.sampling import accept_controlled, accept_greedy, accept_speculative, choose
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
@@ -55,7 +55,8 @@ class PrefillState:
 class Session:
     def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
                  cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
-                 policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None) -> None:
+                 policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None,
+                 random_prefill: bool = False) -> None:
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.prompts = prompts
@@ -78,20 +79,25 @@ class Session:
         if self.spec.speculative:
             d = draft.args
             self.draft_cache = KVCache(d.n_layers, self.B, d.n_kv_heads, d.head_dim, capacity, dtype, self.device)
-        # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend, no per-step observers)
+        # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend; policies whose observers and plans
+        # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
-                           and isinstance(self.policy, FullSelection))
+                           and self.policy.graph_safe)
         self._graphs: dict[tuple, GraphedForward] = {}
-        self._prefill(reuse_prefill)
+        self._prefill(reuse_prefill, random_prefill)
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
-    def _prefill(self, reuse: "PrefillState | None") -> None:
+    def _prefill(self, reuse: "PrefillState | None", random_fill: bool) -> None:
         """Run the prompts through the target (and draft), one sequence at a time; or copy the caches of an
-        earlier greedy session over the same prompts (`reuse`), so comparing methods prefills only once."""
+        earlier greedy session over the same prompts (`reuse`), so comparing methods prefills only once; or, for
+        benchmarks with random weights (`random_fill`), fill the prompt caches with noise instead of computing
+        them: decode-step cost does not depend on the values, and a 70B prefill of 16 x 32k would take minutes."""
         t0 = time.perf_counter()
         n_max = max(len(p) for p in self.prompts)
-        if reuse is not None:
+        if random_fill:
+            reuse = self._random_prefill_state(n_max)
+        if reuse is not None and reuse.target_kv is not None:
             self.target_cache.k[..., :n_max, :].copy_(reuse.target_kv[0])
             self.target_cache.v[..., :n_max, :].copy_(reuse.target_kv[1])
         first = []
@@ -116,7 +122,7 @@ class Session:
                 L = torch.tensor([len(p) - 1 for p in self.prompts], dtype=torch.int32, device=self.device)
                 self._forward("target", last, L.long()[:, None], L, n_max, observers=self.policy.target_observers(self))
                 self.policy.after_verify(self, torch.zeros(self.B, dtype=torch.long, device=self.device))
-            if self.draft_cache is not None and reuse.draft_kv is not None:
+            if self.draft_cache is not None and reuse.draft_kv:
                 self.draft_cache.k[..., :n_max, :].copy_(reuse.draft_kv[0])
                 self.draft_cache.v[..., :n_max, :].copy_(reuse.draft_kv[1])
         lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.int32, device=self.device)
@@ -130,6 +136,15 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stats.prefill_s = time.perf_counter() - t0
+
+    def _random_prefill_state(self, n_max: int) -> "PrefillState":
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                for layer in range(cache.k.shape[0]):  # per layer: no temporary of the whole cache's size
+                    cache.k[layer, ..., :n_max, :].normal_(generator=self.generator)
+                    cache.v[layer, ..., :n_max, :].normal_(generator=self.generator)
+        first = torch.randint(0, self.V, (self.B,), device=self.device, generator=self.generator)
+        return PrefillState(self._prefill_key(), None, None if self.draft_cache is None else (), first)
 
     def prefill_state(self) -> "PrefillState":
         """Snapshot of the prompt caches right after prefill (call before the first step)."""
@@ -165,7 +180,9 @@ class Session:
             logits = self._forward("target", inp, pos, L, max_len + self.gamma + 1, sparse=plan,
                                    observers=self.policy.target_observers(self))[..., : self.V]
             self.timer.stop(phase)
-            if self.cfg.sampling.greedy:
+            if self.cfg.accept_prob is not None:
+                n_acc, nxt = accept_controlled(drafts, logits, self.cfg.accept_prob, self.generator)
+            elif self.cfg.sampling.greedy:
                 n_acc, nxt = accept_greedy(drafts, logits)
             else:
                 n_acc, nxt = accept_speculative(drafts, draft_probs, logits, self.cfg.sampling, self.generator)
@@ -211,11 +228,13 @@ class Session:
                  sparse=None, observers=()) -> torch.Tensor:
         model = self.target if which == "target" else self.draft
         cache = self.target_cache if which == "target" else self.draft_cache
-        if self.use_graphs and not observers and sparse is None:
-            key = (which, tokens.shape[1])
+        if self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
+            sparse_k = None if sparse is None else sparse.indices.shape[1]
+            key = (which, tokens.shape[1], sparse_k)
             if key not in self._graphs:
-                self._graphs[key] = GraphedForward(model, cache, self.B, tokens.shape[1], sinks=sinks, window=window)
-            return self._graphs[key](tokens, positions, lengths)
+                self._graphs[key] = GraphedForward(model, cache, self.B, tokens.shape[1], sinks=sinks, window=window,
+                                                   sparse_k=sparse_k, observers=observers)
+            return self._graphs[key](tokens, positions, lengths, sparse)
         ctx = ForwardContext(cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
                              observers=list(observers))
         return model(tokens, ctx)

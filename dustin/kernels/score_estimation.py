@@ -1,23 +1,35 @@
 """Importance-score estimation (paper Eq. 5, Sec. 4.2.3): the softmax mass that a few selected heads'
-queries put on every committed context position, accumulated into a per-sequence score buffer.
+queries put on every committed context position, summed over heads, queries and layers into one
+per-sequence score row.
 
-    out[b, j] += sum_{h, t} softmax_j(q_sel[b, h, t] . k_cache[b, kv_heads[h], j] * scale)
-                 for j < ctx_lengths[b]; the softmax of query (b, t) runs over keys
-                 j <= query_positions[b, t] and j < key_lengths[b].
+    out[b, j] (+)= sum_{l, h, t} softmax_j(q[b, l, h, t] . k_all[layers[l], b, kv_heads[l, h], j] * scale)
+                   for j < ctx_lengths[b]; the softmax of query (b, t) runs over keys
+                   j <= query_positions[b, t] and j < key_lengths[b].
 
 FlashAttention never materialises these probabilities, so they are recomputed for the few Semantic
 Retrieval Heads only. Design:
-- All Hs heads x Tq queries are folded into the rows of one tl.dot block (row r -> head r // Tq, query
-  r % Tq). Per key block, each head's K tile is loaded and multiplied with the Q rows of that head only
-  (other rows zeroed), summed into one logit tile. Heads sharing a KV head load the same tile back to
-  back, so the re-read hits L1/L2 and HBM sees each KV head's keys about once per pass.
-- Pass 1 (grid B x P, key blocks strided over the P programs so ragged lengths stay balanced) writes a
-  per-program running (max, sum-exp) per row; a tiny combine turns them into one log-sum-exp per row.
-- Pass 2 recomputes the logits; a program owns disjoint key blocks of one sequence and sums all rows'
-  normalised probabilities into out[b, j] with a plain read-add-write: no atomics, deterministic.
+- Both KV caches are one tensor [L, B, Hkv, S, D], so ONE estimate covers every configured layer
+  (`attention_scores_multi`; `attention_scores` is its one-layer case). Layers may use different head
+  sets; a kv_heads entry of -1 pads a layer with fewer heads.
+- All Hs heads x Tq queries of a layer are folded into the rows of one tl.dot block (row r -> head
+  r // Tq, query r % Tq). Per key block, each head's K tile is loaded and multiplied with the Q rows of
+  that head only (other rows zeroed), summed into one logit tile. Heads sharing a KV head load the same
+  tile back to back, so the re-read hits L1/L2 and HBM sees each KV head's keys about once per pass.
+- Pass 1 (grid B x P1 x layers, key blocks strided over the P1 programs so ragged lengths stay
+  balanced) writes a per-program running (max, sum-exp) per row.
+- Pass 2 (grid B x P2): each program first reduces the P1 partials of its sequence to one log-sum-exp
+  per (layer, row) itself (no combine launch: `fused=False` keeps the old separate combine kernel for
+  comparison), then owns disjoint key blocks, loops over the layers for each block, and writes the summed
+  probabilities to out[b, j] with a plain read-add-write (or a plain write with accumulate=False, which
+  also zeroes the rest of the row and saves the caller's zero_()): no atomics, deterministic.
+- single_pass=True: pass 1 also stores the scaled logits in an fp32 scratch [B, L, rows, S] and pass 2
+  normalises those instead of re-reading K: fewer bytes when rows * 4 B < Hkv_used * D * 2 B per key
+  (e.g. 1 target head at D 128: 8 B instead of 256 B per key on the second pass).
 - No host syncs: grids depend only on shapes.
-Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k: 80 us for one target head (D 128, 1 query)
-and 97 us for 4 draft heads on 2 KV heads (D 64, 4 queries): both ~3 TB/s over two reads of K.
+Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k, before the fused combine and the multi-layer
+launch: 80 us for one target head (D 128, 1 query), 97 us per draft layer for 4 draft heads on 2 KV heads
+(D 64, 4 queries): both ~3 TB/s over two reads of K. The fused, multi-layer and single-pass paths: not yet
+measured (scripts/gpu_kernel_variants.py).
 """
 from __future__ import annotations
 
@@ -38,16 +50,37 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _logits(q_ptr, k_ptr, kvh_ptr, b, j, j_ok, row_head, row_t, d,
-            sq_b, sq_h, sq_t, sk_b, sk_h, sk_s,
+def _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
+          HS: tl.constexpr, TQ: tl.constexpr, R_PAD: tl.constexpr, HAS_KLEN: tl.constexpr,
+          HAS_QPOS: tl.constexpr):
+    """Per row of layer l: head, query index, validity, query position; and the key bound of sequence b."""
+    rows = tl.arange(0, R_PAD)
+    row_head = rows // TQ
+    row_t = rows % TQ
+    kvh = tl.load(kvh_ptr + l * HS + row_head, mask=rows < HS * TQ, other=-1)
+    row_ok = (rows < HS * TQ) & (kvh >= 0)  # kv_heads -1 pads a layer with fewer heads
+    key_end = S_CAP
+    if HAS_KLEN:
+        key_end = tl.minimum(tl.load(klen_ptr + b).to(tl.int64), S_CAP)
+    if HAS_QPOS:
+        qpos = tl.load(qpos_ptr + b * sp_b + row_t * sp_t, mask=row_ok, other=-1).to(tl.int64)
+    else:  # the last cached token's query: position key_lengths[b] - 1
+        qpos = tl.where(row_ok, key_end - 1, -1)
+    return row_head, row_t, row_ok, qpos, key_end
+
+
+@triton.jit
+def _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
+            sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s,
             HS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Raw logits [R_PAD, BLOCK_N] of every (head, query) row against keys j of its own KV head."""
+    """Raw logits [R_PAD, BLOCK_N] of layer l's (head, query) rows against keys j of their own KV head."""
     s = tl.zeros([R_PAD, BLOCK_N], dtype=tl.float32)
+    k_base = k_ptr + lyr * sk_l + b * sk_b
     for h in tl.static_range(HS):
-        kvh = tl.load(kvh_ptr + h).to(tl.int64)
-        k = tl.load(k_ptr + b * sk_b + kvh * sk_h + j[:, None] * sk_s + d[None, :],
-                    mask=j_ok[:, None], other=0.0)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + row_t[:, None] * sq_t + d[None, :],
+        kvh = tl.load(kvh_ptr + l * HS + h)
+        k = tl.load(k_base + kvh.to(tl.int64) * sk_h + j[:, None] * sk_s + d[None, :],
+                    mask=(j_ok & (j * 0 + kvh >= 0))[:, None], other=0.0)  # -1: padded head, no read
+        q = tl.load(q_ptr + b * sq_b + l * sq_l + h * sq_h + row_t[:, None] * sq_t + d[None, :],
                     mask=(row_head == h)[:, None], other=0.0)
         if IEEE:  # fp32 callers, and the CPU interpreter whose bf16 tl.dot multiplies raw bit patterns
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), s, input_precision="ieee")
@@ -57,127 +90,222 @@ def _logits(q_ptr, k_ptr, kvh_ptr, b, j, j_ok, row_head, row_t, d,
 
 
 @triton.jit
-def _score_pass1_kernel(q_ptr, k_ptr, kvh_ptr, klen_ptr, qpos_ptr, ml_ptr, qk_scale,
-                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sp_b, sp_t, S_CAP,
-                        HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr, NUM_PROGS: tl.constexpr,
-                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, ml_ptr, lg_ptr, qk_scale,
+                        sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, sp_b, sp_t, S_CAP,
+                        NL: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
+                        P1: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_LAYERS: tl.constexpr,
+                        STORE_LOGITS: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
-    rows = tl.arange(0, R_PAD)
-    row_ok = rows < HS * TQ
-    row_head = tl.where(row_ok, rows // TQ, -1)
-    row_t = rows % TQ
+    l = tl.program_id(2)
+    lyr = tl.load(layers_ptr + l).to(tl.int64) if HAS_LAYERS else b * 0 + l  # int64 either way
+    row_head, row_t, row_ok, qpos, key_end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
+                                                   HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+    key_end = tl.minimum(key_end, tl.max(qpos, 0) + 1)
     d = tl.arange(0, D)
-    qpos = tl.load(qpos_ptr + b * sp_b + row_t * sp_t, mask=row_ok, other=-1).to(tl.int64)
-    key_end = tl.minimum(tl.minimum(tl.load(klen_ptr + b).to(tl.int64), S_CAP), tl.max(qpos, 0) + 1)
+    rows = tl.arange(0, R_PAD)
     m_i = tl.full([R_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([R_PAD], dtype=tl.float32)
-    for blk in range(pid, tl.cdiv(key_end, BLOCK_N), NUM_PROGS):
+    for blk in range(pid, tl.cdiv(key_end, BLOCK_N), P1):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < key_end
-        s = _logits(q_ptr, k_ptr, kvh_ptr, b, j, j_ok, row_head, row_t, d,
-                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
+        s = _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
+                    sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
         s = tl.where(j_ok[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+        if STORE_LOGITS:  # scratch [B, NL, HS*TQ, S_CAP]: pass 2 reads these instead of K
+            lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
+            tl.store(lg, s, mask=(rows < HS * TQ)[:, None] & j_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
-    base = ml_ptr + (b * NUM_PROGS + pid) * 2 * R_PAD
+    base = ml_ptr + ((b * NL + l) * P1 + pid) * 2 * R_PAD
     tl.store(base + rows, m_i)
     tl.store(base + R_PAD + rows, l_i)
 
 
 @triton.jit
-def _score_combine_kernel(ml_ptr, lse_ptr, NUM_PROGS: tl.constexpr, P_PAD: tl.constexpr,
-                          R_PAD: tl.constexpr):
-    b = tl.program_id(0)
+def _lse(ml_ptr, b, l, NL: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Log2-sum-exp [R_PAD] of layer l's rows from the P1 pass-1 partials of sequence b."""
     p = tl.arange(0, P_PAD)
     rows = tl.arange(0, R_PAD)
-    base = ml_ptr + (b * NUM_PROGS + p[:, None]) * 2 * R_PAD + rows[None, :]
-    m = tl.load(base, mask=(p < NUM_PROGS)[:, None], other=-1.0e30)
-    l = tl.load(base + R_PAD, mask=(p < NUM_PROGS)[:, None], other=0.0)
+    base = ml_ptr + ((b * NL + l) * P1 + p[:, None]) * 2 * R_PAD + rows[None, :]
+    m = tl.load(base, mask=(p < P1)[:, None], other=-1.0e30)
+    s = tl.load(base + R_PAD, mask=(p < P1)[:, None], other=0.0)
     m_max = tl.max(m, 0)
-    l_tot = tl.sum(l * tl.exp2(m - m_max[None, :]), 0)
+    s_tot = tl.sum(s * tl.exp2(m - m_max[None, :]), 0)
     # A row with no visible key (padding) gets +inf so its probabilities come out as exactly 0.
-    lse = tl.where(l_tot > 0, m_max + tl.log2(tl.maximum(l_tot, 1e-30)), float("inf"))
-    tl.store(lse_ptr + b * R_PAD + rows, lse)
+    return tl.where(s_tot > 0, m_max + tl.log2(tl.maximum(s_tot, 1e-30)), float("inf"))
 
 
 @triton.jit
-def _score_pass2_kernel(q_ptr, k_ptr, kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, lse_ptr, out_ptr, qk_scale,
-                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sp_b, sp_t, so_b, S_CAP,
-                        HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr, NUM_PROGS: tl.constexpr,
-                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _score_combine_kernel(ml_ptr, lse_ptr, NL: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr,
+                          R_PAD: tl.constexpr):
+    """fused=False only: one program per (sequence, layer) writes lse [B, NL, R_PAD]."""
+    b = tl.program_id(0).to(tl.int64)
+    l = tl.program_id(1)
+    tl.store(lse_ptr + (b * NL + l) * R_PAD + tl.arange(0, R_PAD), _lse(ml_ptr, b, l, NL, P1, P_PAD, R_PAD))
+
+
+@triton.jit
+def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, ml_ptr, lse_ptr,
+                        lg_ptr, out_ptr, qk_scale,
+                        sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, sp_b, sp_t, so_b, S_CAP, S_OUT,
+                        NL: tl.constexpr, NL_PAD: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr,
+                        D: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr, P2: tl.constexpr,
+                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_CTX: tl.constexpr,
+                        HAS_LAYERS: tl.constexpr, FUSED: tl.constexpr, FROM_LOGITS: tl.constexpr,
+                        ACCUMULATE: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
     rows = tl.arange(0, R_PAD)
-    row_ok = rows < HS * TQ
-    row_head = tl.where(row_ok, rows // TQ, -1)
-    row_t = rows % TQ
+    lidx = tl.arange(0, NL_PAD)
+    # Every layer's log-sum-exp, held as one [NL_PAD, R_PAD] tile (Triton has no lists of tensors).
+    if FUSED:
+        lse_all = tl.full([NL_PAD, R_PAD], float("inf"), dtype=tl.float32)
+        for l in range(NL):
+            lse_all = tl.where(lidx[:, None] == l, _lse(ml_ptr, b, l, NL, P1, P_PAD, R_PAD)[None, :], lse_all)
+    else:
+        lse_all = tl.load(lse_ptr + (b * NL + lidx[:, None]) * R_PAD + rows[None, :],
+                          mask=(lidx < NL)[:, None], other=float("inf"))
+    # (distinct names: Triton rejects a name re-bound with another type inside the loop below)
+    _h0, _t0, _ok0, _qpos0, key_end = _rows(b, 0, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
+                                            HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+    out_end = tl.minimum(tl.load(ctx_ptr + b).to(tl.int64), key_end) if HAS_CTX else key_end
     d = tl.arange(0, D)
-    qpos = tl.load(qpos_ptr + b * sp_b + row_t * sp_t, mask=row_ok, other=-1).to(tl.int64)
-    lse = tl.load(lse_ptr + b * R_PAD + rows)
-    key_end = tl.minimum(tl.load(klen_ptr + b).to(tl.int64), S_CAP)
-    out_end = tl.minimum(tl.load(ctx_ptr + b).to(tl.int64), key_end)
-    for blk in range(pid, tl.cdiv(out_end, BLOCK_N), NUM_PROGS):
+    n_out = S_OUT if not ACCUMULATE else out_end  # overwrite: zero the rest of the row too
+    for blk in range(pid, tl.cdiv(n_out, BLOCK_N), P2):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < out_end
-        s = _logits(q_ptr, k_ptr, kvh_ptr, b, j, j_ok, row_head, row_t, d,
-                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
-        visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= qpos[:, None])
-        p = tl.where(visible, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if blk * BLOCK_N < out_end:
+            for l in range(NL):
+                lyr = tl.load(layers_ptr + l).to(tl.int64) if HAS_LAYERS else b * 0 + l
+                row_head, row_t, row_ok, qpos, _end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t,
+                                                            S_CAP, HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+                lse = tl.sum(tl.where(lidx[:, None] == l, lse_all, 0.0), 0)
+                visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= qpos[:, None])
+                if FROM_LOGITS:  # pass 1 stored every visible logit (j <= qpos < its key_end)
+                    lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
+                    s = tl.load(lg, mask=visible, other=float("-inf"))
+                else:
+                    s = _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
+                                sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
+                    s = s * qk_scale
+                tot += tl.sum(tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), 0)
         o_ptrs = out_ptr + b * so_b + j
-        tl.store(o_ptrs, tl.load(o_ptrs, mask=j_ok, other=0.0) + tl.sum(p, 0), mask=j_ok)
+        if ACCUMULATE:
+            tl.store(o_ptrs, tl.load(o_ptrs, mask=j_ok, other=0.0) + tot, mask=j_ok)
+        else:
+            tl.store(o_ptrs, tot, mask=j < S_OUT)
 
 
-def attention_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, *, scale=None,
-                     ctx_lengths=None, num_programs=None, block_n=None, num_warps=None, num_stages=None):
-    """Accumulate the softmax mass of q_sel [B, Hs, Tq, D] (head h reads KV head kv_heads[h] of k_cache
-    [B, Hkv, S_cap, D]) into out fp32 [B, S_cap] for j < ctx_lengths[b] (default key_lengths). Returns out.
-    num_programs (per sequence) / block_n / num_warps / num_stages override the launch (for tuning)."""
-    B, Hs, Tq, D = q_sel.shape
-    S_cap = k_cache.shape[2]
+def _launch_config(B, NL, S_cap, r_pad, D, device, num_programs, block_n):
+    block_n = block_n or (64 if r_pad * D <= 64 * 128 else 32)
+    n_blocks = triton.cdiv(S_cap, block_n)
+    # ~4 programs per SM over the whole batch (an H200 sweep found 2-8 within 5% of each other); pass 1
+    # splits them over the layers, pass 2 loops over the layers in every program.
+    p2 = num_programs or triton.cdiv(4 * _num_sms(device), B)
+    p1 = num_programs or triton.cdiv(4 * _num_sms(device), B * NL)
+    return block_n, max(1, min(p1, n_blocks)), max(1, min(p2, n_blocks))
+
+
+def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positions, out, *, scale=None,
+                           ctx_lengths=None, accumulate=True, fused=True, single_pass=False,
+                           num_programs=None, block_n=None, num_warps=None, num_stages=None):
+    """Eq. 5 over several layers in one estimate (2 launches; 3 with fused=False).
+
+    q [B, NL, Hs, Tq, D] (any strides, last dim contiguous): layer l's queries; they read layer layers[l]
+    of k_all [L, B, Hkv, S_cap, D], query head h reading KV head kv_heads[l, h] (int [NL, >= Hs]; -1 pads).
+    layers: int [NL] device tensor, or None for layers 0 .. NL-1. key_lengths int [B] or None (no bound
+    but S_cap and the query positions); query_positions int [B, Tq] (or [1, Tq]), or None for
+    key_lengths[b] - 1. Adds the mass on j < ctx_lengths[b] (default: key_lengths, else S_cap) into out
+    fp32 [B, >= S_cap]; accumulate=False writes it instead and zeroes the rest of the row. Returns out.
+    single_pass: store the logits in pass 1 (see the module docstring). num_programs / block_n /
+    num_warps / num_stages override the launch (for tuning)."""
+    B, NL, Hs, Tq, D = q.shape
+    S_cap = k_all.shape[3]
+    assert k_all.dim() == 5 and k_all.shape[1] == B and k_all.shape[4] == D
     assert out.dtype == torch.float32 and out.shape[0] == B and out.shape[1] >= S_cap and out.stride(1) == 1
-    assert q_sel.stride(-1) == 1 and k_cache.stride(-1) == 1 and D >= 16 and (D & (D - 1)) == 0
+    assert q.stride(-1) == 1 and k_all.stride(-1) == 1 and D >= 16 and (D & (D - 1)) == 0
+    # extra kv_heads columns past Hs are ignored (as they always were: callers share one longer table)
+    assert kv_heads.shape[0] == NL and kv_heads.shape[1] >= Hs and (layers is None or layers.shape == (NL,))
+    assert key_lengths is not None or query_positions is not None, "need key_lengths or query_positions"
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     ctx_lengths = key_lengths if ctx_lengths is None else ctx_lengths
-    query_positions = query_positions.expand(B, Tq) if query_positions.dim() == 2 else query_positions
+    if query_positions is not None:
+        query_positions = query_positions.expand(B, Tq) if query_positions.dim() == 2 else query_positions
     r_pad = max(16, triton.next_power_of_2(Hs * Tq))
-    block_n = block_n or (64 if r_pad * D <= 64 * 128 else 32)
-    if num_programs is None:
-        # ~4 programs per SM over the whole batch (an H200 sweep found 2-8 within 5% of each other)
-        num_programs = triton.cdiv(4 * _num_sms(q_sel.device), B)
-    num_programs = max(1, min(num_programs, triton.cdiv(S_cap, block_n)))
-    ml = torch.empty(B, num_programs, 2, r_pad, device=q_sel.device, dtype=torch.float32)
-    lse = torch.empty(B, r_pad, device=q_sel.device, dtype=torch.float32)
-    kv_heads = kv_heads.to(device=q_sel.device, dtype=torch.int32)
-    ieee = q_sel.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    num_warps = num_warps or (4 if r_pad <= 32 else 8)
-    common = {"HS": Hs, "TQ": Tq, "D": D, "NUM_PROGS": num_programs, "R_PAD": r_pad, "BLOCK_N": block_n,
-              "IEEE": ieee, "num_warps": num_warps, "num_stages": num_stages or 2}
-    strides = (*q_sel.stride()[:3], *k_cache.stride()[:3], *query_positions.stride())
-    _score_pass1_kernel[(B, num_programs)](q_sel, k_cache, kv_heads, key_lengths, query_positions, ml,
-                                           scale * _LOG2E, *strides, S_cap, **common)
-    _score_combine_kernel[(B,)](ml, lse, NUM_PROGS=num_programs,
-                                P_PAD=triton.next_power_of_2(num_programs), R_PAD=r_pad)
-    _score_pass2_kernel[(B, num_programs)](q_sel, k_cache, kv_heads, key_lengths, ctx_lengths,
-                                           query_positions, lse, out, scale * _LOG2E, *strides,
-                                           out.stride(0), S_cap, **common)
+    block_n, p1, p2 = _launch_config(B, NL, S_cap, r_pad, D, q.device, num_programs, block_n)
+    dev = q.device
+    ml = torch.empty(B, NL, p1, 2, r_pad, device=dev, dtype=torch.float32)
+    lse = ml if fused else torch.empty(B, NL, r_pad, device=dev, dtype=torch.float32)
+    lg = torch.empty(B, NL, Hs * Tq, S_cap, device=dev, dtype=torch.float32) if single_pass else ml
+    kv_heads = kv_heads[:, :Hs].to(device=dev, dtype=torch.int32).contiguous()
+    dummy = kv_heads  # stands in for the absent optional tensors (never read: constexpr flags)
+    ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    common = {"NL": NL, "HS": Hs, "TQ": Tq, "D": D, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
+              "HAS_KLEN": key_lengths is not None, "HAS_QPOS": query_positions is not None,
+              "HAS_LAYERS": layers is not None, "IEEE": ieee,
+              "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or 2}
+    opt = lambda t: dummy if t is None else t  # noqa: E731
+    sp = query_positions.stride() if query_positions is not None else (0, 0)
+    strides = (*q.stride()[:4], *k_all.stride()[:4], *sp)
+    args = (q, k_all, opt(layers), kv_heads, opt(key_lengths))
+    _score_pass1_kernel[(B, p1, NL)](*args, opt(query_positions), ml, lg, scale * _LOG2E, *strides, S_cap,
+                                     STORE_LOGITS=single_pass, **common)
+    p_pad = triton.next_power_of_2(p1)
+    if not fused:
+        _score_combine_kernel[(B, NL)](ml, lse, NL=NL, P1=p1, P_PAD=p_pad, R_PAD=r_pad)
+    _score_pass2_kernel[(B, p2)](*args, opt(ctx_lengths), opt(query_positions), ml, lse, lg, out,
+                                 scale * _LOG2E, *strides, out.stride(0), S_cap, out.shape[1],
+                                 NL_PAD=triton.next_power_of_2(NL), P_PAD=p_pad, P2=p2,
+                                 HAS_CTX=ctx_lengths is not None, FUSED=fused, FROM_LOGITS=single_pass,
+                                 ACCUMULATE=accumulate, **common)
     return out
 
 
+def attention_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, **kw):
+    """One layer: q_sel [B, Hs, Tq, D], k_cache [B, Hkv, S_cap, D], kv_heads int [Hs]; the rest (and the
+    keywords: scale, ctx_lengths, accumulate, fused, single_pass, launch overrides) as in
+    `attention_scores_multi`. Returns out."""
+    return attention_scores_multi(q_sel[:, None], k_cache[None], None, kv_heads[None], key_lengths,
+                                  query_positions, out, **kw)
+
+
 def attention_scores_reference(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, *, scale=None,
-                               ctx_lengths=None):
+                               ctx_lengths=None, accumulate=True):
     """Plain float32 PyTorch version of `attention_scores` (slow on purpose; defines the semantics)."""
-    B, _, Tq, D = q_sel.shape
+    B, Hs, Tq, D = q_sel.shape
     S_cap = k_cache.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    ctx_lengths = key_lengths if ctx_lengths is None else ctx_lengths
-    k = k_cache[:, kv_heads.long()].float()  # [B, Hs, S_cap, D]
-    logits = torch.einsum("bhtd,bhsd->bhts", q_sel.float(), k) * scale
+    kv_heads = kv_heads[:Hs]
     j = torch.arange(S_cap, device=q_sel.device)
+    key_lengths = torch.full((B,), S_cap, device=q_sel.device) if key_lengths is None else key_lengths
+    ctx_lengths = key_lengths if ctx_lengths is None else ctx_lengths
+    if query_positions is None:
+        query_positions = (key_lengths.long() - 1)[:, None]
+    heads_ok = kv_heads.long() >= 0
+    k = k_cache[:, kv_heads.long().clamp_min(0)].float()  # [B, Hs, S_cap, D]
+    logits = torch.einsum("bhtd,bhsd->bhts", q_sel.float(), k) * scale
     visible = (j[None, None, :] <= query_positions.long().expand(B, Tq)[:, :, None]) & \
               (j[None, None, :] < key_lengths.long()[:, None, None])  # [B, Tq, S_cap]
     probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    mass = probs.sum(dim=(1, 2)) * (j[None, :] < ctx_lengths.long()[:, None])
+    mass = (probs * heads_ok[None, :, None, None]).sum(dim=(1, 2)) * (j[None, :] < ctx_lengths.long()[:, None])
+    if not accumulate:
+        out.zero_()
     out[:, :S_cap] += mass
+    return out
+
+
+def attention_scores_multi_reference(q, k_all, layers, kv_heads, key_lengths, query_positions, out, *,
+                                     scale=None, ctx_lengths=None, accumulate=True):
+    """Plain PyTorch version of `attention_scores_multi`: one reference call per layer."""
+    if not accumulate:
+        out.zero_()
+    for l in range(q.shape[1]):
+        lyr = int(layers[l]) if layers is not None else l
+        attention_scores_reference(q[:, l], k_all[lyr], kv_heads[l], key_lengths, query_positions, out,
+                                   scale=scale, ctx_lengths=ctx_lengths)
     return out

@@ -51,25 +51,34 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: AttentionBackend | None = None) -> Transformer:
+               backend: AttentionBackend | None = None, shard=None) -> Transformer:
+    """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
+    dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
+    no process ever holds the whole checkpoint."""
     folder = Path(folder)
     args = read_args(folder)
     with torch.device("meta"):
         model = Transformer(args, backend)
+        full = {n: t.shape for n, t in model.state_dict().items()}
+        if shard is not None:
+            model = shard(model)
     expected = dict(model.state_dict())
+    wrapped = {n.replace(".inner.", "."): n for n in expected if ".inner." in n}  # row-parallel wrappers
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(folder):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     ours = _our_name(name)
+                    ours = wrapped.get(ours, ours)
                     if ours not in expected:
                         continue  # e.g. rotary inv_freq saved by old exports
-                    t = sf.get_tensor(name)
-                    if t.shape != expected[ours].shape:
-                        raise CheckpointError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
-                                              f"config.json implies {tuple(expected[ours].shape)}")
-                    state[ours] = _to_device(t, device, dtype)
+                    want = full.get(ours.replace(".inner.", "."), expected[ours].shape)
+                    sl = sf.get_slice(name)
+                    if tuple(sl.get_shape()) != tuple(want):
+                        raise CheckpointError(f"{f.name}: tensor {name} has shape {tuple(sl.get_shape())}, "
+                                              f"config.json implies {tuple(want)}")
+                    state[ours] = _to_device(_read_shard(sl, want, expected[ours].shape, shard), device, dtype)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
@@ -84,6 +93,18 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
         raise CheckpointError(f"{folder} is missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
     model.load_state_dict(state, strict=False, assign=True)
     return _finish(model, args, device)
+
+
+def _read_shard(sl, full_shape, local_shape, shard) -> torch.Tensor:
+    """The whole tensor, or, when tensor parallelism made it smaller along one dimension, this rank's
+    contiguous chunk of that dimension (the layout `shard_transformer` gives every sharded tensor)."""
+    if tuple(full_shape) == tuple(local_shape):
+        return sl[:]
+    dim = next(i for i, (a, b) in enumerate(zip(full_shape, local_shape)) if a != b)
+    rank = getattr(shard, "rank", 0)
+    n = local_shape[dim]
+    index = tuple(slice(None) for _ in range(dim)) + (slice(rank * n, (rank + 1) * n),)
+    return sl[index]
 
 
 def _to_device(t: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -101,13 +122,17 @@ def _finish(model: Transformer, args: ModelArgs, device) -> Transformer:
 
 
 def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, backend: AttentionBackend | None = None) -> Transformer:
-    """Random weights of a real shape, for benchmarks: timing does not depend on the values."""
+                 seed: int = 0, backend: AttentionBackend | None = None, shard=None) -> Transformer:
+    """Random weights of a real shape, for benchmarks: timing does not depend on the values. `shard(model)`, if
+    given, reshapes the model while it is still on the meta device (tensor parallelism: each rank materializes
+    only its own shard, so a 72B target never exists whole on one GPU)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     try:
         with torch.device("meta"):
             model = Transformer(args, backend)
-        model = model.to_empty(device=device).to(dtype)
+            if shard is not None:
+                model = shard(model)
+        model = model.to(dtype).to_empty(device=device)  # cast on meta: never a full fp32 copy
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.data.fill_(1.0)

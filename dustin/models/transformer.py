@@ -6,6 +6,8 @@ SwiGLU MLP, optionally tied embeddings. Attention reads and writes a batched `KV
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,21 @@ from dustin.models.args import ModelArgs
 from dustin.models.rope import RotaryEmbedding, apply_rope
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face Llama/Qwen2 RMSNorm: normalize in fp32, cast back, then scale in the activation dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+_FUSED = os.environ.get("DUSTIN_FUSED", "1") != "0"  # DUSTIN_FUSED=0: plain PyTorch ops (A/B timing, debugging)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """GPU tensors take the fused Triton kernels of dustin/kernels/fused_ops.py (one launch instead of ~7)."""
+    return x.is_cuda and _FUSED
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -23,10 +40,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 like the reference implementations, then cast back before the weight.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if _fused(x):
+            from dustin.kernels.fused_ops import add_rms_norm
+            return add_rms_norm(x.contiguous(), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)): the residual stream and the next sublayer's input."""
+        if _fused(x):
+            from dustin.kernels.fused_ops import add_rms_norm
+            return add_rms_norm(x.contiguous(), self.weight, self.eps, residual=residual)
+        total = residual + x
+        return total, rms_norm(total, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -63,7 +88,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _fused(q):
+            from dustin.kernels.fused_ops import rope_qk
+            q, k = rope_qk(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = ctx.cache
         cache.write(self.layer, k, v, ctx.positions, ctx.rows)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
@@ -104,9 +133,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, ctx, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, cos, sin, ctx, backend):
+        """(h, residual) -> (h', residual'): the residual stream is residual + h, kept apart so that each add is
+        fused into the following norm (vLLM style); the first layer gets residual None."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_forward(residual, h)
+        h = self.self_attn(x, cos, sin, ctx, backend)
+        residual, x = self.post_attention_layernorm.add_forward(residual, h)
+        return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
@@ -127,10 +163,11 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T)."""
-        x = self.embed_tokens(tokens)
+        h, residual = self.embed_tokens(tokens), None
         cos, sin = self.rotary(ctx.positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx, self.backend)
+            h, residual = layer(h, residual, cos, sin, ctx, self.backend)
         if logits_at is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_at]
-        return self.lm_head(self.norm(x)).float()
+            rows = torch.arange(h.shape[0], device=h.device)
+            h, residual = h[rows, logits_at], residual[rows, logits_at]
+        return self.lm_head(self.norm.add_forward(residual, h)[1]).float()

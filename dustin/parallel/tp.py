@@ -17,8 +17,9 @@ Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_tr
 The draft is replicated: every rank runs the same draft forward (deterministic, no communication).
 Sparse selection (`dustin` policies) under TP lives in tp_selection.py.
 
-Limitation: each rank loads the full checkpoint and then slices it (peak memory = one full copy per rank);
-sharded loading straight from safetensors is not done.
+Loading: `load_model(..., shard=TPShard(rank, world))` shards the model on the meta device and reads only the
+rank's slice of each tensor from the safetensors files (`safe_open(...).get_slice`), so no rank ever holds the
+whole checkpoint; `random_model(..., shard=...)` does the same for benchmark weights.
 """
 from __future__ import annotations
 
@@ -160,6 +161,23 @@ def shard_transformer(model, rank: int, world: int, group=None):
     model.args = local
     model.tp_full_args, model.tp_rank, model.tp_world, model.tp_group = full, rank, world, group
     return model
+
+
+class TPShard:
+    """`shard(model)` callable for load_model / random_model: shards a model still on the meta device for this rank,
+    so each rank reads (or draws) only its own slices of the weights."""
+
+    def __init__(self, rank: int, world: int, group=None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+
+    def __call__(self, model):
+        return shard_transformer(model, self.rank, self.world, self.group)
+
+
+def current_shard() -> TPShard | None:
+    """The shard of this process under torchrun (None when not distributed)."""
+    rank, world = tp_rank_world()
+    return TPShard(rank, world) if world > 1 else None
 
 
 def full_args(model):

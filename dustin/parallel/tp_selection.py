@@ -70,7 +70,8 @@ class TPDustinSelection(DustinSelection):
                 self.cfg.target, target.args.gqa_group, B, cap, dev, target.tp_rank, target.args.n_heads,
                 getattr(target, "tp_group", None))
         if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev)
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
+                                                      session.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
 
     def plan(self, session: Session) -> SparsePlan:

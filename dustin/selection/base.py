@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 class SelectionPolicy:
     name = "full"
     observes_prefill = False  # True if target_observers must also see the prompt's last token
+    # True if the step forwards may be replayed as CUDA graphs: the plan is one `SparsePlan` (or None) and every
+    # observer only writes fixed-address device buffers (no Python-side state per call)
+    graph_safe = False
 
     def draft_observers(self, session: "Session") -> list[QueryObserver]:
         return []
@@ -40,3 +43,5 @@ class SelectionPolicy:
 
 class FullSelection(SelectionPolicy):
     """Classic verification over the whole cache: lossless."""
+
+    graph_safe = True

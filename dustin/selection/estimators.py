@@ -8,79 +8,179 @@
   the query of the last token that ends up in the cache; at the next step it scores that query against the
   full target cache (S_target).
 Scores are fp32 rows [B, S_cap]; only the configured heads' probabilities are ever materialized.
+On the GPU (and under the Triton interpreter) each `compute` is ONE `attention_scores_multi` estimate over
+all configured layers: the per-layer cache views passed in are recognised, from their metadata alone, as
+layers of one [L, B, Hkv, S, D] cache tensor (or the caller passes it as k_all). The estimate overwrites the
+score row (no zero_() launch). Otherwise (CPU tensors, views of separate tensors, SpecAttn's per-layer rows)
+it falls back to one estimate per layer.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from dustin.attention.context import ForwardContext
 from dustin.selection.config import ScoreHeads
 
 
-def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths) -> None:
-    """out[b, j] += softmax mass of q_sel on position j < ctx_lengths[b] (Triton on GPU, PyTorch on CPU)."""
+# Single-pass estimation (pass 1 stores the logits, pass 2 normalizes them instead of re-reading K): chosen per
+# estimator from GPU measurements (scripts/gpu_kernel_variants.py; docs/benchmarks.md).
+DRAFT_SINGLE_PASS = False
+TARGET_SINGLE_PASS = False
+
+
+def _kernel_ok(q: torch.Tensor) -> bool:
+    D = q.shape[-1]
+    return D >= 16 and D & (D - 1) == 0 and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths,
+                      accumulate: bool = True) -> None:
+    """out[b, j] (+)= softmax mass of q_sel on position j < ctx_lengths[b] (Triton on GPU, PyTorch on CPU)."""
     from dustin.kernels import score_estimation as se
 
-    D = q_sel.shape[-1]
-    kernel_ok = D >= 16 and D & (D - 1) == 0
-    if kernel_ok and (q_sel.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        se.attention_scores(q_sel.contiguous(), k_cache, kv_heads, key_lengths, query_positions, out,
-                            ctx_lengths=ctx_lengths)
-    else:
-        se.attention_scores_reference(q_sel, k_cache, kv_heads, key_lengths, query_positions, out,
-                                      ctx_lengths=ctx_lengths)
+    fn = se.attention_scores if _kernel_ok(q_sel) else se.attention_scores_reference
+    fn(q_sel.contiguous(), k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths=ctx_lengths,
+       accumulate=accumulate)
 
 
-def _kv_heads(heads: tuple[int, ...], group: int, device) -> torch.Tensor:
-    return torch.tensor([h // group for h in heads], dtype=torch.int32, device=device)
+def stacked_cache(k_caches: dict[int, torch.Tensor], layers: list[int]) -> torch.Tensor | None:
+    """The [L, B, Hkv, S, D] tensor whose layer l is k_caches[l] for every l in layers, rebuilt from the
+    views' metadata (no copy, no sync); None when they are not layers of one contiguous cache tensor."""
+    v0 = k_caches[layers[0]]
+    n = v0.numel()
+    base = v0.storage_offset() - layers[0] * n
+    if not v0.is_contiguous() or base < 0:
+        return None
+    ptr = v0.untyped_storage().data_ptr()
+    for layer in layers:
+        v = k_caches[layer]
+        if (v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype
+                or v.untyped_storage().data_ptr() != ptr or v.storage_offset() != base + layer * n):
+            return None
+    return v0.as_strided((max(layers) + 1, *v0.shape), (n, *v0.stride()), base)
+
+
+class _HeadSets:
+    """The configured (layer, heads) in a fixed layer order, as the multi-layer kernel wants them: layers
+    int32 [NL], kv_heads int32 [NL, Hs_max] (-1 pads a layer with fewer heads)."""
+
+    def __init__(self, heads: tuple[ScoreHeads, ...], group: int, device) -> None:
+        self.by_layer = {sh.layer: torch.tensor(sh.heads, device=device) for sh in heads}
+        self.kv_heads = {sh.layer: torch.tensor([h // group for h in sh.heads], dtype=torch.int32, device=device)
+                         for sh in heads}
+        self.layers = frozenset(self.by_layer)
+        self.order = sorted(self.by_layer)
+        self.hs = max((len(sh.heads) for sh in heads), default=0)
+        self.pad = {sh.layer: self.hs - len(sh.heads) for sh in heads}
+        rows = [[h // group for h in sh.heads] + [-1] * (self.hs - len(sh.heads))
+                for sh in sorted(heads, key=lambda sh: sh.layer)]
+        self.layers_t = torch.tensor(self.order, dtype=torch.int32, device=device)
+        self.kv_all = torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), self.hs)
+
+    def padded(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, Hs_layer, T, D] padded with zero heads to Hs_max (rare: only when head counts differ)."""
+        return F.pad(q, (0, 0, 0, 0, 0, self.pad[layer])) if self.pad[layer] else q
+
+    def full_cache(self, k_caches, k_all, observed) -> torch.Tensor | None:
+        """The whole-cache tensor for one multi-layer estimate, or None (then: one estimate per layer)."""
+        if sorted(observed) != self.order:
+            return None
+        return k_all if k_all is not None else stacked_cache(k_caches, self.order)
 
 
 class DraftLookaheadScores:
     """Collects, per configured draft layer, the lookahead query of each draft forward; `compute` then scores
-    all Γ of them in one pass over the draft cache (causal: the query at position p sees keys j <= p)."""
+    all Γ of them in one pass over the draft cache (causal: the query at position p sees keys j <= p).
 
-    def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device) -> None:
-        self.by_layer = {sh.layer: torch.tensor(sh.heads, device=device) for sh in heads}
-        self.kv_heads = {sh.layer: _kv_heads(sh.heads, group, device) for sh in heads}
-        self.layers = frozenset(self.by_layer)
+    CUDA-graph safe: draft forward t (t = 0 .. Γ-1 within a step) reads the token at position base + t, where
+    base is the sequence's cache length at the start of the step (`begin_step`), so each call scatters its query
+    into slot (position - base) of a fixed buffer [B, Hs, Γ, D]. A replayed graph repeats that write with the
+    step's real positions; nothing is appended on the host. Warm-up and capture write junk slots (clamped into
+    range) that the real forwards of the step overwrite before `compute` reads them."""
+
+    def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device,
+                 gamma: int) -> None:
+        self._sets = _HeadSets(heads, group, device)
+        self.by_layer, self.kv_heads, self.layers = self._sets.by_layer, self._sets.kv_heads, self._sets.layers
+        self.gamma = gamma
         self.scores = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
+        self._base = torch.zeros(batch, dtype=torch.long, device=device)
+        self._pos_buf = torch.zeros(batch, gamma, dtype=torch.long, device=device)
+        self._q_buf: dict[int, torch.Tensor] = {}  # layer -> [B, Hs, Γ, D]
+        # views of the buffers, one per draft forward, in the form `compute` reads
         self._queries: dict[int, list[torch.Tensor]] = {}
         self._positions: dict[int, list[torch.Tensor]] = {}
 
-    def reset(self) -> None:
-        self._queries.clear()
-        self._positions.clear()
+    def begin_step(self, lengths: torch.Tensor) -> None:
+        """Before the step's first draft forward: lengths [B] = the position of its first lookahead query."""
+        self._base.copy_(lengths)
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         if ctx.fresh:
             return  # prefill: no lookahead yet
         # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1})
-        self._queries.setdefault(layer, []).append(q[:, self.by_layer[layer], -1:])
-        self._positions.setdefault(layer, []).append(ctx.positions[:, -1:])
+        sel = q[:, self.by_layer[layer], -1:]  # [B, Hs, 1, D]
+        if layer not in self._q_buf:  # first call: eager (graph warm-up runs before capture)
+            B, Hs, _, D = sel.shape
+            buf = torch.zeros(B, Hs, self.gamma, D, dtype=q.dtype, device=q.device)
+            self._q_buf[layer] = buf
+            self._queries[layer] = [buf[:, :, t:t + 1] for t in range(self.gamma)]
+            self._positions[layer] = [self._pos_buf[:, t:t + 1] for t in range(self.gamma)]
+        pos = ctx.positions[:, -1]
+        slot = (pos - self._base).clamp(0, self.gamma - 1)
+        buf = self._q_buf[layer]
+        buf.scatter_(2, slot[:, None, None, None].expand(-1, buf.shape[1], 1, buf.shape[3]), sel)
+        self._pos_buf.scatter_(1, slot[:, None], pos[:, None])
 
     @torch.inference_mode()
-    def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor, per_layer: bool = False):
+    def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor, per_layer: bool = False,
+                k_all: torch.Tensor | None = None):
         """S_draft over the committed context j < context[b] (Eq. 5: summed over heads, layers, Γ queries);
-        with per_layer, a dict layer -> its own score row instead (SpecAttn selects per layer)."""
-        self.scores.zero_()
+        with per_layer, a dict layer -> its own score row instead (SpecAttn selects per layer).
+        k_all: optionally the whole draft K cache [L, B, Hkv, S, D] (else recognised from k_caches)."""
+        if not self._queries:
+            self.scores.zero_()
+            return {} if per_layer else self.scores
+        first = next(iter(self._queries.values()))
+        gammas = {len(qs) for qs in self._queries.values()}
+        full = None if per_layer or len(gammas) != 1 or not _kernel_ok(first[0]) else \
+            self._sets.full_cache(k_caches, k_all, self._queries)
+        if full is not None:
+            self._compute_multi(full, context)
+            return self.scores
         rows = {}
-        for layer, qs in self._queries.items():
+        for i, (layer, qs) in enumerate(self._queries.items()):
             q = torch.cat(qs, dim=2)  # [B, H_sel, Γ, D]
             pos = torch.cat(self._positions[layer], dim=1)  # [B, Γ]
-            out = torch.zeros_like(self.scores) if per_layer else self.scores
+            out = torch.empty_like(self.scores) if per_layer else self.scores
             accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos[:, -1] + 1).to(torch.int32), pos,
-                              out, context)
+                              out, context, accumulate=not per_layer and i > 0)
             rows[layer] = out
         return rows if per_layer else self.scores
+
+    def _compute_multi(self, k_all: torch.Tensor, context: torch.Tensor) -> None:
+        from dustin.kernels.score_estimation import attention_scores_multi
+
+        sets, order = self._sets, self._sets.order
+        gamma = len(self._queries[order[0]])
+        # One cat for every layer and forward: [B, Hs, NL * Γ, D] in (layer, t) order, read as
+        # [B, NL, Hs, Γ, D] through strides.
+        q = torch.cat([sets.padded(layer, t) for layer in order for t in self._queries[layer]], dim=2)
+        B, Hs, _, D = q.shape
+        q = q.view(B, Hs, len(order), gamma, D).transpose(1, 2)
+        pos = torch.cat(self._positions[order[0]], dim=1)  # [B, Γ]: the same positions on every layer
+        # key_lengths None: the last lookahead query bounds the keys (j <= its position), as before.
+        attention_scores_multi(q, k_all, sets.layers_t, sets.kv_all, None, pos, self.scores,
+                               ctx_lengths=context, accumulate=False, single_pass=DRAFT_SINGLE_PASS)
 
 
 class TargetHistoricalScores:
     def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device) -> None:
-        self.by_layer = {sh.layer: torch.tensor(sh.heads, device=device) for sh in heads}
-        self.kv_heads = {sh.layer: _kv_heads(sh.heads, group, device) for sh in heads}
-        self.layers = frozenset(self.by_layer)
+        self._sets = _HeadSets(heads, group, device)
+        self.by_layer, self.kv_heads, self.layers = self._sets.by_layer, self._sets.kv_heads, self._sets.layers
         self.scores = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
         self._window_q: dict[int, torch.Tensor] = {}  # layer -> [B, H_sel, T, D] of the last verify
         self._last_q: dict[int, torch.Tensor] = {}  # layer -> [B, H_sel, 1, D] of the last cached token
@@ -92,8 +192,13 @@ class TargetHistoricalScores:
             if layer not in self._last_q:
                 self._last_q[layer] = torch.zeros(B, sel.shape[1], 1, sel.shape[3], dtype=q.dtype, device=q.device)
             self._last_q[layer][ctx.rows] = sel[:, :, -1:]
+            return
+        # a fixed buffer (re)allocated on a new shape, so a CUDA graph's replay refreshes what after_verify reads
+        wq = self._window_q.get(layer)
+        if wq is None or wq.shape != sel.shape:
+            self._window_q[layer] = sel.clone()
         else:
-            self._window_q[layer] = sel
+            wq.copy_(sel)
 
     def after_verify(self, n_accepted: torch.Tensor) -> None:
         """The last token cached by this step is the verify row n_accepted (pending or the last accepted draft)."""
@@ -102,10 +207,26 @@ class TargetHistoricalScores:
             self._last_q[layer] = wq.gather(2, idx)
 
     @torch.inference_mode()
-    def compute(self, k_caches: dict[int, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
-        """S_target over the cached positions j < lengths[b] (the query sits at lengths[b] - 1)."""
-        self.scores.zero_()
+    def compute(self, k_caches: dict[int, torch.Tensor], lengths: torch.Tensor,
+                k_all: torch.Tensor | None = None) -> torch.Tensor:
+        """S_target over the cached positions j < lengths[b] (the query sits at lengths[b] - 1).
+        k_all: optionally the whole target K cache [L, B, Hkv, S, D] (else recognised from k_caches)."""
+        if not self._last_q:
+            self.scores.zero_()
+            return self.scores
+        first = next(iter(self._last_q.values()))
+        full = self._sets.full_cache(k_caches, k_all, self._last_q) if _kernel_ok(first) else None
+        if full is not None:
+            from dustin.kernels.score_estimation import attention_scores_multi
+
+            qs = [self._sets.padded(layer, self._last_q[layer]) for layer in self._sets.order]
+            q = qs[0][:, None] if len(qs) == 1 else torch.stack(qs, dim=1)  # [B, NL, Hs, 1, D]
+            # query_positions None: each query sits at lengths[b] - 1 (saves two small launches)
+            attention_scores_multi(q, full, self._sets.layers_t, self._sets.kv_all, lengths, None, self.scores,
+                                   accumulate=False, single_pass=TARGET_SINGLE_PASS)
+            return self.scores
         pos = (lengths.long() - 1)[:, None]
-        for layer, q_last in self._last_q.items():
-            accumulate_scores(q_last, k_caches[layer], self.kv_heads[layer], lengths, pos, self.scores, lengths)
+        for i, (layer, q_last) in enumerate(self._last_q.items()):
+            accumulate_scores(q_last, k_caches[layer], self.kv_heads[layer], lengths, pos, self.scores, lengths,
+                              accumulate=i > 0)
         return self.scores

@@ -69,12 +69,12 @@ class SpecAttnSelection(SelectionPolicy):
             d = session.draft.args
             every = tuple(ScoreHeads(layer, tuple(range(d.n_heads))) for layer in range(d.n_layers))
             self.scores = DraftLookaheadScores(every, d.gqa_group, session.B, session.target_cache.capacity,
-                                               session.device)
+                                               session.device, session.gamma)
         return [self.scores]
 
     def begin_step(self, session: "Session") -> None:
         self.draft_observers(session)
-        self.scores.reset()
+        self.scores.begin_step(session.target_cache.lengths)
 
     def plan(self, session: "Session"):
         from dustin.kernels.selection import select_dustin

@@ -32,6 +32,7 @@ def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan
 
 class StreamingSelection(SelectionPolicy):
     name = "streaming"
+    graph_safe = True  # no observers; the plan depends on the lengths only
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
@@ -45,6 +46,8 @@ class StreamingSelection(SelectionPolicy):
 
 class DustinSelection(SelectionPolicy):
     """Hybrid draft-lookahead + target-historical selection. variant: "dustin" | "dustin-t" | "dustin-d"."""
+
+    graph_safe = True  # both estimators only write fixed-address buffers; one SparsePlan per step
 
     def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
         self.cfg, self.name = cfg, variant
@@ -62,7 +65,8 @@ class DustinSelection(SelectionPolicy):
         if self.uses_target:
             self._target_scores = TargetHistoricalScores(self.cfg.target, session.target.args.gqa_group, B, cap, dev)
         if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev)
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
+                                                      session.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
 
     def target_observers(self, session: "Session"):
@@ -75,7 +79,7 @@ class DustinSelection(SelectionPolicy):
 
     def begin_step(self, session: "Session") -> None:
         if self._draft_scores is not None:
-            self._draft_scores.reset()
+            self._draft_scores.begin_step(session.target_cache.lengths)
 
     def plan(self, session: "Session") -> SparsePlan:
         L = session.target_cache.lengths

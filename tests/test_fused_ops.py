@@ -1,0 +1,46 @@
+"""Fused residual-add + RMSNorm and RoPE kernels (dustin/kernels/fused_ops.py) against the PyTorch ops they
+replace in the model, under the Triton interpreter: odd widths, strided q/k views, GQA, ragged positions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dustin.kernels.fused_ops import add_rms_norm, rope_qk
+from dustin.models.args import ModelArgs
+from dustin.models.rope import RotaryEmbedding, apply_rope
+from dustin.models.transformer import rms_norm
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (7, 96), (13, 200), (5, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_residual_add_match_the_model_ops(rows, n, dtype):
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16: torch's default, ~2 ulps
+    torch.testing.assert_close(add_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), **tol)
+    total, normed = add_rms_norm(x, w, 1e-5, residual=res)
+    if dtype == torch.float32:
+        assert torch.equal(total, res + x)  # the residual stream is rounded exactly like a PyTorch add
+    else:  # the interpreter's fp32 -> bf16 cast is not round-to-nearest-even like the GPU's: one ulp apart
+        torch.testing.assert_close(total, res + x)
+    torch.testing.assert_close(normed, rms_norm(total, w, 1e-5), **tol)
+    assert not torch.equal(total, x)
+
+
+@pytest.mark.parametrize("hq,hkv,t,d", [(8, 2, 5, 64), (4, 4, 1, 32), (6, 1, 3, 128), (12, 2, 37, 64)])
+def test_rope_matches_apply_rope_on_strided_views(hq, hkv, t, d):
+    B = 3
+    g = torch.Generator().manual_seed(hq * t)
+    args = ModelArgs(vocab_size=8, dim=hq * d, n_layers=1, n_heads=hq, n_kv_heads=hkv, intermediate_size=8,
+                     rope_theta=10000.0)
+    positions = torch.tensor([[5], [900], [31]]) + torch.arange(t)  # ragged positions, as in a decode batch
+    cos, sin = RotaryEmbedding(args)(positions)
+    # q and k as the model makes them: views of [B, T, H * D] projections, transposed to [B, H, T, D]
+    q = torch.randn(B, t, hq * d, generator=g).view(B, t, hq, d).transpose(1, 2)
+    k = torch.randn(B, t, hkv * d, generator=g).view(B, t, hkv, d).transpose(1, 2)
+    qo, ko = rope_qk(q, k, cos, sin)
+    torch.testing.assert_close(qo, apply_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ko, apply_rope(k, cos, sin), atol=1e-5, rtol=1e-5)
+    assert qo.is_contiguous() and ko.is_contiguous()
