@@ -19,9 +19,10 @@ def run_demo(args) -> int:
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
 
-    console = Console()
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention)
+    from dustin.parallel.tp import is_main_process
+    console = Console(quiet=not is_main_process())  # under torchrun only rank 0 reports
     if engine.tokenizer is None:
         raise InputError("the demo needs a target folder with a tokenizer")
     prompt, name = long_code_prompt(engine.tokenizer, args.context_tokens, args.source)

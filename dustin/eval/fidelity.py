@@ -11,6 +11,7 @@ import json
 import time
 
 from dustin.engine.config import GenerationConfig
+from dustin.errors import InputError
 from dustin.eval.arr import ARRProbe
 from dustin.eval.inputs import common_prefix, long_code_prompt
 
@@ -44,9 +45,14 @@ def run(args) -> int:
 
     from dustin.engine.engine import Engine
 
-    console = Console(stderr=True)
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention)
+    from dustin.parallel.tp import is_main_process, tp_rank_world
+    main = is_main_process()  # under torchrun only rank 0 reports
+    if tp_rank_world()[1] > 1 and not args.no_arr:
+        raise InputError("the ARR measurement reads every target head, which a tensor-parallel rank does not hold: "
+                         "add --no-arr under torchrun")
+    console = Console(stderr=True, quiet=not main)
     prompts = [engine.encode(long_code_prompt(engine.tokenizer, args.context, s)[0]) for s in args.sources.split(",")]
     base = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, draft_kv=args.draft_kv,
                 sparse_config=args.config)
@@ -89,8 +95,8 @@ def run(args) -> int:
             with console.status(f"ARR at k={k}..."):
                 engine.session(prompts, cfg, policy=probe, reuse_prefill=True).run()
             results.setdefault("arr", {})[str(k)] = probe.mean_arr()
-    _print(results, Table, Console())
-    if args.json_out:
+    _print(results, Table, Console(quiet=not main))
+    if args.json_out and main:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
