@@ -163,7 +163,7 @@ def time_setting(ctx, B, gen, timer, quick):
     tgt = TargetHistoricalScores((ScoreHeads(0, (TARGET_HEAD,)),), Hq // Hkv, B, S, DEV)
     tgt._last_q[0] = torch.randn(B, 1, 1, D, device=DEV, generator=gen, dtype=BF)
     attempt(r, "s_target_compute", lambda: timer(lambda: tgt.compute({0: kt[0]}, L)))
-    del kt
+    kt = None  # free it before the draft-shaped tensors
     # S_draft: 4 heads x Γ queries on each of 3 draft layers
     q, k_all, lay, kvh, qpos = draft_inputs(B, L, S, gen, n_layers=len(DRAFT_LAYERS))
     L_d = L + GAMMA
@@ -185,7 +185,7 @@ def time_setting(ctx, B, gen, timer, quick):
             est._positions.setdefault(i, []).append(qpos[:, t:t + 1])
     views = {i: k_all[i] for i in range(q.shape[1])}
     attempt(r, "s_draft_compute", lambda: timer(lambda: est.compute(views, L)))
-    del k_all
+    k_all = None
     st, sd = torch.rand(B, S, device=DEV, generator=gen), torch.rand(B, S, device=DEV, generator=gen)
     attempt(r, "select", lambda: timer(lambda: select_dustin(st, sd, L, k=K_SEL, m=M_DRAFT)))
     # sparse verify at the target shape

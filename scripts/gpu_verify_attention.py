@@ -179,7 +179,7 @@ def sweep(B, ctx, T=5, model="llama3.1-8b", configs=None):
     at_default = next((r for r in results if all(r[n] == default[n] for n in default)), None)
     default_us = f"{at_default['us']:.1f} us" if at_default else "not measured"
     print(f"sweep {model} B{B} ctx{ctx} T{T}: best {results[0]}\n  default {default}: {default_us}")
-    del q, k, v
+    q = k = v = None  # free the caches before the next shape
     torch.cuda.empty_cache()
     return {"B": B, "ctx": ctx, "T": T, "default": default, "default_us": at_default and at_default["us"],
             "top5": results[:5]}

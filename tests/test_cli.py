@@ -63,3 +63,16 @@ def test_generate_json_on_the_default_pair(capsys):
     seq = out["sequences"][0]
     assert len(seq["token_ids"]) == 12 and seq["prompt_len"] > 3 and seq["text"]
     assert out["method"] == "classic" and out["tau"] >= 1.0 and set(out["time_split_s"]) >= {"draft", "verify"}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--pairs", "qwen2.5-72b"], "target:draft"),
+    (["--pairs", "qwen9-1t:qwen2.5-0.5b"], "unknown named config"),
+    (["--methods", "vanilla,fastest"], "unknown methods"),
+    (["--tau", "7"], "tau must be in"),
+    (["--accept-prob", "1.5"], "--accept-prob must be in"),
+    (["--contexts", "8k"], "--contexts wants"),
+])
+def test_bench_e2e_bad_flags(capsys, argv, needle):
+    code, err = _error(capsys, ["bench", "e2e", "--device", "cpu", *argv])
+    assert code == 2 and needle in err and "Traceback" not in err

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from dustin.bench.plots import attention_breakdown, ctx_label
 from dustin.errors import InputError
 
 MODELS = {"qwen2.5-32b": (40, 8, 128, 64), "qwen2.5-7b": (28, 4, 128, 28)}  # Hq, Hkv, D, layers
@@ -209,12 +210,8 @@ def goals(rows, smoke):
             "speedup_32b_32k_b16": key[0]["speedup_dustin"] if key else None}
 
 
-def _ctx(n):
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def print_row(r):
-    print(f"| {r['model']} | {_ctx(r['context'])} | {r['batch']} | {r['full_us']:.1f} | "
+    print(f"| {r['model']} | {ctx_label(r['context'])} | {r['batch']} | {r['full_us']:.1f} | "
           f"{100 * r['full_frac_copy_bw']:.0f}% | {r['dustin_sparse_us']:.1f} | {r['dustin_est_step_us']:.1f} | "
           f"{r['dustin_est_layer_us']:.2f} ({r['dustin_est_layer_pct_of_full']:.2f}%) | "
           f"**{r['speedup_dustin']:.1f}x** ({r['speedup_dustin_sparse_only']:.1f}x) | "
@@ -226,7 +223,7 @@ def print_row(r):
 def run(args) -> int:
     if args.plot_from:
         with open(args.plot_from) as f:
-            return 0 if _plot(json.load(f), args.plot_out or "bench_attention.png") else 1
+            return 0 if attention_breakdown(json.load(f), args.plot_out or "bench_attention.png") else 1
     if args.smoke:  # must be set before the kernel modules (imported lazily below) define their kernels
         os.environ.setdefault("TRITON_INTERPRET", "1")
         dev, timer, bw = "cpu", _cpu_timer, copy_bandwidth_cpu()
@@ -289,52 +286,5 @@ def run(args) -> int:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
     if plot_path:
-        _plot(res, plot_path)
+        attention_breakdown(res, plot_path)
     return 0 if checks["ok"] else 1
-
-
-def _plot(res, path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (redraw later with --plot-from the JSON)")
-        return False
-    models = list(dict.fromkeys(r["model"] for r in res["rows"]))
-    fig, axes = plt.subplots(len(models), 2, figsize=(15, 4.5 * len(models)), squeeze=False)
-    for ax_lat, ax_est, model in ((a[0], a[1], m) for a, m in zip(axes, models)):
-        rows = [r for r in res["rows"] if r["model"] == model]
-        x = list(range(len(rows)))
-        labels = [f"{_ctx(r['context'])} x B{r['batch']}" for r in rows]
-        w = 0.27
-        ax_lat.bar([i - w for i in x], [r["full_us"] for r in rows], w, color="0.55", label="full cache")
-        for off, kind, dark, light in ((0, "dustin", "#1f4e9c", "#8fb8ee"), (w, "quest", "#9c4e1f", "#eeb88f")):
-            sparse = [r[f"{kind}_sparse_us"] for r in rows]
-            est = [r["dustin_est_layer_us" if kind == "dustin" else "quest_est_us"] for r in rows]
-            ax_lat.bar([i + off for i in x], sparse, w, color=dark, label=f"{kind}: sparse attention")
-            ax_lat.bar([i + off for i in x], est, w, bottom=sparse, color=light, label=f"{kind}: estimation")
-        for i, r in enumerate(rows):
-            ax_lat.annotate(f"{r['speedup_dustin']:.1f}x", (i, r["dustin_layer_us"]), ha="center", va="bottom",
-                            fontsize=8)
-        ax_lat.set_yscale("log")  # bars start at 0: pin the bottom so the shortest bar still shows
-        ax_lat.set_ylim(bottom=0.5 * min(min(r["full_us"], r["dustin_sparse_us"], r["quest_sparse_us"]) for r in rows))
-        ax_lat.set_xticks(x, labels)
-        ax_lat.set_ylabel("us per layer")
-        ax_lat.set_title(f"{model}: verify self-attention, k {res['k']}, T {res['gamma'] + 1}")
-        ax_lat.legend(fontsize=7)
-        for j, (key, label) in enumerate((("dustin_est_layer", "Dustin-H (SRH, amortized)"),
-                                          ("quest_est", "Quest-16"), ("naive_est_layer", "Naive (all heads)"))):
-            ax_est.bar([i + (j - 1) * w for i in x], [r[f"{key}_pct_of_full"] / 100 for r in rows], w, label=label)
-        ax_est.axhline(1.0, color="k", lw=0.8, ls="--", label="full attention (flash-attn)")
-        ax_est.axhline(0.01, color="g", lw=0.8, ls=":", label="1% goal")
-        ax_est.set_yscale("log")
-        ax_est.set_xticks(x, labels)
-        ax_est.set_ylabel("estimation latency / full attention")
-        ax_est.set_title(f"{model}: normalized estimation latency")
-        ax_est.legend(fontsize=7)
-    fig.suptitle(f"{res['device']}{' (smoke: not real timings)' if res['smoke'] else ''}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

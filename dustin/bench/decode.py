@@ -107,7 +107,6 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
             rows.append(row)
             del cache
             torch.cuda.empty_cache()
-    del model
     torch.cuda.empty_cache()
     return rows
 

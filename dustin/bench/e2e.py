@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from dustin.bench.plots import e2e_throughput
 from dustin.errors import InputError
 
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
@@ -138,6 +139,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"{flag} wants comma-separated positive integers, got {text!r}") from None
+    if min(values) < 1:
+        raise InputError(f"{flag} wants positive integers, got {text!r}")
+    return values
+
+
 def _fits(engine, batch: int, context: int, a) -> bool:
     """KV caches of target (this rank's heads) and draft, plus 4 GiB of work space, against free memory."""
     if engine.device.type != "cuda":
@@ -152,8 +163,15 @@ def run(a) -> int:
     from dustin.parallel.tp import init_distributed, is_main_process, tp_rank_world
 
     init_distributed()  # under torchrun: join the group first, so that only rank 0 prints
-    contexts = [int(x) for x in a.contexts.split(",")]
-    batches = [int(x) for x in a.batches.split(",")]
+    contexts, batches = _ints(a.contexts, "--contexts"), _ints(a.batches, "--batches")
+    if a.accept_prob is None:
+        from dustin.engine.sampling import accept_prob_for_tau
+        try:
+            accept_prob_for_tau(a.tau, a.gamma)
+        except ValueError as e:
+            raise InputError(f"--tau: {e}") from None
+    elif not 0.0 <= a.accept_prob <= 1.0:
+        raise InputError(f"--accept-prob must be in [0, 1], got {a.accept_prob}")
     methods = a.methods.split(",")
     unknown = set(methods) - set(METHODS) - {"dustin-t", "dustin-d", "streaming"}
     if unknown:
@@ -218,32 +236,4 @@ def _write(results, a, plot_too: bool = True) -> None:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
     if a.plot_out and plot_too:
-        plot(out, a.plot_out)
-
-
-def plot(out: dict, path: str) -> None:
-    """tokens/s against context, one panel per (pair, batch), one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in out["results"] if "skipped" not in r]
-    panels = sorted({(r["target"], r["draft"], r["batch"]) for r in rows})
-    if not panels:
-        return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (t, d, B) in zip(axes[0], panels):
-        mine = [r for r in rows if (r["target"], r["draft"], r["batch"]) == (t, d, B)]
-        for method in dict.fromkeys(r["method"] for r in mine):
-            pts = sorted((r["context"], r["tokens_per_s"]) for r in mine if r["method"] == method)
-            ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=method)
-        ax.set_title(f"{t} + {d}, batch {B}", fontsize=9)
-        ax.set_xlabel("context (k tokens)")
-        ax.set_ylabel("tokens/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"decoding throughput, acceptance-controlled (TP {rows[0]['tp']}, {out.get('device', 'cpu')})",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        e2e_throughput(out, a.plot_out)
