@@ -179,10 +179,12 @@ def time_setting(ctx, B, gen, timer, quick):
             q, k_all, lay, kvh, None, qpos, acc, ctx_lengths=L, accumulate=False, **kw)))
     est = DraftLookaheadScores(tuple(ScoreHeads(i, DRAFT_HEADS) for i in range(q.shape[1])), dHq // dHkv, B, S, DEV,
                                GAMMA)
-    for t in range(GAMMA):
+    est.begin_step(qpos[:, 0])
+    for t in range(GAMMA):  # the draft forwards' queries, as the observer receives them (full-head q)
         for i in range(q.shape[1]):
-            est._queries.setdefault(i, []).append(q[:, i, :, t:t + 1].contiguous())
-            est._positions.setdefault(i, []).append(qpos[:, t:t + 1])
+            full = torch.zeros(B, dHq, 1, dD, device=DEV, dtype=BF)
+            full[:, list(DRAFT_HEADS)] = q[:, i, :, t:t + 1]
+            est(i, full, k_all[i], _ctx(qpos[:, t:t + 1]))
     views = {i: k_all[i] for i in range(q.shape[1])}
     attempt(r, "s_draft_compute", lambda: timer(lambda: est.compute(views, L)))
     k_all = None

@@ -101,7 +101,8 @@ class Session:
             self.target_cache.k[..., :n_max, :].copy_(reuse.target_kv[0])
             self.target_cache.v[..., :n_max, :].copy_(reuse.target_kv[1])
         first = []
-        for b, prompt in enumerate(self.prompts):
+        run_draft = self.draft_cache is not None and (reuse is None or reuse.draft_kv is None)
+        for b, prompt in enumerate(self.prompts if reuse is None or run_draft else ()):
             n = len(prompt)
             toks = torch.tensor(prompt, device=self.device)[None]
             pos = torch.arange(n, device=self.device)[None]
@@ -112,7 +113,7 @@ class Session:
                                      observers=self.policy.target_observers(self))
                 logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
                 first.append(choose(logits, self.cfg.sampling, self.generator)[0])
-            if self.draft_cache is not None and (reuse is None or reuse.draft_kv is None):
+            if run_draft:
                 dctx = ForwardContext(self.draft_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
                 self.draft(toks, dctx, logits_at=last)
         if reuse is not None:

@@ -109,11 +109,11 @@ class DraftLookaheadScores:
         self.gamma = gamma
         self.scores = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
         self._base = torch.zeros(batch, dtype=torch.long, device=device)
-        self._pos_buf = torch.zeros(batch, gamma, dtype=torch.long, device=device)
-        self._q_buf: dict[int, torch.Tensor] = {}  # layer -> [B, Hs, Γ, D]
-        # views of the buffers, one per draft forward, in the form `compute` reads
-        self._queries: dict[int, list[torch.Tensor]] = {}
-        self._positions: dict[int, list[torch.Tensor]] = {}
+        self._pos_buf = torch.zeros(batch, gamma, dtype=torch.long, device=device)  # [B, Γ], same on every layer
+        # [B, NL, Hs_max, Γ, D], allocated at the first call (zero heads pad layers with fewer heads): the one
+        # multi-layer estimate reads it as is; _q_buf[layer] is that layer's [B, Hs_layer, Γ, D] view
+        self._q_all: torch.Tensor | None = None
+        self._q_buf: dict[int, torch.Tensor] = {}
 
     def begin_step(self, lengths: torch.Tensor) -> None:
         """Before the step's first draft forward: lengths [B] = the position of its first lookahead query."""
@@ -124,12 +124,12 @@ class DraftLookaheadScores:
             return  # prefill: no lookahead yet
         # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1})
         sel = q[:, self.by_layer[layer], -1:]  # [B, Hs, 1, D]
-        if layer not in self._q_buf:  # first call: eager (graph warm-up runs before capture)
-            B, Hs, _, D = sel.shape
-            buf = torch.zeros(B, Hs, self.gamma, D, dtype=q.dtype, device=q.device)
-            self._q_buf[layer] = buf
-            self._queries[layer] = [buf[:, :, t:t + 1] for t in range(self.gamma)]
-            self._positions[layer] = [self._pos_buf[:, t:t + 1] for t in range(self.gamma)]
+        if self._q_all is None:  # first call: eager (graph warm-up runs before capture)
+            B, _, _, D = sel.shape
+            sets = self._sets
+            self._q_all = torch.zeros(B, len(sets.order), sets.hs, self.gamma, D, dtype=q.dtype, device=q.device)
+        if layer not in self._q_buf:
+            self._q_buf[layer] = self._q_all[:, self._sets.order.index(layer), :sel.shape[1]]
         pos = ctx.positions[:, -1]
         slot = (pos - self._base).clamp(0, self.gamma - 1)
         buf = self._q_buf[layer]
@@ -142,40 +142,27 @@ class DraftLookaheadScores:
         """S_draft over the committed context j < context[b] (Eq. 5: summed over heads, layers, Γ queries);
         with per_layer, a dict layer -> its own score row instead (SpecAttn selects per layer).
         k_all: optionally the whole draft K cache [L, B, Hkv, S, D] (else recognised from k_caches)."""
-        if not self._queries:
+        if not self._q_buf:
             self.scores.zero_()
             return {} if per_layer else self.scores
-        first = next(iter(self._queries.values()))
-        gammas = {len(qs) for qs in self._queries.values()}
-        full = None if per_layer or len(gammas) != 1 or not _kernel_ok(first[0]) else \
-            self._sets.full_cache(k_caches, k_all, self._queries)
+        pos = self._pos_buf
+        full = None if per_layer or not _kernel_ok(self._q_all) else \
+            self._sets.full_cache(k_caches, k_all, self._q_buf)
         if full is not None:
-            self._compute_multi(full, context)
+            from dustin.kernels.score_estimation import attention_scores_multi
+
+            # key_lengths None: the last lookahead query bounds the keys (j <= its position)
+            attention_scores_multi(self._q_all, full, self._sets.layers_t, self._sets.kv_all, None, pos,
+                                   self.scores, ctx_lengths=context, accumulate=False,
+                                   single_pass=DRAFT_SINGLE_PASS)
             return self.scores
         rows = {}
-        for i, (layer, qs) in enumerate(self._queries.items()):
-            q = torch.cat(qs, dim=2)  # [B, H_sel, Γ, D]
-            pos = torch.cat(self._positions[layer], dim=1)  # [B, Γ]
+        for i, (layer, q) in enumerate(self._q_buf.items()):
             out = torch.empty_like(self.scores) if per_layer else self.scores
             accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos[:, -1] + 1).to(torch.int32), pos,
                               out, context, accumulate=not per_layer and i > 0)
             rows[layer] = out
         return rows if per_layer else self.scores
-
-    def _compute_multi(self, k_all: torch.Tensor, context: torch.Tensor) -> None:
-        from dustin.kernels.score_estimation import attention_scores_multi
-
-        sets, order = self._sets, self._sets.order
-        gamma = len(self._queries[order[0]])
-        # One cat for every layer and forward: [B, Hs, NL * Γ, D] in (layer, t) order, read as
-        # [B, NL, Hs, Γ, D] through strides.
-        q = torch.cat([sets.padded(layer, t) for layer in order for t in self._queries[layer]], dim=2)
-        B, Hs, _, D = q.shape
-        q = q.view(B, Hs, len(order), gamma, D).transpose(1, 2)
-        pos = torch.cat(self._positions[order[0]], dim=1)  # [B, Γ]: the same positions on every layer
-        # key_lengths None: the last lookahead query bounds the keys (j <= its position), as before.
-        attention_scores_multi(q, k_all, sets.layers_t, sets.kv_all, None, pos, self.scores,
-                               ctx_lengths=context, accumulate=False, single_pass=DRAFT_SINGLE_PASS)
 
 
 class TargetHistoricalScores:
