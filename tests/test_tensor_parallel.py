@@ -16,7 +16,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
-from dustin.parallel.tp import TPShard, maybe_shard, shard_transformer
+from dustin.parallel.tp import TPShard, finish_distributed, maybe_shard, shard_transformer
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
 
 WORKER_TIMEOUT_S = 120
@@ -73,8 +73,10 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
         assert s.target_cache.k.shape[2] == 4 // world
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outputs, f)
+        finish_distributed()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # error path: leave without a barrier
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

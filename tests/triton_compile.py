@@ -110,7 +110,9 @@ def compile_all_kernels() -> list[str]:
         os.environ["TRITON_INTERPRET"] = "1"  # only the wrappers' routing reads it now: take the Triton paths
         try:
             st = torch.rand(B, 4096)
-            selection.select_dustin(st, st, torch.full((B,), 4000, dtype=i32), k=512, m=128)
+            for impl in ("radix", "topk"):
+                for m in (128, 0):  # dustin, dustin-t
+                    selection.select_dustin(st, st, torch.full((B,), 4000, dtype=i32), k=512, m=m, impl=impl)
             kq = torch.zeros(B, 8, 4096, 128, dtype=bf)
             pages = quest.QuestPages(1, B, 8, 128, 4096, bf, "cpu")
             pages.build(0, kq, torch.full((B,), 4000, dtype=i32))

@@ -257,7 +257,10 @@ def run(args) -> int:
           "(% full) | dustin speedup (sparse only) | quest-16 est us (% full) | quest sparse us | quest speedup "
           "| naive est/layer us (% full) |")
     print("|" + "---|" * 13)
+    from dustin.kernels import selection
+
     res = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_Bps": bw,
+           "select_impl": selection.DEFAULT_IMPL,
            "smoke": bool(args.smoke), "k": args.k, "m": args.m, "gamma": args.gamma, "models": models,
            "draft": draft, "checks": checks, "rows": [], "skipped": []}
     for name, shape in models.items():

@@ -153,6 +153,14 @@ def cmd_models(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _dispatch(argv)
+    if code == 0:
+        from dustin.parallel.tp import finish_distributed
+        finish_distributed()  # under torchrun: all ranks leave the process group together
+    return code
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -10,17 +10,20 @@ Dustin's set for a sequence of length L > k:
   target    = top-(k - |protected| - m) of s_target over what is left
 If L <= k every position 0 .. L-1 is selected. m = 0 gives dustin-t; m = k - sinks - window dustin-d.
 
-How: a Triton pass writes both score rows masked to the pickable positions (-inf elsewhere) into one
-[2B, S] buffer; one torch.topk takes n = k - sinks - window picks from each row at once. The target
-list needs no second topk after the draft picks: dropping the (at most m) draft picks from the target's
-top-n leaves at least n - m = the target budget, in rank order. A second Triton kernel (one program per
-sequence) drops those, gathers protected + draft + target candidates and sorts them (tl.sort, <= 1024
-values) into the ascending row. Every size is a Python int: no .item(), no boolean indexing, so it is
-CUDA-graph friendly. Ties in a score are broken by torch.topk. Why not a full Triton top-k: a
-one-program-per-row radix select (histogram passes) measured 300-430 us on an H200 (B 16 x 32k),
-slower than torch.topk's multi-block radix select (~75 us for both rows); the ~15 small torch ops
-around it cost ~100 us more in CUDA graphs, which is what the two kernels here replace. CPU tensors
-outside the Triton interpreter take the pure torch path (`_select_dustin_torch`).
+How, on the GPU (and under the Triton interpreter):
+- impl="radix" (select_radix.py): a per-row key histogram, a compaction of the certain picks and the
+  boundary candidates, and one program per sequence that resolves the boundary, drops the draft picks
+  from the target's and sorts the row: three launches, no torch.topk.
+- impl="topk": a Triton pass writes both score rows masked to the pickable positions (-inf elsewhere)
+  into one [2B, S] buffer; one torch.topk takes n = k - sinks - window picks from each row at once. The
+  target list needs no second topk after the draft picks: dropping the (at most m) draft picks from the
+  target's top-n leaves at least n - m = the target budget, in rank order. A second Triton kernel (one
+  program per sequence) drops those, gathers protected + draft + target candidates and sorts them
+  (tl.sort, <= 1024 values) into the ascending row. Ties in a score are broken by torch.topk.
+Every size is a Python int: no .item(), no boolean indexing, so both are CUDA-graph friendly. On an H200
+the topk path took 80-120 us a step at B 8-16 x 8k-32k (docs/results/kernel_variants_h200.json): torch.topk's
+multi-block radix select (~75 us for both rows) plus the launches around it. CPU tensors outside the
+Triton interpreter take the pure torch path (`_select_dustin_torch`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from dustin.kernels.select_radix import in_list, select_dustin_radix, write_sorted_row
 
 _NEG_INF = float("-inf")
 
@@ -67,31 +72,12 @@ def _assemble_kernel(ranked_ptr, lengths_ptr, scratch_ptr, idx_ptr, counts_ptr, 
     target = tl.load(target_row + r, mask=r < N_PICK, other=-1).to(tl.int32)
     keep = r < N_PICK
     if M > 0:
-        in_draft = tl.zeros([NP_PAD], dtype=tl.int32)
-        for c0 in tl.static_range(0, M_PAD, 32):  # membership in 32-wide slices keeps registers small
-            c = c0 + tl.arange(0, 32)
-            draft = tl.load(ranked_ptr + b * N_PICK + c, mask=c < M, other=-2).to(tl.int32)
-            in_draft = tl.maximum(in_draft, tl.max((target[:, None] == draft[None, :]).to(tl.int32), 1))
-        keep = keep & (in_draft == 0)
+        keep = keep & ~in_list(target, ranked_ptr + b * N_PICK, M, M_PAD)
     keep = keep & (tl.cumsum(keep.to(tl.int32), 0) <= N_PICK - M)
-    # Candidates go to disjoint slots of a scratch row (no two threads write one address), then the
-    # barrier makes them visible to the whole program for the sort. Unused slots hold the sentinel S.
-    row = scratch_ptr + b * P
-    i = tl.arange(0, SW_PAD)
-    tl.store(row + i, tl.where(i < SINKS, i, L - WINDOW + i - SINKS), mask=i < SINKS + WINDOW)
-    if M > 0:
-        c = tl.arange(0, M_PAD)
-        tl.store(row + SINKS + WINDOW + c, tl.load(ranked_ptr + b * N_PICK + c, mask=c < M, other=0).to(tl.int32),
-                 mask=c < M)
-    tl.store(row + SINKS + WINDOW + M + r, tl.where(keep, target, S))
-    slot = tl.arange(0, P)
-    tl.store(row + slot, tl.full([P], S, tl.int32), mask=slot >= SINKS + WINDOW + M + NP_PAD)
-    tl.debug_barrier()
-    ordered = tl.sort(tl.load(row + slot))
-    short = L <= K  # everything fits: 0 .. L-1
-    value = tl.where(short, tl.where(slot < L, slot, 0), ordered)
-    tl.store(idx_ptr + b * K + slot, value, mask=slot < K)
-    tl.store(counts_ptr + b, tl.minimum(L, K))
+    c = tl.arange(0, M_PAD)
+    draft = tl.load(ranked_ptr + b * N_PICK + c, mask=c < M, other=0).to(tl.int32)
+    write_sorted_row(draft, target, keep, L, b, scratch_ptr, idx_ptr, counts_ptr, S, SINKS, WINDOW, K, M, NP_PAD,
+                     M_PAD, SW_PAD, P)
 
 
 def _all_positions(L: torch.Tensor, k: int):
@@ -100,10 +86,16 @@ def _all_positions(L: torch.Tensor, k: int):
     return torch.where(slot < L, slot, torch.zeros_like(slot)).to(torch.int32), L[:, 0].to(torch.int32)
 
 
+# Which Triton path select_dustin takes on the GPU: "radix" (select_radix.py: three launches, no torch.topk)
+# or "topk" (torch.topk between the two kernels below). Both give the reference's sets.
+DEFAULT_IMPL = "radix"
+
+
 def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, *, k: int, m: int,
-                  sinks: int = 4, window: int = 16):
+                  sinks: int = 4, window: int = 16, impl: str | None = None):
     """s_target, s_draft: float [B, S] scores (higher = more important); lengths: int [B] committed
-    positions (<= S). Returns (indices int32 [B, k], counts int32 [B]); counts[b] = min(lengths[b], k)."""
+    positions (<= S). Returns (indices int32 [B, k], counts int32 [B]); counts[b] = min(lengths[b], k).
+    impl: "radix" or "topk" (default DEFAULT_IMPL); CPU tensors outside the interpreter use torch ops."""
     B, S = s_target.shape
     assert s_draft.shape == (B, S) and k >= 1
     assert 0 <= m <= k - sinks - window, "the budget must hold the protected sinks, window and m draft picks"
@@ -118,6 +110,11 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
         return _select_dustin_torch(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
     lengths = lengths.to(device)
+    impl = impl or DEFAULT_IMPL
+    assert impl in ("radix", "topk"), f"impl {impl!r}: want 'radix' or 'topk'"
+    if impl == "radix":
+        return select_dustin_radix(s_target, s_draft.to(s_target.dtype), lengths, k=k, m=m, sinks=sinks,
+                                   window=window, p=p)
     rows = 2 if m > 0 else 1
     masked = torch.empty(rows, B, S, device=device, dtype=torch.float32)
     _mask_scores_kernel[(B, triton.cdiv(S, 1024))](s_draft, s_target, lengths, masked, S, s_draft.stride(0),

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
+from dustin.kernels.scratch import zeroed_int32
 
 _LOG2E = 1.4426950408889634
 
@@ -209,20 +210,6 @@ def _default_num_splits(n_programs: int, k_max: int, block_n: int, device: torch
 # Which merge a multi-split launch uses by default: "launch" (a second, combine kernel) or "kernel" (the
 # last-finishing split merges; one launch). Flip once scripts/gpu_kernel_variants.py has measured both.
 DEFAULT_MERGE = "launch"
-_COUNTERS: dict = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 zeros that the in-kernel merge leaves at zero again: allocated once per device and reused.
-    While a CUDA graph is being captured a too-small cache is not grown (that memory would belong to the
-    graph's pool); the graph then holds its own zeroed buffer (a memset node, replayed with it)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, scale=None, num_splits=None,
@@ -262,7 +249,7 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     else:
         acc_part = ml_part = out  # unused
     in_kernel = num_splits > 1 and merge == "kernel"
-    counters = _split_counters(q.device, B * Hkv) if in_kernel else lengths  # lengths: unused stand-in
+    counters = zeroed_int32("split_counters", q.device, B * Hkv) if in_kernel else lengths  # lengths: unused stand-in
     # fp32 callers want fp32 accuracy, not tf32; the interpreter needs fp32 operands (see _dot).
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     num_warps = num_warps or (4 if block_m <= 64 else 8)

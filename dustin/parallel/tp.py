@@ -67,6 +67,16 @@ def _shutdown() -> None:
         dist.destroy_process_group()
 
 
+def finish_distributed() -> None:
+    """Leave the process group after a successful run: barrier first, so that no rank tears down its gloo/NCCL
+    connections while a peer still completes the last collective (gloo then aborts the process with
+    "terminate called without an active exception"). Only on success: after an error on one rank a barrier would
+    wait for peers that never arrive, so the atexit handler destroys without one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def tp_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
