@@ -58,6 +58,29 @@ def test_multi_layer_matches_reference(B, L_total, layers, Hkv, heads, Tq, D, ct
         assert torch.equal(got[b, c:], start[b, c:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_shared_kv_heads_out_of_order(single_pass, dtype):
+    """Heads sharing KV heads, listed out of KV order (a repeat after another KV head), with -1 pads: the
+    kernel loads and multiplies each distinct KV head once per key block; the sums must not change."""
+    gen = torch.Generator().manual_seed(35)
+    B, Hkv, group, Tq, D, S_cap = 3, 2, 3, 4, 32, 157  # odd S_cap: the last key block is partial
+    q_heads = [[5, 0, 4], [1, 2]]  # query heads of 2 layers; KV head = query head // group
+    kvh = torch.tensor([[h // group for h in hs] + [-1] * (4 - len(hs)) for hs in q_heads], dtype=torch.int32)
+    assert kvh.tolist() == [[1, 0, 1, -1], [0, 0, -1, -1]]
+    q = torch.randn(B, 2, 4, Tq, D, generator=gen).to(dtype)
+    k_all = (torch.randn(3, B, Hkv, S_cap, D, generator=gen) * 1.5).to(dtype)
+    lay = torch.tensor([2, 0], dtype=torch.int32)
+    ctx_t = torch.tensor([150, 41, 97], dtype=torch.int32)  # ragged; key_lengths = ctx + Tq <= S_cap
+    qpos = ctx_t.long()[:, None] + torch.arange(Tq)[None, :]
+    start = torch.rand(B, S_cap + 3, generator=gen)
+    want = attention_scores_multi_reference(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t)
+    for kw in ({"num_programs": 3, "block_n": 16}, {}):
+        got = attention_scores_multi(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t,
+                                     single_pass=single_pass, **kw)
+        torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 @pytest.mark.parametrize("single_pass", [False, True])
 def test_overwrite_and_optional_lengths(single_pass):
     """accumulate=False overwrites the whole row (zeros past the context); key_lengths None bounds keys by

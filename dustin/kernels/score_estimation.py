@@ -12,9 +12,14 @@ Retrieval Heads only. Design:
   (`attention_scores_multi`; `attention_scores` is its one-layer case). Layers may use different head
   sets; a kv_heads entry of -1 pads a layer with fewer heads.
 - All Hs heads x Tq queries of a layer are folded into the rows of one tl.dot block (row r -> head
-  r // Tq, query r % Tq). Per key block, each head's K tile is loaded and multiplied with the Q rows of
-  that head only (other rows zeroed), summed into one logit tile. Heads sharing a KV head load the same
-  tile back to back, so the re-read hits L1/L2 and HBM sees each KV head's keys about once per pass.
+  r // Tq, query r % Tq). Pass 1 loads this Q tile once per program (it does not depend on the key
+  block); pass 2, whose layer loop sits inside its key loop, re-loads it per block (as one tile load) on
+  the rare path that recomputes logits (single_pass=False).
+- Per key block, each DISTINCT KV head of the layer is loaded once and multiplied once with the Q rows of
+  all heads on it (other rows zeroed), summed into one logit tile: heads sharing a KV head (GQA, e.g. 4
+  draft heads on 2 KV heads) cost one K tile read, not one per head. Repeats and -1 pads are found in the
+  kernel from kv_heads (no host-side table, no sync); their loads are masked off (no memory traffic) and
+  their dots multiply zeros (cheaper on sm_90 than branching around them; see `_logits`).
 - Pass 1 (grid B x P1 x layers, key blocks strided over the P1 programs so ragged lengths stay
   balanced) writes a per-program running (max, sum-exp) per row.
 - Pass 2 (grid B x P2): each program first reduces the P1 partials of its sequence to one log-sum-exp
@@ -26,10 +31,11 @@ Retrieval Heads only. Design:
   normalises those instead of re-reading K: fewer bytes when rows * 4 B < Hkv_used * D * 2 B per key
   (e.g. 1 target head at D 128: 8 B instead of 256 B per key on the second pass).
 - No host syncs: grids depend only on shapes.
-Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k, before the fused combine and the multi-layer
-launch: 80 us for one target head (D 128, 1 query), 97 us per draft layer for 4 draft heads on 2 KV heads
-(D 64, 4 queries): both ~3 TB/s over two reads of K. The fused, multi-layer and single-pass paths: not yet
-measured (scripts/gpu_kernel_variants.py).
+Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k, single pass, multi-layer: S_draft (4 heads on
+2 KV heads x 4 queries, 3 Qwen2.5-0.5B layers) 233 us before the KV-dedup / Q-once loading, 224 us after;
+S_target (1 head, 1 query, D 128) 57.6 us, 53.6 us with 128-key blocks (docs/results/gpu_tune_h200.json,
+scripts/gpu_tune.py). S_draft moves ~400 MB of keys plus its logits scratch: ~1.8 TB/s, half the copy
+bandwidth; 8 warps or fewer/more programs measured slower.
 """
 from __future__ import annotations
 
@@ -53,7 +59,8 @@ def _num_sms(device: torch.device) -> int:
 def _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
           HS: tl.constexpr, TQ: tl.constexpr, R_PAD: tl.constexpr, HAS_KLEN: tl.constexpr,
           HAS_QPOS: tl.constexpr):
-    """Per row of layer l: head, query index, validity, query position; and the key bound of sequence b."""
+    """Per row of layer l: head, query index, KV head (-1: invalid row), validity, query position; and the
+    key bound of sequence b."""
     rows = tl.arange(0, R_PAD)
     row_head = rows // TQ
     row_t = rows % TQ
@@ -66,26 +73,41 @@ def _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
         qpos = tl.load(qpos_ptr + b * sp_b + row_t * sp_t, mask=row_ok, other=-1).to(tl.int64)
     else:  # the last cached token's query: position key_lengths[b] - 1
         qpos = tl.where(row_ok, key_end - 1, -1)
-    return row_head, row_t, row_ok, qpos, key_end
+    return row_head, row_t, kvh, row_ok, qpos, key_end
 
 
 @triton.jit
-def _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
-            sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s,
-            HS: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Raw logits [R_PAD, BLOCK_N] of layer l's (head, query) rows against keys j of their own KV head."""
+def _q_tile(q_ptr, b, l, row_head, row_t, row_ok, d, sq_b, sq_l, sq_h, sq_t):
+    """Layer l's queries as one [R_PAD, D] tile (row r -> head r // TQ, query r % TQ; invalid rows zero)."""
+    return tl.load(q_ptr + b * sq_b + l * sq_l + row_head[:, None] * sq_h + row_t[:, None] * sq_t + d[None, :],
+                   mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s,
+            HS: tl.constexpr, TQ: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+            IEEE: tl.constexpr):
+    """Raw logits [R_PAD, BLOCK_N] of the rows of Q tile q (KV head row_kv per row) against keys j: one K tile
+    read per distinct KV head of the layer, multiplied with all rows on that KV head in one tl.dot."""
     s = tl.zeros([R_PAD, BLOCK_N], dtype=tl.float32)
     k_base = k_ptr + lyr * sk_l + b * sk_b
+    rows = tl.arange(0, R_PAD)
     for h in tl.static_range(HS):
-        kvh = tl.load(kvh_ptr + l * HS + h)
+        # Slot h stands for the KV head of head h unless an earlier head already used it (or it is -1). All of
+        # this depends on the layer only, not on the key block (the compiler hoists it out of the key loop).
+        kvh = tl.max(tl.where(rows == h * TQ, row_kv, -1), 0)
+        seen = tl.sum(((rows < h * TQ) & (row_kv == kvh)).to(tl.int32), 0)
+        kvh = tl.where(seen == 0, kvh, -1)
         k = tl.load(k_base + kvh.to(tl.int64) * sk_h + j[:, None] * sk_s + d[None, :],
-                    mask=(j_ok & (j * 0 + kvh >= 0))[:, None], other=0.0)  # -1: padded head, no read
-        q = tl.load(q_ptr + b * sq_b + l * sq_l + h * sq_h + row_t[:, None] * sq_t + d[None, :],
-                    mask=(row_head == h)[:, None], other=0.0)
+                    mask=(j_ok & (j * 0 + kvh >= 0))[:, None], other=0.0)  # -1: pad or repeat, no read
+        # The rows of every head on this KV head (none for -1: that dot multiplies zeros). Not under an
+        # `if kvh >= 0`: sm_90 codegen then re-stages Q in shared memory and converts s in every taken
+        # branch; unconditional, each slot's Q tile is staged once per program and s converted once.
+        qh = tl.where((row_kv == kvh)[:, None], q, tl.zeros_like(q))
         if IEEE:  # fp32 callers, and the CPU interpreter whose bf16 tl.dot multiplies raw bit patterns
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), s, input_precision="ieee")
+            s = tl.dot(qh.to(tl.float32), tl.trans(k.to(tl.float32)), s, input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k), s)
+            s = tl.dot(qh, tl.trans(k), s)
     return s
 
 
@@ -100,18 +122,18 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
     pid = tl.program_id(1)
     l = tl.program_id(2)
     lyr = tl.load(layers_ptr + l).to(tl.int64) if HAS_LAYERS else b * 0 + l  # int64 either way
-    row_head, row_t, row_ok, qpos, key_end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
-                                                   HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+    row_head, row_t, row_kv, row_ok, qpos, key_end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t,
+                                                           S_CAP, HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
     key_end = tl.minimum(key_end, tl.max(qpos, 0) + 1)
     d = tl.arange(0, D)
+    q = _q_tile(q_ptr, b, l, row_head, row_t, row_ok, d, sq_b, sq_l, sq_h, sq_t)  # once, not per key block
     rows = tl.arange(0, R_PAD)
     m_i = tl.full([R_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([R_PAD], dtype=tl.float32)
     for blk in range(pid, tl.cdiv(key_end, BLOCK_N), P1):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < key_end
-        s = _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
-                    sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
+        s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD, BLOCK_N, IEEE)
         s = tl.where(j_ok[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         if STORE_LOGITS:  # scratch [B, NL, HS*TQ, S_CAP]: pass 2 reads these instead of K
             lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
@@ -170,8 +192,8 @@ def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qp
         lse_all = tl.load(lse_ptr + (b * NL + lidx[:, None]) * R_PAD + rows[None, :],
                           mask=(lidx < NL)[:, None], other=float("inf"))
     # (distinct names: Triton rejects a name re-bound with another type inside the loop below)
-    _h0, _t0, _ok0, _qpos0, key_end = _rows(b, 0, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
-                                            HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+    _h0, _t0, _kv0, _ok0, _qpos0, key_end = _rows(b, 0, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
+                                                  HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
     out_end = tl.minimum(tl.load(ctx_ptr + b).to(tl.int64), key_end) if HAS_CTX else key_end
     d = tl.arange(0, D)
     n_out = S_OUT if not ACCUMULATE else out_end  # overwrite: zero the rest of the row too
@@ -182,16 +204,18 @@ def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qp
         if blk * BLOCK_N < out_end:
             for l in range(NL):
                 lyr = tl.load(layers_ptr + l).to(tl.int64) if HAS_LAYERS else b * 0 + l
-                row_head, row_t, row_ok, qpos, _end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t,
-                                                            S_CAP, HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
+                row_head, row_t, row_kv, row_ok, qpos, _end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b,
+                                                                    sp_t, S_CAP, HS, TQ, R_PAD, HAS_KLEN,
+                                                                    HAS_QPOS)
                 lse = tl.sum(tl.where(lidx[:, None] == l, lse_all, 0.0), 0)
                 visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= qpos[:, None])
                 if FROM_LOGITS:  # pass 1 stored every visible logit (j <= qpos < its key_end)
                     lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
                     s = tl.load(lg, mask=visible, other=float("-inf"))
-                else:
-                    s = _logits(q_ptr, k_ptr, kvh_ptr, b, l, lyr, j, j_ok, row_head, row_t, d,
-                                sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, HS, R_PAD, BLOCK_N, IEEE)
+                else:  # Q re-loaded per block here (one tile load): Triton holds no per-layer list of tiles
+                    q = _q_tile(q_ptr, b, l, row_head, row_t, row_ok, d, sq_b, sq_l, sq_h, sq_t)
+                    s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD,
+                                BLOCK_N, IEEE)
                     s = s * qk_scale
                 tot += tl.sum(tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), 0)
         o_ptrs = out_ptr + b * so_b + j
@@ -202,7 +226,10 @@ def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qp
 
 
 def _launch_config(B, NL, S_cap, r_pad, D, device, num_programs, block_n):
-    block_n = block_n or (64 if r_pad * D <= 64 * 128 else 32)
+    # Key block: 128 keys for the smallest row tile (S_target: 1 head x 1 query; 53.6 vs 57.6 us with 64 at
+    # 32k x 16 on an H200, docs/results/gpu_tune_h200.json), 64 up to 64 x 128 rows x dims (S_draft: 64 and
+    # 128 within 1%), else 32.
+    block_n = block_n or (128 if r_pad * D <= 16 * 128 else 64 if r_pad * D <= 64 * 128 else 32)
     n_blocks = triton.cdiv(S_cap, block_n)
     # ~4 programs per SM over the whole batch (an H200 sweep found 2-8 within 5% of each other); pass 1
     # splits them over the layers, pass 2 loops over the layers in every program.

@@ -86,9 +86,10 @@ def _all_positions(L: torch.Tensor, k: int):
     return torch.where(slot < L, slot, torch.zeros_like(slot)).to(torch.int32), L[:, 0].to(torch.int32)
 
 
-# Which Triton path select_dustin takes on the GPU: "radix" (select_radix.py: three launches, no torch.topk)
-# or "topk" (torch.topk between the two kernels below). Both give the reference's sets.
-DEFAULT_IMPL = "radix"
+# Which Triton path select_dustin takes on the GPU: "topk" (torch.topk between the two kernels below) or
+# "radix" (select_radix.py: three launches, no torch.topk). Both give the reference's sets; on an H200 radix
+# measured slower (103-225 us vs 79-99 us at B 8-16 x 8k-32k, docs/results/gpu_tune_h200.json), so topk stays.
+DEFAULT_IMPL = "topk"
 
 
 def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, *, k: int, m: int,
