@@ -69,3 +69,40 @@ def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, cou
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
     scores = scores.masked_fill(~_expand_kv(mask, Hq), float("-inf"))
     return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v).to(q.dtype)
+
+
+def attention_scores_reference(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, *, scale=None,
+                               ctx_lengths=None, accumulate=True):
+    """Plain float32 PyTorch version of `attention_scores` (slow on purpose; defines the semantics)."""
+    B, Hs, Tq, D = q_sel.shape
+    S_cap = k_cache.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    kv_heads = kv_heads[:Hs]
+    j = torch.arange(S_cap, device=q_sel.device)
+    key_lengths = torch.full((B,), S_cap, device=q_sel.device) if key_lengths is None else key_lengths
+    ctx_lengths = key_lengths if ctx_lengths is None else ctx_lengths
+    if query_positions is None:
+        query_positions = (key_lengths.long() - 1)[:, None]
+    heads_ok = kv_heads.long() >= 0
+    k = k_cache[:, kv_heads.long().clamp_min(0)].float()  # [B, Hs, S_cap, D]
+    logits = torch.einsum("bhtd,bhsd->bhts", q_sel.float(), k) * scale
+    visible = (j[None, None, :] <= query_positions.long().expand(B, Tq)[:, :, None]) & \
+              (j[None, None, :] < key_lengths.long()[:, None, None])  # [B, Tq, S_cap]
+    probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    mass = (probs * heads_ok[None, :, None, None]).sum(dim=(1, 2)) * (j[None, :] < ctx_lengths.long()[:, None])
+    if not accumulate:
+        out.zero_()
+    out[:, :S_cap] += mass
+    return out
+
+
+def attention_scores_multi_reference(q, k_all, layers, kv_heads, key_lengths, query_positions, out, *,
+                                     scale=None, ctx_lengths=None, accumulate=True):
+    """Plain PyTorch version of `attention_scores_multi`: one reference call per layer."""
+    if not accumulate:
+        out.zero_()
+    for l in range(q.shape[1]):
+        lyr = int(layers[l]) if layers is not None else l
+        attention_scores_reference(q[:, l], k_all[lyr], kv_heads[l], key_lengths, query_positions, out,
+                                   scale=scale, ctx_lengths=ctx_lengths)
+    return out

@@ -18,6 +18,14 @@ Scores become int32 keys whose signed order is the float order (`_order_key`). R
    draft picks from the target's n and keeps the n - m best of the rest (the target's n best contain the
    n - m best outside the draft picks); then protected + draft + target are sorted ascending into the row.
 No host syncs; every size is a Python int, so the launches are CUDA-graph friendly.
+
+Measured on an H200 (scripts/gpu_tune.py, docs/results/gpu_tune_h200.json): equal to the reference and to
+the topk path, but SLOWER: 103 / 147 / 197 / 225 us at B 8 x 8k, 16 x 16k, 8 x 32k, 16 x 32k against 79-99 us
+for the topk path, so `selection.DEFAULT_IMPL` stays "topk". The likely cause: 11 key bits are too coarse
+for scores packed in a narrow range (the benchmark's uniform [0, 1) scores put a quarter of a row in one
+bin), so the boundary bin holds thousands of candidates and step 3 takes its streamed path, ~37 serial
+passes over them in one program per sequence. A second histogram level over the boundary bin's next bits
+(inside step 3) would cut that to a few candidates; not built, since no device time was left to measure it.
 """
 from __future__ import annotations
 
@@ -63,7 +71,7 @@ def _histogram_kernel(sd_ptr, st_ptr, lengths_ptr, hist_ptr, done_ptr, meta_ptr,
                       NB: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
-    j, key, pickable = _row_keys(sd_ptr, st_ptr, lengths_ptr, r, c, B, S, sd_stride, st_stride,
+    _, key, pickable = _row_keys(sd_ptr, st_ptr, lengths_ptr, r, c, B, S, sd_stride, st_stride,
                                  SINKS, WINDOW, BOTH, CH)
     bins = tl.arange(0, NB)
     # No histogram mask (older Triton lacks it): unpickable slots go to bin 0 and are taken out again.
@@ -281,7 +289,7 @@ def select_dustin_radix(s_target, s_draft, lengths, *, k: int, m: int, sinks: in
     np_pad = triton.next_power_of_2(n_pick)
     in_pos, in_key = (torch.empty(rows, n_pick, device=device, dtype=i32) for _ in range(2))
     cand_pos, cand_key = (torch.empty(rows, S, device=device, dtype=i32) for _ in range(2))
-    common = dict(SINKS=sinks, WINDOW=window, BOTH=m > 0, CH=CHUNK, SHIFT=SHIFT, NB=NB)
+    common = {"SINKS": sinks, "WINDOW": window, "BOTH": m > 0, "CH": CHUNK, "SHIFT": SHIFT, "NB": NB}
     strides = (s_draft.stride(0), s_target.stride(0))
     _histogram_kernel[(rows, chunks)](s_draft, s_target, lengths, hist, done, meta, fill, B, S, *strides,
                                       M=m, N_PICK=n_pick, num_warps=8, **common)
