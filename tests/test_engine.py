@@ -112,6 +112,17 @@ def test_batch_too_large_for_memory(engine, monkeypatch):
         _run(engine, _prompts([10, 10]), method="classic")
 
 
+def test_kv_cache_bytes_match_the_allocated_caches(engine):
+    """The memory check (and `bench e2e`'s fit test) count exactly what a session allocates."""
+    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=5)
+    prompts = _prompts([10, 7])
+    s = engine.session(prompts, cfg)
+    allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
+                    for c in (s.target_cache, s.draft_cache))
+    assert engine.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated
+    assert engine.kv_cache_bytes(2, 100, speculative=False) < engine.kv_cache_bytes(2, 100)
+
+
 def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
     """The engine on the Triton kernels (CPU interpreter here) gives the SDPA backend's tokens."""
     from dustin.attention.backend import AttentionBackend

@@ -154,9 +154,7 @@ def _fits(engine, batch: int, context: int, a) -> bool:
     if engine.device.type != "cuda":
         return True
     cap = context + (a.warmup + a.steps + 2) * (a.gamma + 1) + 2 * (a.gamma + 2)
-    elem = engine.target.embed_tokens.weight.element_size()
-    need = batch * cap * (engine.target.args.kv_bytes_per_token(elem) + engine.draft.args.kv_bytes_per_token(elem))
-    return need + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
+    return engine.kv_cache_bytes(batch, cap) + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
 
 
 def run(a) -> int:

@@ -192,13 +192,18 @@ class Engine:
                                  f"({context})")
         self._check_memory(prompts, cfg)
 
-    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
-        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (cfg.gamma + 2)
+    def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
+        """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
+        (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
         elem = self.target.embed_tokens.weight.element_size()
         per_tok = self.target.args.kv_bytes_per_token(elem)
-        if self.draft is not None and cfg.spec.speculative:
+        if self.draft is not None and speculative:
             per_tok += self.draft.args.kv_bytes_per_token(elem)
-        need = per_tok * capacity * len(prompts)
+        return per_tok * capacity * batch
+
+    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
+        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (cfg.gamma + 2)
+        need = self.kv_cache_bytes(len(prompts), capacity, cfg.spec.speculative)
         free = _free_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OutOfMemoryError(f"the KV caches for {len(prompts)} sequences x {capacity} positions need "
