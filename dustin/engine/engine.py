@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
 from dustin.selection.base import SelectionPolicy
+
+if TYPE_CHECKING:
+    from dustin.selection.config import SparseConfig
 
 
 @dataclass
@@ -36,10 +40,11 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     time_split_s: dict[str, float]
+    sparse_config: dict | None = None  # source, k, m and score heads of a sparse method's config
 
     def to_json(self) -> dict:
         return {
-            "method": self.method, "steps": self.steps, "tau": round(self.tau, 4),
+            "method": self.method, "sparse_config": self.sparse_config, "steps": self.steps, "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
             "time_split_s": {k: round(v, 4) for k, v in self.time_split_s.items()},
@@ -81,6 +86,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
+        self._identities = None  # (target, draft) model identities, computed on first use
         self._saved_prefill = None  # see session(reuse_prefill=True)
 
     @classmethod
@@ -145,6 +151,7 @@ class Engine:
                  policy: SelectionPolicy | None = None, chat: bool = False,
                  reuse_prefill: bool = False) -> GenerationResult:
         ids = [self.encode(p, chat) for p in prompts]
+        policy = policy or self.make_policy(cfg)
         try:
             s = self.session(ids, cfg, policy, reuse_prefill).run()
         except torch.OutOfMemoryError:
@@ -154,18 +161,40 @@ class Engine:
         st = s.stats
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
+        sc = policy.cfg
+        used = None if sc is None else {"source": sc.source, **sc.to_json()}
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split)
+                                st.prefill_s, st.decode_s, split, used)
+
+    def identities(self) -> tuple[dict, dict | None]:
+        """(target, draft) model identities: architecture + weight fingerprint (selection/tuned.py)."""
+        from dustin.selection.tuned import model_identity
+
+        if self._identities is None:
+            self._identities = (model_identity(self.target),
+                                None if self.draft is None else model_identity(self.draft))
+        return self._identities
+
+    def default_sparse_config(self) -> "SparseConfig":
+        """The shipped tuned config of this exact pair (by weight fingerprint), else the built-in fallback."""
+        from dustin.selection.config import default_config
+        from dustin.selection.tuned import find_tuned, load_tuned
+
+        path = find_tuned(*self.identities())
+        if path is not None:
+            return load_tuned(path)
+        return default_config(self.target.args, self.draft.args if self.draft is not None else None)
 
     def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:
-        """The verification policy of cfg.method, with its sparse config (file, or the built-in default)."""
-        from dustin.selection.config import SparseConfig, default_config
+        """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
+        config shipped for this pair, else the built-in fallback."""
+        from dustin.selection.config import SparseConfig
         from dustin.selection.policies import make_policy
 
         if cfg.spec.policy == "full":
             return make_policy("full", None)
         d_args = self.draft.args if self.draft is not None else None
-        sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else default_config(self.target.args, d_args)
+        sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
         if cfg.budget is not None:
             sc = sc.with_budget(cfg.budget)
         sc.validate_for(self.target.args, d_args)

@@ -1,9 +1,19 @@
 """Attention recovery rate (paper Eq. 1-4) of selection policies along a full-verification trajectory.
 
+Definition used everywhere in dustin (the probe below, the profiling search, the docs): at a step whose cache
+holds L positions, the verify window's first w = 4 queries sit at L .. L+3; Ā_j is their attention on cached
+position j < L, averaged over the w queries and over a head set H (every head of every target layer here; the
+SRHs of every layer in `dustin profile`). Each query's attention is normalized over everything it sees (the
+cache plus the window tokens before it), as the model computes it. Then, for a selected set K,
+
+    ARR(K) = Σ_{j ∈ K} Ā_j / Σ_{j < L} Ā_j
+
+i.e. Eq. 1-2 with A renormalized over the cached positions 𝒱 = {j < L} (the window tokens are always
+attended, so no policy chooses them). Two reference sets (selection/oracle.py): `oracle-topk`, the top-k of Ā
+(Eq. 3: the upper bound), and `oracle`, sinks + window + top of Ā (the `--method oracle` policy's set).
+
 `ARRProbe` is a selection policy that verifies with the full cache (so the trajectory is classic SD's) while,
-at every step, it lets each policy under test pick its set and scores the set against the true attention of the
-verify window: ARR = Σ_{j∈K} Ā_j / Σ_j Ā_j over cached positions, with Ā the mean over the first w = 4 window
-queries, all heads and all layers of the target. The oracle (Eq. 3) is the top-k of Ā itself.
+at every step, it lets each policy under test pick its set and scores it against the true Ā.
 """
 from __future__ import annotations
 
@@ -13,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dustin.selection.base import SelectionPolicy
-from dustin.selection.oracle import window_attention
+from dustin.selection.oracle import oracle_set, topk_set, window_attention
 
 if TYPE_CHECKING:
     from dustin.engine.session import Session
@@ -29,8 +39,8 @@ def recovery(mass: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) ->
 class ARRProbe(SelectionPolicy):
     name = "arr-probe"
 
-    def __init__(self, policies: dict[str, SelectionPolicy], budget: int) -> None:
-        self.policies, self.budget = policies, budget
+    def __init__(self, policies: dict[str, SelectionPolicy], budget: int, sinks: int = 4, window: int = 16) -> None:
+        self.policies, self.budget, self.sinks, self.window = policies, budget, sinks, window
         self.observes_prefill = any(p.observes_prefill for p in policies.values())
         self.arr: dict[str, list[float]] = defaultdict(list)
 
@@ -47,9 +57,10 @@ class ARRProbe(SelectionPolicy):
     def plan(self, session: "Session"):
         active = [b for b, done in enumerate(session.finished) if not done]
         mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
-        top = mass.topk(min(self.budget, mass.shape[1]), dim=1)
-        counts = torch.clamp(session.target_cache.lengths, max=top.indices.shape[1])
-        self.arr["oracle"] += recovery(mass, top.indices, counts)[active].tolist()
+        L = session.target_cache.lengths
+        for name, (idx, counts) in (("oracle-topk", topk_set(mass, L, self.budget)),
+                                    ("oracle", oracle_set(mass, L, self.budget, self.sinks, self.window))):
+            self.arr[name] += recovery(mass, idx, counts)[active].tolist()
         for name, p in self.policies.items():
             plan = p.plan(session)
             self.arr[name] += recovery(mass, plan.indices, plan.counts)[active].tolist()

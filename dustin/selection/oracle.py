@@ -1,6 +1,13 @@
 """The true attention of the verify window over the cached context (paper Eq. 1-3), for the oracle policy and
 for measuring the attention recovery rate (ARR) of any selected set. Analysis only: it runs a full-cache target
-forward and materializes every head's attention."""
+forward and materializes every head's attention.
+
+Two oracle sets, both built from the window's mean attention Ā (Eq. 3), and named apart everywhere:
+- `oracle-topk` (`topk_set`): the plain top-k of Ā, Eq. 3 itself: the largest ARR any k positions can reach
+  (the ARR upper bound).
+- `oracle` (`oracle_set`, the `--method oracle` policy): Eq. 6's layout with Ā in place of the estimates:
+  sinks and the recent window protected, the rest of k filled by the top of Ā; the same protected positions
+  as dustin's sets, so it isolates how well dustin's estimate ranks the unprotected positions."""
 from __future__ import annotations
 
 import torch
@@ -49,3 +56,31 @@ def window_attention(target: Transformer, cache: KVCache, tokens: torch.Tensor, 
     out = torch.zeros(L.shape[0], cache.capacity, dtype=torch.float32, device=mean.device)
     out[:, :max_len] = mean
     return out
+
+
+def _sorted_valid_first(top: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Sort the first counts[b] picks of each row ascending and pad the rest with 0 (the kernels' format)."""
+    k = top.shape[1]
+    valid = torch.arange(k, device=top.device)[None] < counts[:, None]
+    big = torch.iinfo(torch.int64).max
+    ordered = torch.where(valid, top, torch.full_like(top, big)).sort(dim=1).values
+    return torch.where(valid, ordered, torch.zeros_like(ordered)).to(torch.int32)
+
+
+def topk_set(scores: torch.Tensor, lengths: torch.Tensor, k: int):
+    """`oracle-topk` when scores = Ā: the k highest-scoring cached positions j < lengths[b] (all of them when
+    lengths[b] <= k). Returns (indices int32 [B, k] sorted, padded with 0; counts int32 [B])."""
+    L = lengths.long().to(scores.device)
+    j = torch.arange(scores.shape[1], device=scores.device)[None]
+    k = min(k, scores.shape[1])
+    top = scores.float().masked_fill(j >= L[:, None], float("-inf")).topk(k, dim=1).indices
+    counts = torch.clamp(L, max=k).to(torch.int32)
+    return _sorted_valid_first(top, counts), counts
+
+
+def oracle_set(scores: torch.Tensor, lengths: torch.Tensor, k: int, sinks: int, window: int):
+    """`oracle`: positions [0, sinks) and [L - window, L) always, the rest of k by the top of scores (Ā)."""
+    L = lengths.long().to(scores.device)
+    j = torch.arange(scores.shape[1], device=scores.device)[None]
+    protected = (j < sinks) | ((j >= L[:, None] - window) & (j < L[:, None]))
+    return topk_set(scores.float().masked_fill(protected, float("inf")), lengths, k)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dustin.attention.context import SparsePlan
+from dustin.errors import InputError
 from dustin.selection.base import FullSelection, SelectionPolicy
 from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
@@ -51,7 +52,16 @@ class DustinSelection(SelectionPolicy):
 
     def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
         self.cfg, self.name = cfg, variant
-        self.m = {"dustin": cfg.draft_topm, "dustin-t": 0, "dustin-d": cfg.free_budget}[variant]
+        source = cfg.source or "the sparse config"
+        if variant in ("dustin", "dustin-t") and not cfg.target and (variant == "dustin-t" or not cfg.draft):
+            raise InputError(f"{source} has no target score heads, which {variant} needs")
+        if variant == "dustin-d" and not cfg.draft:
+            raise InputError(f"{source} has no draft score heads, which dustin-d needs")
+        # A source with no heads must not fill slots from an all-zero row (arbitrary positions): with only
+        # target heads dustin is dustin-t (m = 0), with only draft heads dustin-d (m = the free budget).
+        m = cfg.draft_topm if cfg.draft else 0
+        m = m if cfg.target else cfg.free_budget
+        self.m = {"dustin": m, "dustin-t": 0, "dustin-d": cfg.free_budget}[variant]
         self.uses_draft = self.m > 0 and bool(cfg.draft)
         self.uses_target = self.m < cfg.free_budget and bool(cfg.target)
         self.observes_prefill = self.uses_target  # S_target of step 1 needs the last prompt token's query
@@ -111,25 +121,11 @@ class OracleSelection(SelectionPolicy):
         self.cfg = cfg
 
     def plan(self, session: "Session") -> SparsePlan:
-        from dustin.selection.oracle import window_attention
+        from dustin.selection.oracle import oracle_set, window_attention
 
         mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
-        L = session.target_cache.lengths.long()
-        j = torch.arange(mass.shape[1], device=mass.device)[None]
-        protected = (j < self.cfg.sinks) | ((j >= L[:, None] - self.cfg.window) & (j < L[:, None]))
-        mass = mass.masked_fill(protected, float("inf")).masked_fill(j >= L[:, None], float("-inf"))
-        k = min(self.cfg.budget, mass.shape[1])
-        counts = torch.clamp(L, max=k).to(torch.int32)
-        return SparsePlan(_sorted_valid_first(mass.topk(k, dim=1).indices, counts), counts)
-
-
-def _sorted_valid_first(top: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Sort the first counts[b] picks of each row ascending and pad the rest with 0 (the kernels' format)."""
-    k = top.shape[1]
-    valid = torch.arange(k, device=top.device)[None] < counts[:, None]
-    big = torch.iinfo(torch.int64).max
-    ordered = torch.where(valid, top, torch.full_like(top, big)).sort(dim=1).values
-    return torch.where(valid, ordered, torch.zeros_like(ordered)).to(torch.int32)
+        idx, counts = oracle_set(mass, session.target_cache.lengths, self.cfg.budget, self.cfg.sinks, self.cfg.window)
+        return SparsePlan(idx, counts)
 
 
 POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "oracle")

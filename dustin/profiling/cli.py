@@ -1,0 +1,149 @@
+"""`dustin profile srh|trace|search|all`: the offline profile of a target-draft pair (docs/profiling.md).
+
+Everything lands in --out (default profile/<target>+<draft>): srh_<role>_trials.jsonl, srh_<role>.json and
+srh_<role>.png; trace/<split>/*.safetensors; search.json, config.json (the tuned SparseConfig, keyed on the
+pair's weight fingerprints) and the figures. Each stage skips what is already there, so an interrupted run
+resumes; seeds are fixed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dustin.errors import InputError
+
+STAGES = ("srh", "trace", "search", "all")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("stage", choices=STAGES, help="srh: retrieval heads; trace: attention rows; search: Algorithm 1")
+    p.add_argument("--target", default="default")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default profile/<target>+<draft>)")
+    p.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("srh")
+    s.add_argument("--contexts", default=None,
+                   help="needle prompt lengths (default: 20 from 1024 up to the model context, log-spaced)")
+    s.add_argument("--max-context", type=int, default=None, help="cap of the default lengths")
+    s.add_argument("--depths", type=int, default=10, help="needle depths per length, 0..100%%")
+    s.add_argument("--needles", type=int, default=3, help="how many of the profiling needles")
+    s.add_argument("--srh-max-new-tokens", type=int, default=50)
+    s.add_argument("--batch-tokens", type=int, default=1 << 18, help="prompt tokens per trial batch")
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace-contexts", default="8192,16384,30720", help="tokens per validation text")
+    t.add_argument("--trace-kinds", default="essays,squad,hotpotqa,code")
+    t.add_argument("--texts", type=int, default=1, help="texts per (kind, length) and split")
+    t.add_argument("--steps", type=int, default=16, help="sampled decode steps per text")
+    t.add_argument("--stride", type=int, default=8, help="tokens between sampled steps")
+    t.add_argument("--gamma", type=int, default=4)
+    t.add_argument("--draft-kv", choices=["full", "streaming"], default="streaming")
+    t.add_argument("--draft-budget", type=int, default=512)
+    a = p.add_argument_group("search")
+    a.add_argument("--budget", type=int, default=512, help="verify budget k the config is tuned for")
+    a.add_argument("--search-m", default="128,192,256", help="draft budgets m scored in phase 2")
+    a.add_argument("--optuna-trials", type=int, default=40)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise InputError(f"{flag} must be positive integers, got {text!r}")
+    return vals
+
+
+def _validate(args) -> None:
+    for flag in ("depths", "needles", "srh_max_new_tokens", "texts", "steps", "stride", "gamma", "optuna_trials"):
+        if getattr(args, flag) < 1:
+            raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.budget < 21:
+        raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {args.budget}")
+    if args.contexts:
+        _ints(args.contexts, "--contexts")
+    _ints(args.trace_contexts, "--trace-contexts")
+    _ints(args.search_m, "--search-m")
+    from dustin.data.corpora import KINDS
+    bad = [k for k in args.trace_kinds.split(",") if k not in KINDS]
+    if bad:
+        raise InputError(f"--trace-kinds: unknown {bad}; choose from {', '.join(KINDS)}")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dustin.engine.engine import Engine
+
+    _validate(args)
+    console = Console(stderr=True)
+    engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
+    if engine.draft is None:
+        raise InputError("profiling needs a draft model (--draft)")
+    if engine.tokenizer is None:
+        raise InputError("profiling needs the target's tokenizer (the model folder has none)")
+    out = args.out or Path("profile") / f"{Path(str(args.target)).name}+{Path(str(args.draft)).name}"
+    out.mkdir(parents=True, exist_ok=True)
+    costs = _load_json(out / "costs.json")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        if args.stage in ("srh", "all"):
+            costs["srh_s"] = costs.get("srh_s", 0) + _timed(lambda: _srh(engine, args, out, progress))
+        if args.stage in ("trace", "all"):
+            costs["trace_s"] = costs.get("trace_s", 0) + _timed(lambda: _trace(engine, args, out, progress))
+        (out / "costs.json").write_text(json.dumps(costs, indent=1))
+        if args.stage in ("search", "all"):
+            from dustin.profiling.report import run_search
+            run_search(engine, args, out, costs, progress, console)
+    console.print(f"profile written to {out}")
+    return 0
+
+
+def _srh(engine, args, out: Path, progress) -> None:
+    from dustin.data.corpora import essays
+    from dustin.eval.needles import PROFILE_NEEDLES
+    from dustin.profiling.plots import srh_heatmap
+    from dustin.profiling.srh import default_contexts, run_srh, shuffled_haystacks
+
+    if args.needles > len(PROFILE_NEEDLES):
+        raise InputError(f"--needles {args.needles}: only {len(PROFILE_NEEDLES)} profiling needles exist")
+    needles = PROFILE_NEEDLES[:args.needles]
+    limit = min(engine.target.args.max_position_embeddings, engine.draft.args.max_position_embeddings)
+    limit = min(limit - args.srh_max_new_tokens - 64, args.max_context or limit)
+    contexts = _ints(args.contexts, "--contexts") if args.contexts else default_contexts(limit)
+    haystacks = shuffled_haystacks(essays("profile"), len(needles), args.seed)
+    for role in ("target", "draft"):
+        res = run_srh(engine, role, out, contexts, args.depths, needles, haystacks,
+                      max_new_tokens=args.srh_max_new_tokens, batch_tokens=args.batch_tokens, progress=progress)
+        srh_heatmap(res, out / f"srh_{role}.png", title=f"SRH scores, {role} ({res['counted']}/{res['trials']} "
+                                                          f"trials retrieved the needle)")
+
+
+def _trace(engine, args, out: Path, progress) -> None:
+    from dustin.data.corpora import long_texts
+    from dustin.profiling.srh import load_srh
+    from dustin.profiling.trace import run_trace
+
+    srh_t, srh_d = load_srh(out / "srh_target.json"), load_srh(out / "srh_draft.json")
+    for split, seed in (("profile", args.seed), ("heldout", args.seed + 1)):
+        texts = []
+        for kind in args.trace_kinds.split(","):
+            for n in _ints(args.trace_contexts, "--trace-contexts"):
+                for i, text in enumerate(long_texts(kind, split, n, engine.tokenizer, args.texts, seed)):
+                    texts.append((f"{kind}-{n}-{i}", text))
+        run_trace(engine, out, split, texts, srh_t, srh_d, gamma=args.gamma, steps=args.steps, stride=args.stride,
+                  draft_kv=args.draft_kv, draft_budget=args.draft_budget, progress=progress)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return round(time.perf_counter() - t0, 1)
+
+
+def _load_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

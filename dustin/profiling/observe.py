@@ -1,0 +1,89 @@
+"""Exact attention probabilities of chosen queries, for offline analysis (never on the decode hot path).
+
+The engine's attention kernels never materialize probabilities. Profiling needs them for every head (SRH
+scores) or for a few query positions over the whole context (traces), so these observers recompute them in
+fp32 from the post-RoPE queries a forward hands its `QueryObserver`s and the layer's K cache.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dustin.attention.context import ForwardContext
+
+_CHUNK_BYTES = 512 * 2**20  # bound on the fp32 copy of K made per chunk of sequences
+
+
+def causal_probs(q: torch.Tensor, k_cache: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of queries q [B, Hq, Q, D] sitting at positions q_pos [B, Q] over the cached keys
+    k_cache [B, Hkv, S, D] (query head h reads KV head h // (Hq / Hkv)); key j is visible to a query at p
+    iff j <= p. Returns fp32 [B, Hq, Q, S]; S is what the caller sliced the cache to (>= max(q_pos) + 1)."""
+    B, Hq, Q, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.empty(B, Hq, Q, S, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_BYTES // max(Hkv * S * D * 4, 1))
+    j = torch.arange(S, device=q.device)
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        k = k_cache[b0:b1].float()  # [b, Hkv, S, D]
+        qg = q[b0:b1].float().view(b1 - b0, Hkv, G * Q, D)  # query heads of one KV head side by side
+        logits = torch.matmul(qg, k.transpose(-1, -2)).view(b1 - b0, Hq, Q, S) / math.sqrt(D)
+        visible = j[None, None, None, :] <= q_pos[b0:b1, None, :, None]
+        out[b0:b1] = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    return out
+
+
+class SpanMass:
+    """Per layer: each query head's attention mass on a token span, for the LAST query of every forward
+    (the query whose logits pick the next token). spans: int [B, 2] = [start, end) per sequence.
+    After a forward, `mass` is [B, L, H] (rows of a fresh single-sequence prefill fill ctx.rows only)."""
+
+    def __init__(self, n_layers: int, n_heads: int, spans: torch.Tensor) -> None:
+        self.layers = frozenset(range(n_layers))
+        self.spans = spans
+        self.mass = torch.zeros(spans.shape[0], n_layers, n_heads, dtype=torch.float32, device=spans.device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
+        pos = ctx.positions[:, -1:]  # [b, 1]
+        S = int(ctx.max_len)
+        probs = causal_probs(q[:, :, -1:], k_cache[:, :, :S], pos)[:, :, 0]  # [b, H, S]
+        spans = self.spans[ctx.rows] if ctx.rows is not None else self.spans
+        j = torch.arange(S, device=q.device)[None, :]
+        inside = (j >= spans[:, :1]) & (j < spans[:, 1:])  # [b, S]
+        m = (probs * inside[:, None, :]).sum(-1)  # [b, H]
+        if ctx.rows is not None:
+            self.mass[ctx.rows, layer] = m
+        else:
+            self.mass[:, layer] = m
+
+
+class RowRecorder:
+    """Attention rows of chosen query positions of ONE sequence, reduced per layer while the forward runs
+    (a prefill over the whole text hands every position's query at once).
+
+    groups: name -> (positions int [N, P], heads per layer {layer: int tensor of query heads} or None for
+    all heads, ctx_len int [N]); for each name and layer it stores rows[name][n, layer] = the sum over the
+    chosen heads and the P queries of step n of their probabilities on keys j < ctx_len[n] (fp32 [N, S])."""
+
+    def __init__(self, n_layers: int, groups: dict, S: int) -> None:
+        self.layers = frozenset(range(n_layers))
+        self.groups = groups
+        self.rows = {name: torch.zeros(pos.shape[0], n_layers, S, dtype=torch.float32, device=pos.device)
+                     for name, (pos, _, _) in groups.items()}
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
+        S = self.rows[next(iter(self.rows))].shape[-1]
+        first = ctx.positions[0, 0]
+        for name, (pos, heads, ctx_len) in self.groups.items():
+            h = heads.get(layer) if heads is not None else None
+            if heads is not None and h is None:
+                continue
+            qs = q[0] if h is None else q[0, h]  # [H, T, D]
+            N, P = pos.shape
+            local = (pos - first).reshape(-1)  # query indices inside this forward's tokens
+            probs = causal_probs(qs[:, local][None], k_cache[:1, :, :S], pos.reshape(1, -1))[0]  # [H, N*P, S]
+            probs = probs.view(-1, N, P, S).sum(dim=(0, 2))  # [N, S]
+            keep = torch.arange(S, device=q.device)[None, :] < ctx_len[:, None]
+            self.rows[name][:, layer] = probs * keep
