@@ -3,60 +3,49 @@
 The CPU interpreter (TRITON_INTERPRET=1) runs kernels as NumPy code and so misses errors of the real compiler
 (loop-carried type changes, unsupported ops, shared-memory overflows). `compile_launches()` patches
 `JITFunction.run`: every launch made inside the block is compiled ahead of time for `GPUTarget("cuda", 90, 32)`
-with the launch's own arguments (tensor dtypes, ints, constexprs, num_warps / num_stages) and not run. The
-wrappers around the kernels run unchanged on CPU tensors, so each kernel is compiled with exactly the
-specialization the engine asks for. Used by tests/test_kernels_compile.py in a subprocess with the interpreter
-off.
+and not run. The launch is specialized by the JIT's own binder, exactly as on the GPU: argument types, ints
+equal to 1 made constant, and the 16-byte divisibility of pointers and ints. The divisibility hints matter:
+without them the loads are not pipelined through shared memory, and 12 score heads compiled to 57344 B of
+shared memory here while the H200 asked for 450560 B (and crashed). Each launch records the kernel's name,
+its shared memory (`metadata.shared`, what the driver checks against the device's limit at launch) and
+its constexprs. The wrappers around the kernels run unchanged on CPU tensors, so each kernel is compiled with
+exactly the specialization the engine asks for. Used by tests/test_kernels_compile.py in a subprocess with
+the interpreter off.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
-
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"cannot type kernel argument {value!r}")
+class Compiled(NamedTuple):
+    name: str
+    shared: int  # bytes of shared memory per program
+    constexprs: str
 
 
 @contextlib.contextmanager
-def compile_launches(compiled: list[str]):
-    """Within the block, kernel launches compile for sm_90 instead of running; names go to `compiled`."""
+def compile_launches(compiled: list[Compiled]):
+    """Within the block, kernel launches compile for sm_90 instead of running; each is appended to `compiled`."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
 
     def run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAUNCH_OPTIONS}
-        bound = dict(zip(self.arg_names, args))
-        bound.update(kwargs)
-        signature, constexprs = {}, {}
-        for p in self.params:
-            value = bound.get(p.name, p.default)
-            if p.is_constexpr:
-                signature[p.name] = "constexpr"
-                constexprs[p.name] = value
-            elif value is None:
-                signature[p.name] = "constexpr"
-                constexprs[p.name] = None
-            else:
-                signature[p.name] = _arg_type(value)
-        src = ASTSource(fn=self, signature=signature, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        compiled.append(self.fn.__name__)
+        binder = create_function_from_signature(self.signature, self.params, backend)  # what JITFunction.run does
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+        consts = " ".join(f"{p.name}={bound[p.name]}" for p in self.params
+                          if p.is_constexpr and isinstance(bound[p.name], (bool, int)))
+        compiled.append(Compiled(self.fn.__name__, kernel.metadata.shared, consts))
 
     saved = JITFunction.run
     JITFunction.run = run
@@ -66,16 +55,16 @@ def compile_launches(compiled: list[str]):
         JITFunction.run = saved
 
 
-def compile_all_kernels() -> list[str]:
+def compile_all_kernels() -> list[Compiled]:
     """Launch every kernel of dustin/kernels through its Python wrapper, at the shapes and options the engine
-    uses on the GPU (bf16 caches, Qwen2.5-32B / 0.5B head layouts, Γ = 4), compiling instead of running.
-    Must run with TRITON_INTERPRET unset (the kernels must be JITFunctions)."""
+    uses on the GPU (bf16 caches, Qwen2.5-32B / 1.5B / 0.5B head layouts, Γ = 4), compiling instead of
+    running. Must run with TRITON_INTERPRET unset (the kernels must be JITFunctions)."""
     import os
 
     from dustin.kernels import fused_ops, quest, score_estimation, selection, sparse_verify, verify_attention
 
     bf, i32 = torch.bfloat16, torch.int32
-    compiled: list[str] = []
+    compiled: list[Compiled] = []
     B, S = 2, 700
     L = torch.full((B,), 600, dtype=i32)
     with compile_launches(compiled):
@@ -91,14 +80,22 @@ def compile_all_kernels() -> list[str]:
         sparse_verify.sparse_verify_attention(q, k, k, L, torch.zeros(B, 8, 512, dtype=i32),
                                               torch.full((B, 8), 512, dtype=i32))  # per-KV-head lists (Quest)
         out = torch.zeros(B, S)
-        for nl, hs, tq, dd, hkv in ((1, 1, 1, 128, 8), (3, 4, 4, 64, 2)):  # S_target, S_draft
+        # S_target, S_draft as measured (1 head; 4 heads on 2 KV heads x Γ), then every head of a layer of the
+        # Qwen2.5-Coder pair (1.5B target: 12 heads on 2 KV heads, D 128; 0.5B draft: 14 on 2, D 64, Γ = 4)
+        for nl, hs, tq, dd, hkv in ((1, 1, 1, 128, 8), (3, 4, 4, 64, 2), (28, 12, 1, 128, 2), (3, 14, 4, 64, 2)):
             qs = torch.zeros(B, nl, hs, tq, dd, dtype=bf)
             kall = torch.zeros(nl, B, hkv, S, dd, dtype=bf)
-            kvh = torch.zeros(nl, hs, dtype=i32)
+            kvh = (torch.arange(hs) * hkv // hs).to(i32).expand(nl, hs)  # GQA: consecutive heads share
             qpos = None if tq == 1 else torch.zeros(B, tq, dtype=torch.long)
             klen = L if tq == 1 else None
             for kw in ({}, {"fused": False}, {"single_pass": True}, {"accumulate": False}):
                 score_estimation.attention_scores_multi(qs, kall, None, kvh, klen, qpos, out, ctx_lengths=L, **kw)
+        # SpecAttn: all draft heads of one layer, one estimate per layer (DraftLookaheadScores.compute(
+        # per_layer=True) -> accumulate_scores -> attention_scores)
+        qs, kd = torch.zeros(B, 14, 4, 64, dtype=bf), torch.zeros(B, 2, S, 64, dtype=bf)
+        kvh = torch.arange(14, dtype=i32) // 7
+        score_estimation.attention_scores(qs, kd, kvh, L, torch.zeros(B, 4, dtype=torch.long), out, ctx_lengths=L,
+                                          accumulate=False)
         fused_ops.add_rms_norm(torch.zeros(B, 5, 5120, dtype=bf), torch.ones(5120, dtype=bf), 1e-6)
         fused_ops.add_rms_norm(torch.zeros(B, 5, 896, dtype=bf), torch.ones(896, dtype=bf), 1e-6,
                                residual=torch.zeros(B, 5, 896, dtype=bf))
@@ -123,5 +120,5 @@ def compile_all_kernels() -> list[str]:
 
 
 if __name__ == "__main__":
-    names = compile_all_kernels()
-    print(" ".join(sorted(set(names))))
+    for c in compile_all_kernels():  # one line per launch: name, shared bytes, constexprs
+        print(c.name, c.shared, c.constexprs, sep="\t")

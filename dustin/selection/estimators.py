@@ -66,9 +66,12 @@ def stacked_cache(k_caches: dict[int, torch.Tensor], layers: list[int]) -> torch
 
 class _HeadSets:
     """The configured (layer, heads) in a fixed layer order, as the multi-layer kernel wants them: layers
-    int32 [NL], kv_heads int32 [NL, Hs_max] (-1 pads a layer with fewer heads)."""
+    int32 [NL], kv_heads int32 [NL, Hs_max] (-1 pads a layer with fewer heads). Each layer's heads are
+    sorted by KV head (the sum over heads does not depend on their order): the kernel splits a layer of many
+    heads into groups of consecutive heads, and heads on one KV head in one group share its K tile read."""
 
     def __init__(self, heads: tuple[ScoreHeads, ...], group: int, device) -> None:
+        heads = tuple(ScoreHeads(sh.layer, tuple(sorted(sh.heads, key=lambda h: h // group))) for sh in heads)
         self.by_layer = {sh.layer: torch.tensor(sh.heads, device=device) for sh in heads}
         self.kv_heads = {sh.layer: torch.tensor([h // group for h in sh.heads], dtype=torch.int32, device=device)
                          for sh in heads}
