@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     esub = ev.add_subparsers(dest="eval_command", required=True)
     from dustin.eval.fidelity import add_arguments as add_fidelity
     add_fidelity(esub.add_parser("fidelity", help="τ, output equality and ARR of sparse verification"))
+    from dustin.eval.retrieval import add_arguments as add_needles
+    add_needles(esub.add_parser("needles", help="held-out needle-in-a-haystack retrieval per method and budget"))
+
+    from dustin.profiling.cli import add_arguments as add_profile
+    add_profile(sub.add_parser("profile", help="offline profile of a pair: retrieval heads, attention traces, "
+                                             "Algorithm 1 -> a tuned sparse config"))
     return parser
 
 
@@ -180,7 +186,13 @@ def _dispatch(argv: list[str] | None) -> int:
                 return run_attention_bench(args)
             from dustin.bench.decode import run as run_decode_bench
             return run_decode_bench(args)
+        if args.command == "profile":
+            from dustin.profiling.cli import run as run_profile
+            return run_profile(args)
         if args.command == "eval":
+            if args.eval_command == "needles":
+                from dustin.eval.retrieval import run as run_needles
+                return run_needles(args)
             from dustin.eval.fidelity import run as run_fidelity
             return run_fidelity(args)
     except DustinError as e:

