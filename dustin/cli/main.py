@@ -37,7 +37,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-budget", type=int, default=512, help="streaming draft: sinks + window positions")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--budget", type=int, default=None, help="sparse verification: KV positions per sequence (k)")
-    g.add_argument("--config", default=None, help="sparse verification config JSON (score heads, m)")
+    g.add_argument("--config", default=None, help="sparse verification config JSON (score heads, m), or 'builtin' "
+                   "for the hand-written fallback (default: the tuned config shipped for this pair, else builtin)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -188,13 +188,16 @@ class Engine:
     def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:
         """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
         config shipped for this pair, else the built-in fallback."""
-        from dustin.selection.config import SparseConfig
+        from dustin.selection.config import BUILTIN, SparseConfig, default_config
         from dustin.selection.policies import make_policy
 
         if cfg.spec.policy == "full":
             return make_policy("full", None)
         d_args = self.draft.args if self.draft is not None else None
-        sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
+        if cfg.sparse_config == BUILTIN:
+            sc = default_config(self.target.args, d_args)
+        else:
+            sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
         if cfg.budget is not None:
             sc = sc.with_budget(cfg.budget)
         sc.validate_for(self.target.args, d_args)

@@ -40,7 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="haystack shuffling")
-    p.add_argument("--config", default=None, help="sparse config JSON (default: built-in for the pair)")
+    p.add_argument("--config", default=None, help="sparse config JSON, or 'builtin' for the hand-written "
+                   "fallback (default: the tuned config shipped for this pair, else the fallback)")
     p.add_argument("--json-out", default=None, help="results file; rerunning with it skips finished rows")
 
 
@@ -67,7 +68,7 @@ def plan(args) -> dict:
         raise InputError(f"--kinds must be a comma-separated subset of {', '.join(KINDS)}, got {args.kinds!r}")
     if args.depths < 1:
         raise InputError(f"--depths must be >= 1 (prompts per kind and context), got {args.depths}")
-    if args.config:
+    if args.config and args.config != "builtin":
         from dustin.selection.config import SparseConfig
         for k in budgets:
             SparseConfig.load(args.config).with_budget(k)

@@ -28,7 +28,7 @@ def causal_probs(q: torch.Tensor, k_cache: torch.Tensor, q_pos: torch.Tensor) ->
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         k = k_cache[b0:b1].float()  # [b, Hkv, S, D]
-        qg = q[b0:b1].float().view(b1 - b0, Hkv, G * Q, D)  # query heads of one KV head side by side
+        qg = q[b0:b1].float().reshape(b1 - b0, Hkv, G * Q, D)  # query heads of one KV head side by side
         logits = torch.matmul(qg, k.transpose(-1, -2)).view(b1 - b0, Hq, Q, S) / math.sqrt(D)
         visible = j[None, None, None, :] <= q_pos[b0:b1, None, :, None]
         out[b0:b1] = logits.masked_fill(~visible, float("-inf")).softmax(-1)
@@ -80,10 +80,12 @@ class RowRecorder:
             h = heads.get(layer) if heads is not None else None
             if heads is not None and h is None:
                 continue
-            qs = q[0] if h is None else q[0, h]  # [H, T, D]
+            # a head subset reads its own KV heads (h // group), passed one per query head
+            qs, ks = (q[0], k_cache[:1, :, :S]) if h is None else \
+                (q[0, h], k_cache[:1, h // (q.shape[1] // k_cache.shape[1]), :S])  # [H, T, D], [1, H or Hkv, S, D]
             N, P = pos.shape
             local = (pos - first).reshape(-1)  # query indices inside this forward's tokens
-            probs = causal_probs(qs[:, local][None], k_cache[:1, :, :S], pos.reshape(1, -1))[0]  # [H, N*P, S]
+            probs = causal_probs(qs[:, local][None], ks, pos.reshape(1, -1))[0]  # [H, N*P, S]
             probs = probs.view(-1, N, P, S).sum(dim=(0, 2))  # [N, S]
             keep = torch.arange(S, device=q.device)[None, :] < ctx_len[:, None]
             self.rows[name][:, layer] = probs * keep

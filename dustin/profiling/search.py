@@ -93,20 +93,22 @@ def search(obj: ARRObjective, budget: int = 512, search_m=SEARCH_M, optuna_trial
                           "seconds": time.perf_counter() - t0}
 
     t0 = time.perf_counter()
-    best_m, best_arr = _tune_m(obj, best_t, chosen, budget, free, optuna_trials, seed, tick)
+    best_m, best_arr = _tune_m(obj, best_t, chosen, budget, free, optuna_trials, seed, tick, ms)
     log["phases"]["3"] = {"draft_topm": best_m, "arr": best_arr, "trials": optuna_trials,
                           "seconds": time.perf_counter() - t0}
     log["target_layer"], log["draft_layers"], log["draft_topm"] = best_t, sorted(chosen), best_m
     return log
 
 
-def _tune_m(obj, t_layer, d_layers, budget, free, trials, seed, tick) -> tuple[int, float]:
+def _tune_m(obj, t_layer, d_layers, budget, free, trials, seed, tick, start=()) -> tuple[int, float]:
     if not d_layers:  # no draft layer helped: target history alone (m = 0)
         return 0, obj.arr([t_layer], [], budget, 0)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    for m in start:  # phase 2's m values first: phase 3 never ends below the best of them (or their mean)
+        study.enqueue_trial({"m": int(m)})
 
     def objective(trial):
         value = obj.arr([t_layer], d_layers, budget, trial.suggest_int("m", 0, free))

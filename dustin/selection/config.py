@@ -83,6 +83,9 @@ class SparseConfig:
         return d
 
 
+BUILTIN = "builtin"  # --config builtin: the hand-written fallback below, even when a tuned file exists
+
+
 def default_config(target: ModelArgs, draft: ModelArgs | None) -> SparseConfig:
     """A hand-written fallback when no tuned file exists: a deep target layer and three draft layers,
     2 heads each (the profiling issue replaces this with heads found by Algorithm 1)."""

@@ -2,7 +2,7 @@
 
 `dustin profile` writes a config whose "models" field records each model's identity: its architecture and a
 fingerprint of its weights (sha256 of every RMSNorm weight, rounded to bf16 so that the same checkpoint loaded
-in fp32 on a CPU, bf16 on a GPU or fp16 hashes the same). `Engine.make_policy` looks the loaded pair up among
+in fp32 on a CPU, bf16 on a GPU or fp16 hashes the same, and of the signs of the first 256 embedding rows). `Engine.make_policy` looks the loaded pair up among
 the files in dustin/configs/; a folder moved or renamed still matches, a different checkpoint of the same
 architecture does not. Pairs without a tuned file fall back to `selection.config.default_config`.
 """
@@ -23,11 +23,14 @@ _ARCH = ("family", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "inte
 
 def model_identity(model) -> dict:
     """Architecture fields plus a weight fingerprint; equal for the same checkpoint in any dtype or device."""
-    a = model.args
+    a = getattr(model, "tp_full_args", model.args)  # the unsharded shape under tensor parallelism
     h = hashlib.sha256(json.dumps([getattr(a, f) for f in _ARCH]).encode())
     norms = [layer.input_layernorm.weight for layer in model.layers] + [model.norm.weight]
     for w in norms:
         h.update(w.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    # norms alone collide for checkpoints whose norms were never trained (all ones); the signs of the first
+    # embedding rows (replicated under TP; no rounding changes a sign) tell such checkpoints apart
+    h.update(torch.signbit(model.embed_tokens.weight.detach()[:256]).cpu().numpy().tobytes())
     return {**{f: getattr(a, f) for f in _ARCH}, "fingerprint": h.hexdigest()[:32]}
 
 
