@@ -187,3 +187,64 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     causal = torch.arange(n)[None, :] <= torch.arange(L0, L0 + gamma)[:, None]
     probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
     torch.testing.assert_close(got, probs.sum(dim=(0, 1))[:L0], rtol=1e-4, atol=1e-5)
+
+
+def _recorded_plans(engine, policy, prompts):
+    """Run `policy` over a short generation and return its plans (indices, counts) step by step."""
+    plans, plan = [], policy.plan
+
+    def recording(session):
+        p = plan(session)
+        plans.append((p.indices.clone(), p.counts.clone()))
+        return p
+
+    policy.plan = recording
+    out = engine.generate(prompts, GenerationConfig(method=policy.name, gamma=3, max_new_tokens=16,
+                                                    stop_at_eos=False, draft_budget=24), policy=policy)
+    return plans, [s.token_ids for s in out.sequences]
+
+
+def _same_plans(a, b):
+    assert len(a[0]) == len(b[0]) > 0 and a[1] == b[1]
+    for (ia, ca), (ib, cb) in zip(a[0], b[0]):
+        assert torch.equal(ca, cb) and torch.equal(ia, ib)
+
+
+def test_dustin_with_only_target_heads_is_dustin_t(engine):
+    """No draft heads: dustin must not fill its m slots from an all-zero S_draft (arbitrary positions); its sets
+    are dustin-t's, step for step (k = 32 < context, so the choice matters)."""
+    cfg = SparseConfig(target=(ScoreHeads(2, (1, 6)),), draft=(), budget=32, draft_topm=6)
+    policy = DustinSelection(cfg, "dustin")
+    assert policy.m == 0 and not policy.uses_draft and policy.uses_target and policy.observes_prefill
+    prompts = _prompts([150, 90], seed=3)
+    plans = _recorded_plans(engine, policy, prompts)
+    assert policy.draft_observers(None) == []
+    _same_plans(plans, _recorded_plans(engine, DustinSelection(cfg, "dustin-t"), prompts))
+    assert all(c.tolist() == [32, 32] for _, c in plans[0])
+
+
+def test_dustin_with_only_draft_heads_is_dustin_d(engine):
+    cfg = SparseConfig(target=(), draft=(ScoreHeads(1, (0, 5)),), budget=32, draft_topm=3)
+    policy = DustinSelection(cfg, "dustin")
+    assert policy.m == cfg.free_budget == 12 and policy.uses_draft and not policy.uses_target
+    assert not policy.observes_prefill
+    prompts = _prompts([150, 90], seed=4)
+    plans = _recorded_plans(engine, policy, prompts)
+    assert policy.target_observers(None) == []
+    _same_plans(plans, _recorded_plans(engine, DustinSelection(cfg, "dustin-d"), prompts))
+
+
+def test_dustin_variants_without_their_score_heads(engine, tmp_path):
+    only_t = SparseConfig(target=(ScoreHeads(2, (1,)),), budget=32, draft_topm=0, source="t.json")
+    only_d = SparseConfig(draft=(ScoreHeads(1, (0,)),), budget=32, draft_topm=0, source="d.json")
+    with pytest.raises(InputError, match=r"d\.json has no target score heads, which dustin-t needs"):
+        DustinSelection(only_d, "dustin-t")
+    with pytest.raises(InputError, match=r"t\.json has no draft score heads, which dustin-d needs"):
+        DustinSelection(only_t, "dustin-d")
+    with pytest.raises(InputError, match="no target score heads, which dustin needs"):
+        DustinSelection(SparseConfig(budget=32, draft_topm=0), "dustin")
+    path = tmp_path / "draft_only.json"
+    path.write_text(json.dumps({"draft": [{"layer": 1, "heads": [0]}], "budget": 32, "draft_topm": 4}))
+    with pytest.raises(InputError, match="no target score heads"):
+        _run(engine, _prompts([40]), method="dustin-t", sparse_config=str(path))
+    assert engine.make_policy(GenerationConfig(method="dustin", sparse_config=str(path))).m == 12
