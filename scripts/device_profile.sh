@@ -4,7 +4,8 @@
 #   bash scripts/device_profile.sh srh       # assemble + convert the pair, SRH trials of both models
 #   bash scripts/device_profile.sh search    # traces + Algorithm 1, then held-out needles with the tuned config
 #   bash scripts/device_profile.sh compare   # the same needles and the fidelity run with the hand-written config
-# Each call leaves its logs and a tarball of the profile folder (without the bulky traces) under $OUT.
+# Each stage stops its last command in time to pack what it has (the device kills a call at 600 s; every
+# stage resumes from what /root/prof holds). Each call leaves its logs and a tarball of the profile folder (without the bulky traces) under $OUT.
 set -uo pipefail
 stage=$1
 [ "$stage" = srh ] && { python3 .carry/assemble.py || exit 1; }
@@ -13,10 +14,10 @@ P=/root/prof
 needles="--device cuda --contexts 8192,16384,32768 --depths 5 --kinds single,multikey"
 case "$stage" in
   srh)
-    timeout 540 python3 -m dustin profile srh --device cuda --out $P --batch-tokens 524288 2>&1 | tee "$OUT/srh.log" ;;
+    timeout $((575 - SECONDS)) python3 -m dustin profile srh --device cuda --out $P --batch-tokens 524288 2>&1 | tee "$OUT/srh.log" ;;
   search)
     timeout 280 python3 -m dustin profile all --device cuda --out $P --batch-tokens 524288 2>&1 | tee "$OUT/search.log"
-    timeout 290 python3 -m dustin eval needles $needles --methods vanilla,dustin,quest,streaming --budgets 512,256 \
+    timeout $((585 - SECONDS)) python3 -m dustin eval needles $needles --methods vanilla,dustin,quest,streaming --budgets 512,256 \
       --config $P/config.json --json-out /root/needles_tuned.json 2>&1 | tee "$OUT/needles_tuned.log"
     cp /root/needles_tuned.json "$OUT/" ;;
   compare)

@@ -90,8 +90,8 @@ def long_texts(kind: str, split: str, n_tokens: int, tokenizer, count: int, seed
             item = order.pop()
             doc = item.read_text(encoding="utf-8", errors="replace") if isinstance(item, Path) else item
             parts.append(doc)
-            have += len(tokenizer.encode(doc, add_special_tokens=False)) + 1
-        ids = tokenizer.encode("\n\n".join(parts), add_special_tokens=False)
+            have += len(tokenizer.encode(doc, add_special_tokens=False, verbose=False)) + 1
+        ids = tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False)  # longer than the model: cut below
         text = tokenizer.decode(ids[:n_tokens])
         cut = max(text.rfind(" "), text.rfind("\n"))
         texts.append(text[:cut] if len(ids) > n_tokens and cut > len(text) // 2 else text)

@@ -91,11 +91,11 @@ def make_needle_prompt(tokenizer, haystack: str, n_tokens: int, needles: Sequenc
         raise InputError(f"asked must index the needles and depths lie in [0, 1] (asked {asked}, depths {depths})")
 
     def enc(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False, verbose=False)  # haystacks exceed the model
 
     head, tail = _frame(tokenizer, needles[asked].question, chat)
     head_ids, tail_ids = enc(head), enc(tail)
-    hay_ids = enc(haystack)
+    hay_ids = _prefix_ids(enc, haystack, n_tokens)
     fixed = len(head_ids) + len(tail_ids) + sum(len(enc(" " + n.fact)) + 1 for n in needles)
     budget = n_tokens - fixed
     if budget < 16:
@@ -116,6 +116,18 @@ def make_needle_prompt(tokenizer, haystack: str, n_tokens: int, needles: Sequenc
     order = sorted(range(len(needles)), key=lambda i: spans[i][0])
     return NeedlePrompt(ids, [spans[i] for i in order], order.index(asked), needles[asked].answer,
                         needles[asked].question, float(depths[asked]), len(ids))
+
+
+def _prefix_ids(enc, haystack: str, n_tokens: int) -> list[int]:
+    """The tokens of a prefix of the haystack that holds more than n_tokens (all of it if shorter). Encoding a
+    whole corpus per prompt (~400k tokens of essays) took most of the SRH profile's time; the cut that follows
+    drops the possibly split last word."""
+    chars = 6 * n_tokens + 1024
+    while True:
+        ids = enc(haystack[:chars])
+        if len(ids) > n_tokens + 64 or chars >= len(haystack):
+            return ids
+        chars *= 2
 
 
 def _frame(tokenizer, question: str, chat: bool) -> tuple[str, str]:

@@ -8,6 +8,7 @@ resumes; seeds are fixed.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def add_arguments(p) -> None:
     a.add_argument("--budget", type=int, default=512, help="verify budget k the config is tuned for")
     a.add_argument("--search-m", default="128,192,256", help="draft budgets m scored in phase 2")
     a.add_argument("--optuna-trials", type=int, default=40)
+    a.add_argument("--min-gain", type=float, default=None,
+                   help="phase 2 stops when a draft layer adds less ARR than this (default 1e-4)")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -61,6 +64,8 @@ def _validate(args) -> None:
     for flag in ("depths", "needles", "srh_max_new_tokens", "texts", "steps", "stride", "gamma", "optuna_trials"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.min_gain is not None and args.min_gain < 0:
+        raise InputError(f"--min-gain must be >= 0, got {args.min_gain}")
     if args.budget < 21:
         raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {args.budget}")
     if args.contexts:
@@ -88,6 +93,9 @@ def run(args) -> int:
         raise InputError("profiling needs the target's tokenizer (the model folder has none)")
     out = args.out or Path("profile") / f"{Path(str(args.target)).name}+{Path(str(args.draft)).name}"
     out.mkdir(parents=True, exist_ok=True)
+    with (out / "runs.jsonl").open("a") as f:  # provenance: every command that wrote into this folder
+        f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "argv": ["dustin", *sys.argv[1:]],
+                            "device": str(engine.device)}) + "\n")
     costs = _load_json(out / "costs.json")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

@@ -92,4 +92,6 @@ def _finish(fig, ax, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

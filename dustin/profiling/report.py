@@ -26,7 +26,8 @@ def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
     held = ARRObjective(load_traces(held_paths, device)) if held_paths else None
     load_s = time.perf_counter() - t0
     ms = [int(x) for x in args.search_m.split(",")]
-    log = search(val, args.budget, ms, args.optuna_trials, args.seed, progress)
+    kw = {} if args.min_gain is None else {"min_gain": args.min_gain}
+    log = search(val, args.budget, ms, args.optuna_trials, args.seed, progress, **kw)
     srh_t, srh_d = load_srh(out / "srh_target.json"), load_srh(out / "srh_draft.json")
     t_layer, d_layers, m = log["target_layer"], log["draft_layers"], log["draft_topm"]
     cfg = SparseConfig(target=(ScoreHeads(t_layer, tuple(srh_t[t_layer])),),
@@ -36,13 +37,13 @@ def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
     share = m / free
     t_id, d_id = engine.identities()
     costs["search_s"] = round(load_s + sum(p["seconds"] for p in log["phases"].values()), 1)
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()] \
+        if (out / "runs.jsonl").is_file() else []
     config = {**cfg.to_json(), "models": {"target": {"name": Path(str(args.target)).name, **t_id},
                                           "draft": {"name": Path(str(args.draft)).name, **d_id}},
-              "profile": {"arr_srh_k": log["phases"]["3"]["arr"], "steps": int(val.L.numel()),
+              "profile": {"arr_srh_validation": log["phases"]["3"]["arr"], "validation_steps": int(val.L.numel()),
                           "date": time.strftime("%Y-%m-%d"), "device": str(device), "costs_s": costs,
-                          "command": "dustin profile all " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                      sorted(vars(args).items())
-                                                                      if k not in ("stage", "func") and v is not None)}}
+                          "runs": runs}}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     report = {"search": log, "config": config, "costs_s": costs,
               "validation": evaluate(val, [t_layer], d_layers, share),

@@ -69,7 +69,7 @@ def _sorted_valid_first(top: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
 
 def topk_set(scores: torch.Tensor, lengths: torch.Tensor, k: int):
     """`oracle-topk` when scores = Ā: the k highest-scoring cached positions j < lengths[b] (all of them when
-    lengths[b] <= k). Returns (indices int32 [B, k] sorted, padded with 0; counts int32 [B])."""
+    lengths[b] <= k). Returns (indices int32 [B, min(k, S)] sorted, padded with 0; counts int32 [B])."""
     L = lengths.long().to(scores.device)
     j = torch.arange(scores.shape[1], device=scores.device)[None]
     k = min(k, scores.shape[1])
