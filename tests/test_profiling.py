@@ -734,6 +734,28 @@ def test_profile_flag_errors_before_any_model_loads(capsys, tmp_path, argv, need
     assert "does not exist" not in err and not (tmp_path / "out").exists()
 
 
+def test_profile_rejects_a_pair_without_a_shared_tokenizer(tiny_pair, tmp_path, capsys):
+    """A draft whose tokenizer maps tokens to other ids cannot profile (nor speculate) with this target."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dustin.cli.main import main
+
+    target, draft = tiny_pair
+    other = tmp_path / "draft"
+    shutil.copytree(draft, other)
+    words = ["<unk>", "<s>", "</s>"] + [f"v{i}" for i in range(93)]  # same size, other tokens
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(other)
+    code = main(["profile", "srh", "--target", str(target), "--draft", str(other), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "tokenizers differ" in err, err
+
+
 def _real_pair_or_skip():
     from dustin.errors import CheckpointError
     from dustin.models.fetch import resolve_model_path

@@ -131,7 +131,7 @@ def test_attention_scores_accumulate_and_conserve_mass():
     torch.testing.assert_close(out, 2 * once, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["radix", "topk"])
+@pytest.mark.parametrize("impl", ["radix", "topk", "torch"])
 @pytest.mark.parametrize("k,m", [(64, 0), (64, 20), (64, 44), (100, 37), (20, 0), (2000, 100)])
 def test_select_dustin_matches_reference(k, m, impl):
     gen = torch.Generator().manual_seed(k * 7 + m)

@@ -96,7 +96,9 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
                   sinks: int = 4, window: int = 16, impl: str | None = None):
     """s_target, s_draft: float [B, S] scores (higher = more important); lengths: int [B] committed
     positions (<= S). Returns (indices int32 [B, k], counts int32 [B]); counts[b] = min(lengths[b], k).
-    impl: "radix" or "topk" (default DEFAULT_IMPL); CPU tensors outside the interpreter use torch ops."""
+    impl: "radix" or "topk" (default DEFAULT_IMPL); "torch" (also what CPU tensors outside the interpreter
+    get) runs plain torch ops: no Triton kernel specialized on (k, m), so an offline search that tries many m
+    values (dustin profile) compiles nothing."""
     B, S = s_target.shape
     assert s_draft.shape == (B, S) and k >= 1
     assert 0 <= m <= k - sinks - window, "the budget must hold the protected sinks, window and m draft picks"
@@ -107,7 +109,7 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     if S <= k:  # every row fits (L <= S <= k)
         return _all_positions(lengths.to(device=device, dtype=torch.long)[:, None], k)
     p = triton.next_power_of_2(sinks + window + m + triton.next_power_of_2(n_pick))
-    if p > 4096 or not (s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if impl == "torch" or p > 4096 or not (s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _select_dustin_torch(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
     lengths = lengths.to(device)
