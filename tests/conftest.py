@@ -31,6 +31,19 @@ def tiny_pair(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The default pair's (target) tokenizer; tests that need it skip when the pair is not fetched."""
+    from transformers import AutoTokenizer
+
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+    try:
+        return AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+
+
 # Tiny models: one thread avoids OpenMP hand-off costs that dominate small matmuls on a 2-core machine
 # (measured: a 144x64 matmul 15 ms with 2 threads under load vs 20 us with 1). The real-pair tests raise it.
 torch.set_num_threads(1)

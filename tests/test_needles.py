@@ -10,19 +10,8 @@ import tarfile
 
 import pytest
 
-from dustin.errors import CheckpointError, InputError
+from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from dustin.models.fetch import resolve_model_path
-    try:
-        return AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
 
 
 def _haystack(n_sentences: int = 900) -> str:

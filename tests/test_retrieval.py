@@ -50,32 +50,21 @@ def test_finished_file_is_not_rerun_and_other_settings_are_refused(tmp_path, cap
     assert "model folder /nonexistent/model does not exist" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from dustin.models.fetch import resolve_model_path
-    try:
-        return AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
-
-
-def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tokenizer):
+def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tok):
     from dustin.eval.needles import HELDOUT_NEEDLES
     from dustin.eval.retrieval import build_prompts
 
     try:
-        prompts = build_prompts(tokenizer, "multikey", 1500, 5, HELDOUT_NEEDLES, seed=0)
+        prompts = build_prompts(tok, "multikey", 1500, 5, HELDOUT_NEEDLES, seed=0)
     except InputError as e:
         pytest.skip(f"essays not available: {e}")
     assert [p.depth for p in prompts] == [0.0, 0.25, 0.5, 0.75, 1.0]
     for i, p in enumerate(prompts):
         assert len(p.spans) == 4 and p.answer == HELDOUT_NEEDLES[i].answer
-        facts = [tokenizer.decode(p.ids[s:e]).strip() for s, e in p.spans]
+        facts = [tok.decode(p.ids[s:e]).strip() for s, e in p.spans]
         assert facts[p.asked] == HELDOUT_NEEDLES[i].fact and len(set(facts)) == 4
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:]))
-    single = build_prompts(tokenizer, "single", 1500, 3, HELDOUT_NEEDLES, seed=0)
+    single = build_prompts(tok, "single", 1500, 3, HELDOUT_NEEDLES, seed=0)
     assert [len(p.spans) for p in single] == [1, 1, 1] and [p.depth for p in single] == [0.0, 0.5, 1.0]
 
 

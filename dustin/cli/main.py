@@ -9,17 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from dustin.cli.args import add_model_args
 from dustin.errors import DustinError, InputError
-
-
-def _add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:
-    g = p.add_argument_group("models")
-    g.add_argument("--target", default="default", help="'default' (Qwen2.5-Coder-1.5B-Instruct) or a model folder")
-    g.add_argument("--draft", default=draft_default, help="'default' (Qwen2.5-Coder-0.5B-Instruct) or a folder")
-    r = p.add_argument_group("runtime")
-    r.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32 or fp16")
-    r.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"], help="attention backend")
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt or a batch")
-    _add_model_args(gen)
+    add_model_args(gen)
     _add_decoding_args(gen)
     src = gen.add_argument_group("input").add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -57,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
 
     demo = sub.add_parser("demo", help="vanilla vs classic vs magicdec on a long real code prompt (default pair)")
-    _add_model_args(demo)
+    add_model_args(demo)
     demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--gamma", type=int, default=4)

@@ -44,17 +44,17 @@ class ARRProbe(SelectionPolicy):
         self.observes_prefill = any(p.observes_prefill for p in policies.values())
         self.arr: dict[str, list[float]] = defaultdict(list)
 
-    def draft_observers(self, session: "Session"):
+    def draft_observers(self, session: Session):
         return [o for p in self.policies.values() for o in p.draft_observers(session)]
 
-    def target_observers(self, session: "Session"):
+    def target_observers(self, session: Session):
         return [o for p in self.policies.values() for o in p.target_observers(session)]
 
-    def begin_step(self, session: "Session") -> None:
+    def begin_step(self, session: Session) -> None:
         for p in self.policies.values():
             p.begin_step(session)
 
-    def plan(self, session: "Session"):
+    def plan(self, session: Session):
         active = [b for b, done in enumerate(session.finished) if not done]
         mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
         L = session.target_cache.lengths
@@ -64,9 +64,9 @@ class ARRProbe(SelectionPolicy):
         for name, p in self.policies.items():
             plan = p.plan(session)
             self.arr[name] += recovery(mass, plan.indices, plan.counts)[active].tolist()
-        return None  # verify with the full cache: the trajectory is classic's
+        # verify with the full cache: the trajectory is classic's
 
-    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
+    def after_verify(self, session: Session, n_accepted: torch.Tensor) -> None:
         for p in self.policies.values():
             p.after_verify(session, n_accepted)
 

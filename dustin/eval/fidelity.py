@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+from dustin.cli.args import add_model_args
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.arr import ARRProbe
@@ -20,11 +21,7 @@ SPARSE_METHODS = ("dustin", "dustin-t", "dustin-d", "streaming")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target", default="default")
-    p.add_argument("--draft", default="default")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
+    add_model_args(p)
     p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help="stdlib modules (or file paths)")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens per input")
     p.add_argument("--budgets", default="512,256,128")

@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from dustin.cli.args import add_model_args
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
@@ -26,11 +27,7 @@ _RESUME_KEYS = ("target", "draft", "dtype", "gamma", "max_new_tokens", "seed", "
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target", default="default")
-    p.add_argument("--draft", default="default")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
+    add_model_args(p)
     p.add_argument("--contexts", default="8192,16384,32768", help="prompt lengths in tokens (capped by the model)")
     p.add_argument("--depths", type=int, default=5, help="prompts per (kind, context): depths evenly in [0, 1]")
     p.add_argument("--kinds", default="single,multikey", help="single and/or multikey (4 needles, one asked)")

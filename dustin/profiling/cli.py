@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from dustin.cli.args import add_model_args
 from dustin.errors import InputError
 
 STAGES = ("srh", "trace", "search", "all")
@@ -19,10 +20,7 @@ STAGES = ("srh", "trace", "search", "all")
 
 def add_arguments(p) -> None:
     p.add_argument("stage", choices=STAGES, help="srh: retrieval heads; trace: attention rows; search: Algorithm 1")
-    p.add_argument("--target", default="default")
-    p.add_argument("--draft", default="default")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    add_model_args(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default profile/<target>+<draft>)")
     p.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("srh")
@@ -86,7 +84,8 @@ def run(args) -> int:
 
     _validate(args)
     console = Console(stderr=True)
-    engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
+    engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
+                                    attention=args.attention)
     if engine.draft is None:
         raise InputError("profiling needs a draft model (--draft)")
     if engine.tokenizer is None:

@@ -33,7 +33,7 @@ def default_contexts(max_tokens: int, n: int = 20, low: int = 1024) -> list[int]
     if max_tokens < low:
         return [max_tokens]
     ratio = (max_tokens / low) ** (1 / max(n - 1, 1))
-    return sorted({min(max_tokens, int(round(low * ratio ** i / 64)) * 64) for i in range(n)})
+    return sorted({min(max_tokens, round(low * ratio ** i / 64) * 64) for i in range(n)})
 
 
 def trial_key(context: int, depth: float, needle: int) -> str:
