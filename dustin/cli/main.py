@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dustin.eval.retrieval import add_arguments as add_needles
     add_needles(esub.add_parser("needles", help="held-out needle-in-a-haystack retrieval per method and budget"))
 
+    from dustin.eval.tasks import add_arguments as add_tasks
+    add_tasks(esub.add_parser("tasks", help="long-context task accuracy (RULER, code completion, LongBench) per "
+                                            "method and budget"))
+
     from dustin.profiling.cli import add_arguments as add_profile
     add_profile(sub.add_parser("profile", help="offline profile of a pair: retrieval heads, attention traces, "
                                              "Algorithm 1 -> a tuned sparse config"))
@@ -185,6 +189,9 @@ def _dispatch(argv: list[str] | None) -> int:
             if args.eval_command == "needles":
                 from dustin.eval.retrieval import run as run_needles
                 return run_needles(args)
+            if args.eval_command == "tasks":
+                from dustin.eval.tasks import run as run_tasks
+                return run_tasks(args)
             from dustin.eval.fidelity import run as run_fidelity
             return run_fidelity(args)
     except DustinError as e:

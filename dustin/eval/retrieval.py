@@ -10,15 +10,13 @@ and a rerun with the same --json-out skips finished (kind, context, method, budg
 """
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 from dustin.cli.args import add_model_args
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
+from dustin.eval.results import load_results, save_results
 
 LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
 KINDS = ("single", "multikey")
@@ -77,34 +75,6 @@ def plan(args) -> dict:
     return {"contexts": contexts, "kinds": kinds, "rows": rows, "settings": settings}
 
 
-def _load(path: str | None, settings: dict) -> dict:
-    if not path or not Path(path).is_file():
-        return {"settings": settings, "rows": []}
-    try:
-        data = json.loads(Path(path).read_text())
-        old = data["settings"]
-        data["rows"] = list(data["rows"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"--json-out {path} exists but is not a needles result file ({e}): pick another file")
-    diff = [k for k in _RESUME_KEYS if old.get(k) != settings[k]]
-    if diff:
-        raise InputError(f"--json-out {path} holds results for other settings ({', '.join(diff)} differ): "
-                         f"pick another file to start fresh")
-    return data
-
-
-def _save(path: str | None, results: dict) -> None:
-    if not path:
-        return
-    tmp = Path(f"{path}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, path)  # a crash mid-write keeps the previous file
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def build_prompts(tokenizer, kind: str, n_tokens: int, depths: int, needles, seed: int) -> list:
     """`depths` prompts of one kind; the asked needles cycle over the set, and in multikey prompts the other
     three needles sit a quarter, half and three quarters of the document away (wrapping around)."""
@@ -133,7 +103,7 @@ def run(args) -> int:
     from dustin.parallel.tp import is_main_process
 
     p = plan(args)
-    results = _load(args.json_out, p["settings"])
+    results = load_results(args.json_out, p["settings"], "needles")
     done = {(r["kind"], r["context"], r["method"], r["budget"]) for r in results["rows"]}
     todo = {(kind, ctx): [(m, k) for m, k in p["rows"] if (kind, ctx, m, k) not in done]
             for kind in p["kinds"] for ctx in p["contexts"]}
@@ -165,7 +135,7 @@ def run(args) -> int:
         for method, budget in rows:
             results["rows"].append(_evaluate(engine, console, prompts, kind, ctx, method, budget, args))
             if main:
-                _save(args.json_out, results)
+                save_results(args.json_out, results)
     if main:
         _print(results, p, Console())
     return 0

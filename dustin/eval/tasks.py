@@ -1,0 +1,234 @@
+"""`dustin eval tasks`: long-context task accuracy per decoding method and budget (paper Tables 1, 3 and 14).
+
+Every method answers the same samples (same prompts, same seed) greedily; the lossless methods once, the sparse
+ones at each budget k. Per sample the JSON keeps the prediction, the references, the task's score and extra
+metrics, and the generated ids; speculative rows also keep τ and the agreement with full verification (the
+share of the lossless output a sparse method reproduces before its first differing token). Results are
+appended per batch of samples and a rerun with the same --json-out skips what is there (resumable).
+The summary is a markdown table in the shape of the paper's Table 1 / 14 (rows: method@k, columns: tasks and
+their average, one table per context; "oracle-best" is the per-task best of dustin-t / dustin-d / dustin, the
+paper's "Oracle (Best)") and a PNG of the average score against k per method.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from dustin.cli.args import add_model_args
+from dustin.engine.config import METHODS, GenerationConfig
+from dustin.errors import InputError
+from dustin.eval.inputs import common_prefix
+from dustin.eval.results import load_results, save_results
+
+LOSSLESS = ("vanilla", "classic", "magicdec")
+HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")
+_SETTINGS = ("target", "draft", "dtype", "gamma", "seed", "config")
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    p.add_argument("--tasks", default="ruler", help="task names, or ruler / code / longbench / all")
+    p.add_argument("--contexts", default="4096", help="prompt lengths in tokens (capped by the model)")
+    p.add_argument("--samples", type=int, default=5, help="samples per task and context")
+    p.add_argument("--methods", default="vanilla,dustin")
+    p.add_argument("--budgets", default="128,256,512", help="k for the sparse methods")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0, help="sample generation")
+    p.add_argument("--config", default=None, help="sparse config JSON or 'builtin' (default: the pair's tuned one)")
+    p.add_argument("--longbench-dir", default=None, help="folder of LongBench's <task>.jsonl files")
+    p.add_argument("--json-out", default=None, help="results file; rerunning with it resumes")
+
+
+def _ints(flag: str, text: str, low: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise InputError(f"{flag} must be a comma-separated list of integers >= {low}, got {text!r}")
+    return values
+
+
+def plan(args) -> dict:
+    """Every flag checked before any model loads."""
+    import os
+
+    from dustin.tasks.base import get_tasks
+
+    if args.longbench_dir:
+        os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
+    tasks = get_tasks(args.tasks)
+    contexts, budgets = _ints("--contexts", args.contexts, 1), _ints("--budgets", args.budgets, 21)
+    methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
+    unknown = [m for m in methods if m not in METHODS]
+    if not methods or unknown:
+        raise InputError(f"--methods: unknown method {', '.join(unknown) or repr(args.methods)}; choose from "
+                         f"{', '.join(METHODS)}")
+    if args.samples < 1:
+        raise InputError(f"--samples must be >= 1, got {args.samples}")
+    if args.config and args.config != "builtin":
+        from dustin.selection.config import SparseConfig
+        for k in budgets:
+            SparseConfig.load(args.config).with_budget(k)
+    for m in methods:
+        GenerationConfig(method=m, gamma=args.gamma, budget=budgets[0])
+    methods.sort(key=lambda m: m not in LOSSLESS)  # the lossless reference first: agreement needs it
+    rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
+                                                             if m not in LOSSLESS]
+    return {"tasks": tasks, "contexts": contexts, "rows": rows,
+            "settings": {k: getattr(args, k) for k in _SETTINGS}}
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dustin.engine.engine import Engine
+    from dustin.parallel.tp import is_main_process
+
+    p = plan(args)
+    results = load_results(args.json_out, p["settings"], "tasks")
+    done = {_key(r) for r in results["rows"]}
+    todo = [(t, c, m, k) for t in p["tasks"] for c in p["contexts"] for m, k in p["rows"]
+            if any((t.name, c, m, k, i) not in done for i in range(args.samples))]
+    if todo:
+        speculative = any(METHODS[m].speculative for _, _, m, _ in todo)
+        engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
+                                        dtype=args.dtype, attention=args.attention)
+        if engine.tokenizer is None:
+            raise InputError("the target model folder has no tokenizer: tasks are text")
+        limit = engine.target.args.max_position_embeddings
+        if speculative:
+            limit = min(limit, engine.draft.args.max_position_embeddings)
+        main = is_main_process()
+        console = Console(stderr=True, quiet=not main)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            bar = progress.add_task("tasks", total=len(todo))
+            built: dict = {}
+            for task, ctx, method, budget in todo:
+                progress.update(bar, description=f"{task.name} {ctx} {_name(method, budget)}")
+                if (task.name, ctx) not in built:
+                    built = {(task.name, ctx): task.samples(engine.tokenizer, min(ctx, limit - args.gamma - 1),
+                                                            args.samples, args.seed)}
+                samples = [s for s in built[(task.name, ctx)]
+                           if (task.name, ctx, method, budget, s.index) not in done]
+                results["rows"] += _evaluate(engine, task, samples, method, budget, args, results["rows"])
+                if main:
+                    save_results(args.json_out, results)
+                progress.advance(bar)
+    summary = summarize(results["rows"], p)
+    if is_main_process():
+        md = markdown(summary, p)
+        Console().print(md, markup=False, highlight=False)
+        if args.json_out:
+            Path(args.json_out).with_suffix(".md").write_text(md)
+            plot(summary, p, Path(args.json_out).with_suffix(".png"))
+    return 0
+
+
+def _key(r: dict) -> tuple:
+    return r["task"], r["context"], r["method"], r["budget"], r["index"]
+
+
+def _name(method: str, budget: int | None) -> str:
+    return method if budget is None else f"{method}@{budget}"
+
+
+def _evaluate(engine, task, samples, method, budget, args, rows) -> list[dict]:
+    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=task.max_new_tokens, budget=budget,
+                           sparse_config=args.config, seed=args.seed)
+    t0 = time.perf_counter()
+    r = engine.generate([s.prompt_ids for s in samples], cfg, reuse_prefill=True)
+    seconds = time.perf_counter() - t0
+    tau = r.tau if cfg.spec.speculative else None
+    reference = {(x["task"], x["context"], x["index"]): x["token_ids"] for x in rows if x["method"] in LOSSLESS}
+    out = []
+    for s, seq in zip(samples, r.sequences):
+        text = seq.text or ""
+        extra = task.metrics(text, s.references) if hasattr(task, "metrics") else {}
+        ref = reference.get((s.task, s.context, s.index))
+        agree = None if ref is None or method in LOSSLESS else common_prefix(seq.token_ids, ref) / max(len(ref), 1)
+        out.append({"task": s.task, "context": s.context, "method": method, "budget": budget, "index": s.index,
+                    "score": task.score(text, s.references), "metrics": extra, "prediction": text,
+                    "references": s.references, "token_ids": seq.token_ids, "prompt_tokens": len(s.prompt_ids),
+                    "tau": tau, "agreement": agree, "seconds": seconds / len(samples), "meta": s.meta,
+                    "sparse_config": r.sparse_config and r.sparse_config.get("source")})
+    return out
+
+
+def summarize(rows: list[dict], p: dict) -> dict:
+    """(task, context, method, budget) -> {score, n, tau, agreement}: means over the samples."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
+    mean = lambda xs: None if not xs else sum(xs) / len(xs)  # noqa: E731
+    out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
+                 "tau": mean([x["tau"] for x in g if x["tau"] is not None]),
+                 "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None])}
+           for key, g in groups.items()}
+    budgets = sorted({k for _, k in p["rows"] if k is not None})
+    for t in p["tasks"]:  # the paper's Oracle (Best): per task, the best of the three Dustin variants
+        for c in p["contexts"]:
+            for k in budgets:
+                cand = [out[(t.name, c, m, k)]["score"] for m in HYBRID_FAMILY if (t.name, c, m, k) in out]
+                if len(cand) == len(HYBRID_FAMILY):
+                    out[(t.name, c, "oracle-best", k)] = {"score": max(cand), "n": None, "tau": None,
+                                                          "agreement": None}
+    return out
+
+
+def _table_rows(summary: dict, p: dict) -> list[tuple[str, int | None]]:
+    rows = list(p["rows"])
+    budgets = sorted({k for _, k in rows if k is not None})
+    rows += [("oracle-best", k) for k in budgets if any(key[2] == "oracle-best" and key[3] == k for key in summary)]
+    return rows
+
+
+def markdown(summary: dict, p: dict) -> str:
+    names = [t.name for t in p["tasks"]]
+    lines = []
+    for c in p["contexts"]:
+        lines += [f"\n### context {c} (score x 100; τ and agreement with full verification for speculative rows)\n",
+                  "| method | " + " | ".join(names) + " | avg | τ | agreement |",
+                  "|---" * (len(names) + 4) + "|"]
+        for m, k in _table_rows(summary, p):
+            cells = [summary.get((n, c, m, k)) for n in names]
+            scores = [x["score"] for x in cells if x is not None]
+            avg = f"{100 * sum(scores) / len(scores):.1f}" if len(scores) == len(names) else "-"
+            taus = [x["tau"] for x in cells if x is not None and x["tau"] is not None]
+            agree = [x["agreement"] for x in cells if x is not None and x["agreement"] is not None]
+            tau = f"{sum(taus) / len(taus):.2f}" if taus else "-"
+            agreement = f"{100 * sum(agree) / len(agree):.0f}%" if agree else "-"
+            score_cells = ["-" if x is None else f"{100 * x['score']:.1f}" for x in cells]
+            lines.append(f"| {_name(m, k)} | " + " | ".join(score_cells) + f" | {avg} | {tau} | {agreement} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, p: dict, path: Path) -> None:
+    """Average score over the tasks against k, one line per sparse method (lossless ones as flat lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [t.name for t in p["tasks"]]
+    budgets = sorted({k for _, k in p["rows"] if k is not None})
+    fig, axes = plt.subplots(1, len(p["contexts"]), figsize=(5 * len(p["contexts"]), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], p["contexts"]):
+        for m in dict.fromkeys(m for m, _ in _table_rows(summary, p)):
+            ys = []
+            for k in budgets:
+                cells = [summary.get((n, c, m, None if m in LOSSLESS else k)) for n in names]
+                ys.append(None if any(x is None for x in cells) else 100 * sum(x["score"] for x in cells) / len(cells))
+            if any(y is not None for y in ys):
+                ax.plot(budgets, ys, "--" if m in LOSSLESS else "-", marker="o", ms=3, label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV budget k")
+        ax.set_ylabel("average score")
+        ax.set_title(f"context {c}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
