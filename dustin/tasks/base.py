@@ -46,7 +46,7 @@ def register(task: Task) -> Task:
 
 
 def _load_families() -> None:
-    from dustin.tasks import code, ruler  # noqa: F401  (each registers its tasks)
+    from dustin.tasks import code, longbench, ruler  # noqa: F401  (each registers its tasks)
 
 
 def get_tasks(spec: str) -> list[Task]:

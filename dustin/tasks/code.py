@@ -8,7 +8,7 @@ context the code before that line; when the file is shorter than the context, th
 same folder come first, each under a `# file: <name>` header (a repository-level prompt). The prompt is
 LongBench's `lcc` template without a chat template (LongBench's rule for lcc), truncated on the left to fit.
 Metrics: LongBench's code edit similarity (the first code line of the prediction against the reference,
-rapidfuzz ratio) and exact match of that line.
+rapidfuzz ratio; both stripped of indentation) and exact match of that line.
 """
 from __future__ import annotations
 
@@ -74,24 +74,15 @@ class CodeCompletion:
         return out
 
     def score(self, prediction: str, references: list[str]) -> float:
-        from dustin.tasks.metrics import code_sim
-
-        return code_sim(prediction, references)
+        return self.metrics(prediction, references)["edit_sim"]
 
     def metrics(self, prediction: str, references: list[str]) -> dict[str, float]:
-        from dustin.tasks.metrics import code_sim, exact_match
+        """LongBench's code similarity on the prediction's first code line (its pick), stripped like our
+        references (indentation is not scored), and exact match of that line."""
+        from dustin.tasks.metrics import exact_match, first_code_line, fuzz_ratio
 
-        line = first_code_line(prediction)
-        return {"edit_sim": code_sim(prediction, references), "exact_match": exact_match(line, references)}
-
-
-def first_code_line(prediction: str) -> str:
-    """The line LongBench's code similarity looks at: the first that is not empty, a comment or a fence."""
-    for line in prediction.lstrip("\n").split("\n"):
-        s = line.strip()
-        if s and not s.startswith(("#", "`", "//")):
-            return s
-    return ""
+        line = first_code_line(prediction).strip()
+        return {"edit_sim": max(fuzz_ratio(line, r) for r in references), "exact_match": exact_match(line, references)}
 
 
 def _context_before(path: Path, own: str, chars: int, pool: list[Path]) -> str:

@@ -1,0 +1,149 @@
+"""The accuracy suite's runner (`dustin eval tasks`), the code-completion task and the ARR-KL study."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dustin.errors import InputError
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--contexts", "4096,x"], "--contexts must be"),
+    (["--methods", "vanilla,bogus"], "unknown method bogus"),
+    (["--budgets", "10"], "--budgets must be"),
+    (["--samples", "0"], "--samples must be >= 1"),
+    (["--config", "/nonexistent.json"], "does not exist"),
+])
+def test_eval_tasks_flag_errors_before_any_model_loads(capsys, tmp_path, argv, needle):
+    from dustin.cli.main import main
+
+    code = main(["eval", "tasks", "--target", str(tmp_path / "nope"), "--tasks", "code_completion", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("dustin: error:") and err.count("\n") == 1 and needle in err, err
+    assert "model folder" not in err
+
+
+def test_candidate_lines_skip_trivial_lines_comments_and_docstrings():
+    from dustin.tasks.code import candidate_lines
+    from dustin.tasks.metrics import first_code_line
+
+    lines = ['def f(x):\n', '    """Doc string that is long enough\n', '    result = x + 1 inside doc\n',
+             '    """\n', '    # a comment that is long enough\n', '    value = compute(x, y)\n', '    else:\n',
+             '        frame_idx,\n', '    return value.total()\n', '    )\n']
+    assert candidate_lines(lines) == [5, 8]  # compute(...) and return value.total()
+    assert first_code_line("```python\n# note\n    y = g(x)\nz = 1\n") == "    y = g(x)"
+    assert first_code_line("\n\n") == ""
+
+
+def test_code_samples_fit_the_context_and_are_stable(tok):
+    from dustin.tasks.code import TEMPLATE_TAIL, CodeCompletion
+
+    task = CodeCompletion()
+    a = task.samples(tok, 1500, 3, seed=4)
+    b = task.samples(tok, 1500, 2, seed=4)  # sample i does not depend on n
+    c = task.samples(tok, 1500, 3, seed=5)
+    tail = tok.encode(TEMPLATE_TAIL, add_special_tokens=False)
+    for s in a:
+        assert len(s.prompt_ids) <= 1500 - task.max_new_tokens and s.prompt_ids[-len(tail):] == tail
+        assert s.references[0] and s.references[0] == s.references[0].strip()
+        assert s.meta["file"].endswith(".py") and s.meta["line"] >= 1
+    assert [s.prompt_ids for s in a[:2]] == [s.prompt_ids for s in b]
+    assert [s.prompt_ids for s in a] != [s.prompt_ids for s in c]
+    with pytest.raises(InputError, match="at least"):
+        task.samples(tok, 200, 1, seed=0)
+
+
+def test_code_metrics():
+    from dustin.tasks.code import CodeCompletion
+
+    task = CodeCompletion()
+    m = task.metrics("```python\n    value = compute(x, y)\n```", ["value = compute(x, y)"])
+    assert m == {"edit_sim": 1.0, "exact_match": 1.0}
+    m = task.metrics("value = compute(x)", ["value = compute(x, y)"])
+    # Indel ratio 2 * 18 / (18 + 21) = 0.923, rounded to a whole percent as fuzzywuzzy's ratio (LongBench's) does
+    assert m == {"edit_sim": 0.92, "exact_match": 0.0}
+    assert task.score("value = compute(x)", ["value = compute(x, y)"]) == 0.92
+
+
+class _Task:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_summary_table_and_oracle_best():
+    from dustin.eval.tasks import markdown, summarize
+
+    p = {"tasks": [_Task("a"), _Task("b")], "contexts": [100], "rows": [
+        ("vanilla", None), ("dustin-t", 64), ("dustin-d", 64), ("dustin", 64)]}
+    rows = []
+    scores = {("vanilla", None): (1.0, 1.0), ("dustin-t", 64): (0.5, 1.0), ("dustin-d", 64): (1.0, 0.0),
+              ("dustin", 64): (0.75, 0.5)}
+    for (m, k), (sa, sb) in scores.items():
+        for task, s in (("a", sa), ("b", sb)):
+            rows.append({"task": task, "context": 100, "method": m, "budget": k, "index": 0, "score": s,
+                         "tau": None if k is None else 2.0, "agreement": None if k is None else 0.5})
+    summary = summarize(rows, p)
+    assert summary[("a", 100, "oracle-best", 64)]["score"] == 1.0  # dustin-d's 1.0
+    assert summary[("b", 100, "oracle-best", 64)]["score"] == 1.0  # dustin-t's 1.0
+    md = markdown(summary, p)
+    assert "| dustin@64 | 75.0 | 50.0 | 62.5 | 2.00 | 50% |" in md
+    assert "| oracle-best@64 | 100.0 | 100.0 | 100.0 | - | - |" in md
+    assert "| vanilla | 100.0 | 100.0 | 100.0 | - | - |" in md
+
+
+def test_arr_kl_study_on_a_tiny_model(tiny_qwen2):
+    """Subsets holding more of the true attention give outputs closer to the full cache's."""
+    from dustin.eval.arr_kl import study
+    from dustin.models.loader import load_model
+
+    model = load_model(tiny_qwen2)
+    prompt = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    res = study(model, prompt, budget=60, subsets=12, new_tokens=6, seed=0)
+    arr = [p["arr"] for p in res["points"]]
+    assert len(arr) == 12 and all(0 < a < 1 for a in arr) and all(p["kl"] > 0 for p in res["points"])
+    assert arr[-1] == max(arr)  # all picks from the top of the attention
+    assert res["pearson"] < -0.5
+    with pytest.raises(InputError, match="--budget"):
+        study(model, prompt, budget=300, subsets=3, new_tokens=2, seed=0)
+
+
+def _real_pair_or_skip():
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+
+    try:
+        resolve_model_path("default", "target")
+        resolve_model_path("default", "draft")
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+
+
+@pytest.mark.realmodels
+@pytest.mark.slow
+def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys):
+    from dustin.cli.main import main
+
+    _real_pair_or_skip()
+    out = tmp_path / "tasks.json"
+    argv = ["eval", "tasks", "--tasks", "code_completion", "--contexts", "700", "--samples", "1",
+            "--methods", "vanilla,dustin", "--budgets", "64", "--json-out", str(out)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        assert main(argv) == 0, capsys.readouterr().err
+        first = out.read_text()
+        assert main(argv) == 0  # resumed: nothing left to run, the file is unchanged
+    finally:
+        torch.set_num_threads(threads)
+    assert out.read_text() == first
+    rows = json.loads(first)["rows"]
+    assert {(r["method"], r["budget"]) for r in rows} == {("vanilla", None), ("dustin", 64)}
+    dustin = next(r for r in rows if r["method"] == "dustin")
+    assert 0.0 <= dustin["score"] <= 1.0 and dustin["tau"] >= 1.0 and 0.0 <= dustin["agreement"] <= 1.0
+    assert dustin["sparse_config"].startswith("tuned:") and set(dustin["metrics"]) == {"edit_sim", "exact_match"}
+    assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
+    assert "| dustin@64 |" in capsys.readouterr().out
