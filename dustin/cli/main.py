@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_tasks(esub.add_parser("tasks", help="long-context task accuracy (RULER, code completion, LongBench) per "
                                             "method and budget"))
 
+    from dustin.eval.arr_kl import add_arguments as add_arr_kl
+    add_arr_kl(esub.add_parser("arr-kl", help="correlation of ARR with the KL divergence of sparse vs full forwards "
+                                              "(appendix B)"))
+
     from dustin.profiling.cli import add_arguments as add_profile
     add_profile(sub.add_parser("profile", help="offline profile of a pair: retrieval heads, attention traces, "
                                              "Algorithm 1 -> a tuned sparse config"))
@@ -189,6 +193,9 @@ def _dispatch(argv: list[str] | None) -> int:
             if args.eval_command == "needles":
                 from dustin.eval.retrieval import run as run_needles
                 return run_needles(args)
+            if args.eval_command == "arr-kl":
+                from dustin.eval.arr_kl import run as run_arr_kl
+                return run_arr_kl(args)
             if args.eval_command == "tasks":
                 from dustin.eval.tasks import run as run_tasks
                 return run_tasks(args)
