@@ -26,6 +26,7 @@ METHODS: dict[str, MethodSpec] = {
     "streaming": MethodSpec(speculative=True, draft_kv="streaming", policy="streaming"),
     "quest": MethodSpec(speculative=True, draft_kv="streaming", policy="quest"),
     "specattn": MethodSpec(speculative=True, draft_kv="streaming", policy="specattn"),
+    "snapkv": MethodSpec(speculative=True, draft_kv="streaming", policy="snapkv"),
     "oracle": MethodSpec(speculative=True, draft_kv="full", policy="oracle"),
 }
 DRAFT_KV_MODES = ("full", "streaming")

@@ -137,6 +137,8 @@ class Engine:
         reuse = self._saved_prefill
         key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
         reuse = reuse if (reuse_prefill and reuse is not None and reuse.key == key) else None
+        if policy.needs_own_prefill:  # e.g. snapkv: it scores the prompt with its last queries; prefill in full
+            reuse = None
         try:
             s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
                         self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill)

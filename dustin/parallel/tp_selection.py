@@ -10,8 +10,8 @@ Design (dustin, dustin-t, dustin-d):
   were not bitwise identical across ranks.
 Sparse configs name global head indices and are validated/defaulted against the unsharded shape
 (`tp_full_args`), so a run with and without TP picks the same heads.
-`streaming` needs no scores (lengths only) and works unchanged. `quest`, `specattn` and `oracle` are not supported
-under TP (they read every target head) and raise an InputError.
+`streaming` needs no scores (lengths only) and works unchanged. `quest`, `specattn`, `snapkv` and `oracle` are not
+supported under TP (they read every target head) and raise an InputError.
 """
 from __future__ import annotations
 

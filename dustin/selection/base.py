@@ -21,6 +21,9 @@ class SelectionPolicy:
     name = "full"
     cfg = None  # the SparseConfig a sparse policy runs with (reported by `generate --json`); None: full verify
     observes_prefill = False  # True if target_observers must also see the prompt's last token
+    # True if the policy must observe the whole prompt's prefill forward (SnapKV's observation window): the
+    # Engine then never hands it a reused prefill, which re-runs only the last prompt token
+    needs_own_prefill = False
     # True if the step forwards may be replayed as CUDA graphs: the plan is one `SparsePlan` (or None) and every
     # observer only writes fixed-address device buffers (no Python-side state per call)
     graph_safe = False

@@ -5,6 +5,8 @@
 - `dustin-t`: m = 0 (target-historical only); `dustin-d`: the whole unprotected budget from S_draft.
 - `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
               it runs a full-cache forward first, so it is for analysis only.
+Per-layer baselines live in `layerwise.py` (`quest`, `specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time
+set per layer and KV head, fixed after prefill, plus every generated position).
 One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
 tokens are appended and nothing is evicted, so any position can be selected at a later step.
 """
@@ -128,7 +130,7 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "oracle")
+POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "snapkv", "oracle")
 
 
 def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
@@ -145,4 +147,7 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
     if name in ("quest", "specattn"):
         from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
         return QuestSelection(cfg) if name == "quest" else SpecAttnSelection(cfg)
+    if name == "snapkv":
+        from dustin.selection.snapkv import SnapKVSelection
+        return SnapKVSelection(cfg)
     raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
