@@ -162,7 +162,7 @@ def summarize(rows: list[dict], p: dict) -> dict:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
-    mean = lambda xs: None if not xs else sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: None if not xs else sum(xs) / len(xs)
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
                  "tau": mean([x["tau"] for x in g if x["tau"] is not None]),
                  "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None])}
