@@ -120,7 +120,7 @@ def run(args) -> int:
     summary = summarize(results["rows"], p)
     if is_main_process():
         md = markdown(summary, p)
-        Console().print(md, markup=False, highlight=False)
+        print(md)  # plain markdown (no terminal wrapping): paste-able
         if args.json_out:
             Path(args.json_out).with_suffix(".md").write_text(md)
             plot(summary, p, Path(args.json_out).with_suffix(".png"))
