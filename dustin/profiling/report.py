@@ -6,8 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from dustin.profiling.search import ARRObjective, evaluate, search
 
 FIG_BUDGETS = (64, 128, 256, 384, 512, 768, 1024)
@@ -79,7 +77,3 @@ def _print(console, report) -> None:
             t.add_row(k, *["-" if row["srh"][n] is None else f"{row['srh'][n]:.4f}" for n in names])
         console.print(t)
 
-
-@torch.inference_mode()
-def budgets_curve(obj: ARRObjective, scores: torch.Tensor, budgets) -> list[float]:
-    return [obj.arr_topk(scores, k) for k in budgets]
