@@ -719,9 +719,9 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
     (["--steps", "-2"], "--steps must be >= 1"),
     (["--trace-kinds", "essays,bogus"], "--trace-kinds: unknown ['bogus']"),
     (["--budget", "5"], "--budget must be >= 21"),
-    (["--contexts", "1,x"], "--contexts must be comma-separated integers"),
-    (["--trace-contexts", "0"], "--trace-contexts must be positive integers"),
-    (["--search-m", "64,,-1"], "--search-m must be positive integers"),
+    (["--contexts", "1,x"], "--contexts must be a comma-separated list of integers"),
+    (["--trace-contexts", "0"], "--trace-contexts must be a comma-separated list of integers >= 1"),
+    (["--search-m", "64,,-1"], "--search-m must be a comma-separated list of integers >= 1"),
 ])
 def test_profile_flag_errors_before_any_model_loads(capsys, tmp_path, argv, needle):
     from dustin.cli.main import main

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
@@ -40,33 +40,16 @@ def add_arguments(p) -> None:
     p.add_argument("--json-out", default=None, help="results file; rerunning with it skips finished rows")
 
 
-def _ints(flag: str, text: str, low: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise InputError(f"{flag} must be a comma-separated list of integers >= {low}, got {text!r}")
-    return values
-
-
 def plan(args) -> dict:
     """Every flag checked before any model loads; returns the run's settings."""
-    contexts, budgets = _ints("--contexts", args.contexts, 1), _ints("--budgets", args.budgets, 21)
-    methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
+    contexts, budgets = int_list("--contexts", args.contexts, 1), int_list("--budgets", args.budgets, 21)
+    methods = method_list(args.methods)
     kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))
-    unknown = [m for m in methods if m not in METHODS]
-    if not methods or unknown:
-        raise InputError(f"--methods: unknown method {', '.join(unknown) or repr(args.methods)}; choose from "
-                         f"{', '.join(METHODS)}")
     if not kinds or any(k not in KINDS for k in kinds):
         raise InputError(f"--kinds must be a comma-separated subset of {', '.join(KINDS)}, got {args.kinds!r}")
     if args.depths < 1:
         raise InputError(f"--depths must be >= 1 (prompts per kind and context), got {args.depths}")
-    if args.config and args.config != "builtin":
-        from dustin.selection.config import SparseConfig
-        for k in budgets:
-            SparseConfig.load(args.config).with_budget(k)
+    check_sparse_config(args.config, budgets)
     for m in methods:  # gamma, max-new-tokens, budget ranges
         GenerationConfig(method=m, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budgets[0])
     rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods

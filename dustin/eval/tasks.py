@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
@@ -42,16 +42,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json-out", default=None, help="results file; rerunning with it resumes")
 
 
-def _ints(flag: str, text: str, low: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise InputError(f"{flag} must be a comma-separated list of integers >= {low}, got {text!r}")
-    return values
-
-
 def plan(args) -> dict:
     """Every flag checked before any model loads."""
     import os
@@ -61,18 +51,11 @@ def plan(args) -> dict:
     if args.longbench_dir:
         os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
     tasks = get_tasks(args.tasks)
-    contexts, budgets = _ints("--contexts", args.contexts, 1), _ints("--budgets", args.budgets, 21)
-    methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
-    unknown = [m for m in methods if m not in METHODS]
-    if not methods or unknown:
-        raise InputError(f"--methods: unknown method {', '.join(unknown) or repr(args.methods)}; choose from "
-                         f"{', '.join(METHODS)}")
+    contexts, budgets = int_list("--contexts", args.contexts, 1), int_list("--budgets", args.budgets, 21)
+    methods = method_list(args.methods)
     if args.samples < 1:
         raise InputError(f"--samples must be >= 1, got {args.samples}")
-    if args.config and args.config != "builtin":
-        from dustin.selection.config import SparseConfig
-        for k in budgets:
-            SparseConfig.load(args.config).with_budget(k)
+    check_sparse_config(args.config, budgets)
     for m in methods:
         GenerationConfig(method=m, gamma=args.gamma, budget=budgets[0])
     methods.sort(key=lambda m: m not in LOSSLESS)  # the lossless reference first: agreement needs it

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, int_list
 from dustin.errors import InputError
 
 STAGES = ("srh", "trace", "search", "all")
@@ -48,16 +48,6 @@ def add_arguments(p) -> None:
                    help="phase 2 stops when a draft layer adds less ARR than this (default 1e-4)")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise InputError(f"{flag} must be positive integers, got {text!r}")
-    return vals
-
-
 def _validate(args) -> None:
     for flag in ("depths", "needles", "srh_max_new_tokens", "texts", "steps", "stride", "gamma", "optuna_trials"):
         if getattr(args, flag) < 1:
@@ -67,9 +57,9 @@ def _validate(args) -> None:
     if args.budget < 21:
         raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {args.budget}")
     if args.contexts:
-        _ints(args.contexts, "--contexts")
-    _ints(args.trace_contexts, "--trace-contexts")
-    _ints(args.search_m, "--search-m")
+        int_list("--contexts", args.contexts)
+    int_list("--trace-contexts", args.trace_contexts)
+    int_list("--search-m", args.search_m)
     from dustin.data.corpora import KINDS
     bad = [k for k in args.trace_kinds.split(",") if k not in KINDS]
     if bad:
@@ -121,7 +111,7 @@ def _srh(engine, args, out: Path, progress) -> None:
     needles = PROFILE_NEEDLES[:args.needles]
     limit = min(engine.target.args.max_position_embeddings, engine.draft.args.max_position_embeddings)
     limit = min(limit - args.srh_max_new_tokens - 64, args.max_context or limit)
-    contexts = _ints(args.contexts, "--contexts") if args.contexts else default_contexts(limit)
+    contexts = int_list("--contexts", args.contexts) if args.contexts else default_contexts(limit)
     haystacks = shuffled_haystacks(essays("profile"), len(needles), args.seed)
     for role in ("target", "draft"):
         res = run_srh(engine, role, out, contexts, args.depths, needles, haystacks,
@@ -139,7 +129,7 @@ def _trace(engine, args, out: Path, progress) -> None:
     for split, seed in (("profile", args.seed), ("heldout", args.seed + 1)):
         texts = []
         for kind in args.trace_kinds.split(","):
-            for n in _ints(args.trace_contexts, "--trace-contexts"):
+            for n in int_list("--trace-contexts", args.trace_contexts):
                 for i, text in enumerate(long_texts(kind, split, n, engine.tokenizer, args.texts, seed)):
                     texts.append((f"{kind}-{n}-{i}", text))
         run_trace(engine, out, split, texts, srh_t, srh_d, gamma=args.gamma, steps=args.steps, stride=args.stride,
