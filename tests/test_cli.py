@@ -47,6 +47,37 @@ def test_bad_prompts_file(capsys, tmp_path):
     assert code == 2 and "p.jsonl:2" in err
     code, err = _error(capsys, ["generate", "--prompt-file", str(tmp_path / "missing.txt")])
     assert code == 2 and "does not exist" in err
+    code, err = _error(capsys, ["generate", "--prompts-jsonl", str(tmp_path)])
+    assert code == 2 and "is a directory" in err and err.count("\n") == 1
+
+
+
+def test_unreadable_prompt_file(capsys, tmp_path, monkeypatch):
+    """An OSError while reading (here a PermissionError, which root would never get from chmod) is one line."""
+    import pathlib
+
+    f = tmp_path / "p.txt"
+    f.write_text("x")
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    code, err = _error(capsys, ["generate", "--prompt-file", str(f)])
+    assert code == 2 and "cannot read prompt file" in err and "Permission denied" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("device,needle", [("tpu", "--device must be cpu or cuda"), ("", "--device must be"),
+                                           ("cuda:notanumber", "--device must be")])
+def test_bad_device_is_one_line(capsys, device, needle):
+    code, err = _error(capsys, ["generate", "--prompt", "x", "--method", "vanilla", "--device", device])
+    assert code == 2 and needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", [["--config", "x.json"], ["--budget", "64"]])
+def test_sparse_flags_on_a_full_verification_method(capsys, flag):
+    code, err = _error(capsys, ["generate", "--prompt", "x", "--method", "classic", *flag])
+    assert code == 2 and f"{flag[0]} applies to sparse verification" in err
 
 
 @pytest.mark.realmodels

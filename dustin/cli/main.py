@@ -101,9 +101,14 @@ def _read_prompts(args) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
     path = args.prompt_file or args.prompts_jsonl
+    if path.is_dir():
+        raise InputError(f"prompt file {path} is a directory")
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise InputError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     if args.prompt_file:
         return [text]
     prompts = []
@@ -129,6 +134,10 @@ def cmd_generate(args) -> int:
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            draft_kv=args.draft_kv, draft_budget=args.draft_budget, stop_at_eos=not args.ignore_eos,
                            budget=args.budget, sparse_config=args.config)
+    if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
+        flag = "--config" if args.config is not None else "--budget"
+        raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "
+                         f"specattn, snapkv, oracle); --method {args.method} verifies with the full cache")
     draft = args.draft if cfg.spec.speculative else None
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
     result = engine.generate(prompts, cfg, chat=args.chat)

@@ -53,6 +53,21 @@ class GenerationResult:
         }
 
 
+def parse_device(name: str) -> torch.device:
+    """--device: cpu or cuda[:N] that exists here, else one InputError line (torch raises RuntimeError)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda[:N], got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda was requested but no CUDA GPU is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -94,9 +109,7 @@ class Engine:
                         dtype: str | None = None, attention: str = "auto") -> "Engine":
         from dustin.models.fetch import resolve_model_path
 
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise InputError("--device cuda was requested but no CUDA GPU is available")
+        dev = parse_device(device)
         from dustin.parallel.tp import current_shard, init_distributed, maybe_shard, rank_device
         init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
         dev = rank_device(dev)
