@@ -48,7 +48,15 @@ def run_demo(args) -> int:
         table.add_column(col, justify="right")
     for method, r in results.items():
         out = r.sequences[0].token_ids
-        same = "yes" if out == reference else f"no (first {common_prefix(out, reference)} tokens)"
-        table.add_row(method, str(r.steps), f"{r.tau:.2f}", f"{r.tokens_per_s:.2f}", f"{r.decode_s:.1f}", same)
+        same = "yes" if out == reference else f"no: the first {common_prefix(out, reference)} of {len(reference)} agree"
+        name = method if r.sparse_config is None else f"{method} (k = {r.sparse_config['budget']})"
+        table.add_row(name, str(r.steps), f"{r.tau:.2f}", f"{r.tokens_per_s:.2f}", f"{r.decode_s:.1f}", same)
     console.print(table)
+    sc = results["dustin"].sparse_config
+    console.print(
+        "steps: target forwards; τ: tokens produced per target forward (1 for vanilla; speculative methods verify "
+        "Γ draft tokens per step); same as vanilla: greedy tokens identical to plain decoding (classic and "
+        "magicdec verify with the full cache, so they must match; dustin verifies with k cached positions and "
+        f"may differ). dustin's score heads: {sc['source']} (m = {sc['draft_topm']} of k from the draft).",
+        style="dim", highlight=False)
     return 0

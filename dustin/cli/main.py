@@ -1,4 +1,4 @@
-"""`dustin` command line: generate, demo, models fetch, bench.
+"""`dustin` command line: generate, demo, models fetch, bench, eval, profile.
 
 Errors caused by input (DustinError) print one line naming the problem and exit non-zero, no traceback.
 """
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    demo = sub.add_parser("demo", help="vanilla vs classic vs magicdec on a long real code prompt (default pair)")
+    demo = sub.add_parser("demo", help="vanilla vs classic vs magicdec vs dustin on a long real code prompt "
+                                       "(default pair)")
     add_model_args(demo)
     demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
     demo.add_argument("--max-new-tokens", type=int, default=64)
