@@ -107,3 +107,24 @@ def test_generate_json_on_the_default_pair(capsys):
 def test_bench_e2e_bad_flags(capsys, argv, needle):
     code, err = _error(capsys, ["bench", "e2e", "--device", "cpu", *argv])
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.realmodels
+@pytest.mark.parametrize("prompt,needle", [("", "prompt 0 is empty"), ("word " * 40000, "more than the model context")])
+def test_bad_prompt_is_rejected_before_the_models_load(capsys, monkeypatch, prompt, needle):
+    """An empty or over-long prompt fails from config.json and the tokenizer alone (no weights read)."""
+    from dustin.engine import engine as engine_module
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+
+    try:
+        resolve_model_path("default", "target")
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+
+    def no_load(*a, **k):
+        raise AssertionError("the models were loaded before the prompt was checked")
+
+    monkeypatch.setattr(engine_module.Engine, "from_pretrained", no_load)
+    code, err = _error(capsys, ["generate", "--prompt", prompt])
+    assert code == 2 and needle in err and err.count("\n") == 1, err

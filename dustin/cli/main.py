@@ -128,7 +128,7 @@ def _read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from dustin.engine.config import GenerationConfig
-    from dustin.engine.engine import Engine
+    from dustin.engine.engine import Engine, precheck_prompts
 
     prompts = _read_prompts(args)
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
@@ -140,6 +140,7 @@ def cmd_generate(args) -> int:
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "
                          f"specattn, snapkv, oracle); --method {args.method} verifies with the full cache")
     draft = args.draft if cfg.spec.speculative else None
+    precheck_prompts(args.target, draft, prompts, cfg, args.chat)  # before the (slow) model load
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
     result = engine.generate(prompts, cfg, chat=args.chat)
     from dustin.parallel.tp import is_main_process

@@ -126,15 +126,7 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise InputError("this model folder has no tokenizer: pass token ids instead of text")
-        if chat:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                           add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def session(self, prompts: list[list[int]], cfg: GenerationConfig,
                 policy: SelectionPolicy | None = None, reuse_prefill: bool = False,
@@ -222,21 +214,10 @@ class Engine:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _validate(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
-        if not prompts:
-            raise InputError("no prompts given")
         context = self.target.args.max_position_embeddings
         if self.draft is not None and cfg.spec.speculative:
             context = min(context, self.draft.args.max_position_embeddings)
-        for i, p in enumerate(prompts):
-            if not p:
-                raise InputError(f"prompt {i} is empty")
-            if max(p) >= self.vocab_limit or min(p) < 0:
-                raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{self.vocab_limit - 1})")
-            need = len(p) + cfg.max_new_tokens + cfg.gamma + 1
-            if need > context:
-                raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {cfg.max_new_tokens} and "
-                                 f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
-                                 f"({context})")
+        check_prompts(prompts, cfg, context, self.vocab_limit)
         self._check_memory(prompts, cfg)
 
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
@@ -256,6 +237,52 @@ class Engine:
             raise OutOfMemoryError(f"the KV caches for {len(prompts)} sequences x {capacity} positions need "
                                    f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
                                    f"memory is free: lower the batch size, the prompt length or --max-new-tokens")
+
+
+def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> list[int]:
+    """Token ids of a prompt (ids pass through), wrapped in the chat template with `chat`."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if tokenizer is None:
+        raise InputError("this model folder has no tokenizer: pass token ids instead of text")
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
+                  vocab_limit: int | None = None) -> None:
+    """No prompts, an empty prompt, ids outside the vocabulary, or a prompt that leaves no room for
+    --max-new-tokens and Γ within the model context: one InputError line naming the prompt."""
+    if not prompts:
+        raise InputError("no prompts given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise InputError(f"prompt {i} is empty")
+        if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
+            raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
+        need = len(p) + cfg.max_new_tokens + cfg.gamma + 1
+        if need > context:
+            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {cfg.max_new_tokens} and "
+                             f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
+                             f"({context})")
+
+
+def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
+                     chat: bool = False) -> None:
+    """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
+    empty or over-long prompt fails in about a second instead of after both models loaded."""
+    from dustin.models.fetch import resolve_model_path
+    from dustin.models.loader import read_args
+
+    t_path = resolve_model_path(str(target), "target")
+    context = read_args(t_path).max_position_embeddings
+    if draft is not None and cfg.spec.speculative:
+        context = min(context, read_args(resolve_model_path(str(draft), "draft")).max_position_embeddings)
+    tokenizer = _load_tokenizer(t_path)
+    if tokenizer is not None:
+        check_prompts([encode_prompt(tokenizer, p, chat) for p in prompts], cfg, context)
 
 
 def _free_memory(device: torch.device) -> int | None:
