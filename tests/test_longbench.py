@@ -209,3 +209,29 @@ def test_real_tokenizer(tok, tmp_path, monkeypatch, name):
     assert ("<|im_start|>" in text) is TABLE[name][2]
     assert text.startswith("<|im_start|>system" if TABLE[name][2] else "Please determine the type")
     assert "question 0 of" in text
+
+
+@pytest.mark.realmodels
+@pytest.mark.slow
+def test_eval_tasks_runs_longbench_files_end_to_end(tmp_path, capsys):
+    """`dustin eval tasks --tasks trec,hotpotqa --longbench-dir ...` on the real pair: the runner reads the files,
+    scores trec with the sample's own label set, and writes the table (vanilla only: ~1 minute on 2 cores)."""
+    from dustin.cli.main import main
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+
+    try:
+        resolve_model_path("default", "target")
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+    for name in ("trec", "hotpotqa"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record(name, 0)) + "\n")
+    out = tmp_path / "lb.json"
+    code = main(["eval", "tasks", "--tasks", "trec,hotpotqa", "--longbench-dir", str(tmp_path), "--contexts", "400",
+                 "--samples", "1", "--methods", "vanilla", "--json-out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["task"] for r in rows} == {"trec", "hotpotqa"}
+    assert all(0.0 <= r["score"] <= 1.0 and r["prediction"] is not None for r in rows)
+    assert next(r for r in rows if r["task"] == "trec")["meta"]["all_classes"] == LABELS
+    assert "| vanilla |" in capsys.readouterr().out

@@ -133,10 +133,12 @@ def _evaluate(engine, task, samples, method, budget, args, rows) -> list[dict]:
     for s, seq in zip(samples, r.sequences):
         text = seq.text or ""
         extra = task.metrics(text, s.references) if hasattr(task, "metrics") else {}
+        # a classification task scores against its sample's label set (LongBench's trec)
+        kw = {"all_classes": s.meta["all_classes"]} if s.meta.get("all_classes") is not None else {}
         ref = reference.get((s.task, s.context, s.index))
         agree = None if ref is None or method in LOSSLESS else common_prefix(seq.token_ids, ref) / max(len(ref), 1)
         out.append({"task": s.task, "context": s.context, "method": method, "budget": budget, "index": s.index,
-                    "score": task.score(text, s.references), "metrics": extra, "prediction": text,
+                    "score": task.score(text, s.references, **kw), "metrics": extra, "prediction": text,
                     "references": s.references, "token_ids": seq.token_ids, "prompt_tokens": len(s.prompt_ids),
                     "tau": tau, "agreement": agree, "seconds": seconds / len(samples), "meta": s.meta,
                     "sparse_config": r.sparse_config and r.sparse_config.get("source")})
