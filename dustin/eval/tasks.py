@@ -202,6 +202,8 @@ def plot(summary: dict, p: dict, path: Path) -> None:
 
     names = [t.name for t in p["tasks"]]
     budgets = sorted({k for _, k in p["rows"] if k is not None})
+    if not budgets:  # lossless methods only: no budget axis to draw
+        return
     fig, axes = plt.subplots(1, len(p["contexts"]), figsize=(5 * len(p["contexts"]), 3.8), squeeze=False)
     for ax, c in zip(axes[0], p["contexts"]):
         for m in dict.fromkeys(m for m, _ in _table_rows(summary, p)):
