@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.session import Session
+from dustin.engine.session import Session, cache_capacity
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
@@ -130,13 +131,14 @@ class Engine:
 
     def session(self, prompts: list[list[int]], cfg: GenerationConfig,
                 policy: SelectionPolicy | None = None, reuse_prefill: bool = False,
-                random_prefill: bool = False) -> Session:
+                random_prefill: bool = False, limits: list[int] | None = None) -> Session:
         """A generation to drive with `step()`. With `reuse_prefill`, greedy sessions over the same prompts
         share one prefill (the prompt caches are copied), which is how methods are compared side by side.
-        `random_prefill` fills the prompt caches with noise instead (benchmarks with random weights)."""
+        `random_prefill` fills the prompt caches with noise instead (benchmarks with random weights).
+        `limits`: new tokens per prompt (default cfg.max_new_tokens for each)."""
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
-        self._validate(prompts, cfg)
+        self._validate(prompts, cfg, limits)
         policy = policy or self.make_policy(cfg)
         reuse_prefill = reuse_prefill and cfg.sampling.greedy and not random_prefill
         reuse = self._saved_prefill
@@ -146,7 +148,8 @@ class Engine:
             reuse = None
         try:
             s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
-                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill)
+                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill,
+                        limits=limits)
             if reuse_prefill and (reuse is None or reuse.draft_kv is None):
                 self._saved_prefill = s.prefill_state()
             return s
@@ -156,15 +159,16 @@ class Engine:
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
                  policy: SelectionPolicy | None = None, chat: bool = False,
-                 reuse_prefill: bool = False) -> GenerationResult:
+                 reuse_prefill: bool = False, limits: list[int] | None = None) -> GenerationResult:
+        """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask)."""
         ids = [self.encode(p, chat) for p in prompts]
         policy = policy or self.make_policy(cfg)
         try:
-            s = self.session(ids, cfg, policy, reuse_prefill).run()
+            s = self.session(ids, cfg, policy, reuse_prefill, limits=limits).run()
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
-        seqs = [SequenceResult(len(p), out, self._decode(out)) for p, out in zip(ids, s.outputs)]
+        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, s.outputs)]
         st = s.stats
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
@@ -210,15 +214,19 @@ class Engine:
         sc.validate_for(self.target.args, d_args)
         return make_policy(cfg.spec.policy, sc)
 
-    def _decode(self, ids: list[int]) -> str | None:
+    def decode(self, ids: list[int]) -> str | None:
+        """Text of generated ids (special tokens dropped); None without a tokenizer."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
+    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None) -> None:
         context = self.target.args.max_position_embeddings
         if self.draft is not None and cfg.spec.speculative:
             context = min(context, self.draft.args.max_position_embeddings)
-        check_prompts(prompts, cfg, context, self.vocab_limit)
-        self._check_memory(prompts, cfg)
+        limits = limits if limits is not None else [cfg.max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
+            raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
+        check_prompts(prompts, cfg, context, self.vocab_limit, limits)
+        self._check_memory(prompts, cfg, limits)
 
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
         """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
@@ -229,10 +237,16 @@ class Engine:
             per_tok += self.draft.args.kv_bytes_per_token(elem)
         return per_tok * capacity * batch
 
-    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig) -> None:
-        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (cfg.gamma + 2)
+    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int]) -> None:
+        gamma = cfg.gamma if cfg.spec.speculative else 0
+        capacity = cache_capacity([len(p) for p in prompts], limits, gamma)
         need = self.kv_cache_bytes(len(prompts), capacity, cfg.spec.speculative)
         free = _free_memory(self.device)
+        if free is not None and need > 0.9 * free and self.device.type == "cuda":
+            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools
+            gc.collect()
+            torch.cuda.empty_cache()
+            free = _free_memory(self.device)
         if free is not None and need > 0.9 * free:
             raise OutOfMemoryError(f"the KV caches for {len(prompts)} sequences x {capacity} positions need "
                                    f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
@@ -252,9 +266,10 @@ def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> lis
 
 
 def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
-                  vocab_limit: int | None = None) -> None:
+                  vocab_limit: int | None = None, limits: list[int] | None = None) -> None:
     """No prompts, an empty prompt, ids outside the vocabulary, or a prompt that leaves no room for
-    --max-new-tokens and Γ within the model context: one InputError line naming the prompt."""
+    its new tokens (`limits[i]`, default --max-new-tokens) and Γ within the model context: one InputError line
+    naming the prompt."""
     if not prompts:
         raise InputError("no prompts given")
     for i, p in enumerate(prompts):
@@ -262,9 +277,10 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
             raise InputError(f"prompt {i} is empty")
         if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
             raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
-        need = len(p) + cfg.max_new_tokens + cfg.gamma + 1
+        new = cfg.max_new_tokens if limits is None else limits[i]
+        need = len(p) + new + cfg.gamma + 1
         if need > context:
-            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {cfg.max_new_tokens} and "
+            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {new} and "
                              f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
                              f"({context})")
 

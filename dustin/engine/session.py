@@ -42,6 +42,13 @@ class SessionStats:
         return self.step_tokens / max(self.active_seq_steps, 1)
 
 
+def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int:
+    """KV positions per sequence a generation allocates: the longest prompt + its new tokens, plus room for one
+    step past the limit (Γ + 1 rows written before acceptance is known) and the CUDA-graph warm-up scratch at
+    the cache's tail (GraphedForward writes up to Γ + 1 rows there). The one place this arithmetic lives."""
+    return max(n + m for n, m in zip(prompt_lens, limits)) + 2 * (gamma + 2)
+
+
 @dataclass
 class PrefillState:
     """Prompt K/V of target (and draft) and the first token, reusable by a later greedy session."""
@@ -56,7 +63,8 @@ class Session:
     def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
                  cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
                  policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None,
-                 random_prefill: bool = False) -> None:
+                 random_prefill: bool = False, limits: list[int] | None = None) -> None:
+        """limits: new tokens per sequence (default cfg.max_new_tokens each; none may exceed it)."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.prompts = prompts
@@ -71,7 +79,10 @@ class Session:
         self.stats = SessionStats()
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.finished = [False] * self.B
-        capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + 2 * (self.gamma + 2)  # + graph scratch
+        self.limits = list(limits) if limits is not None else [cfg.max_new_tokens] * self.B
+        if len(self.limits) != self.B or not all(1 <= m <= cfg.max_new_tokens for m in self.limits):
+            raise ValueError(f"limits must hold one value in [1, {cfg.max_new_tokens}] per prompt")
+        capacity = cache_capacity([len(p) for p in prompts], self.limits, self.gamma)
         a = target.args
         dtype = target.embed_tokens.weight.dtype
         self.target_cache = KVCache(a.n_layers, self.B, a.n_kv_heads, a.head_dim, capacity, dtype, self.device)
@@ -257,15 +268,15 @@ class Session:
 
     def _commit(self, b: int, new: list[int]) -> int:
         """Append new tokens to sequence b, stopping at EOS or the token limit; returns tokens kept."""
-        out, kept = self.outputs[b], 0
+        out, kept, limit = self.outputs[b], 0, self.limits[b]
         for tok in new:
-            if len(out) >= self.cfg.max_new_tokens:
+            if len(out) >= limit:
                 break
             out.append(tok)
             kept += 1
             if tok in self.eos_ids:
                 break
-        if len(out) >= self.cfg.max_new_tokens or (out and out[-1] in self.eos_ids):
+        if len(out) >= limit or (out and out[-1] in self.eos_ids):
             self.finished[b] = True
         return kept
 

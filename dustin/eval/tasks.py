@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tasks", default="ruler", help="task names, or ruler / code / longbench / all")
     p.add_argument("--contexts", default="4096", help="prompt lengths in tokens (capped by the model)")
     p.add_argument("--samples", type=int, default=3, help="samples per task and context")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="sequences per generation (samples of all tasks at one context are batched together)")
     p.add_argument("--methods", default="vanilla,dustin")
     p.add_argument("--budgets", default="128,256,512", help="k for the sparse methods")
     p.add_argument("--gamma", type=int, default=4)
@@ -40,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="sparse config JSON or 'builtin' (default: the pair's tuned one)")
     p.add_argument("--longbench-dir", default=None, help="folder of LongBench's <task>.jsonl files")
     p.add_argument("--json-out", default=None, help="results file; rerunning with it resumes")
+    p.add_argument("--report-only", action="store_true",
+                   help="only write the table and plot of what --json-out holds (runs nothing)")
 
 
 def plan(args) -> dict:
@@ -55,6 +59,8 @@ def plan(args) -> dict:
     methods = method_list(args.methods)
     if args.samples < 1:
         raise InputError(f"--samples must be >= 1, got {args.samples}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_sparse_config(args.config, budgets)
     for m in methods:
         GenerationConfig(method=m, gamma=args.gamma, budget=budgets[0])
@@ -75,10 +81,15 @@ def run(args) -> int:
     p = plan(args)
     results = load_results(args.json_out, p["settings"], "tasks")
     done = {_key(r) for r in results["rows"]}
-    todo = [(t, c, m, k) for t in p["tasks"] for c in p["contexts"] for m, k in p["rows"]
-            if any((t.name, c, m, k, i) not in done for i in range(args.samples))]
-    if todo:
-        speculative = any(METHODS[m].speculative for _, _, m, _ in todo)
+    by_name = {t.name: t for t in p["tasks"]}
+    missing = lambda name, ctx, i: any((name, ctx, m, k, i) not in done for m, k in p["rows"])
+    pending = {c: [t for t in p["tasks"] if any(missing(t.name, c, i) for i in range(args.samples))]
+               for c in p["contexts"]}
+    if args.report_only and not args.json_out:
+        raise InputError("--report-only needs --json-out")
+    if any(pending.values()) and not args.report_only:
+        methods = {m for m, _ in p["rows"]}
+        speculative = any(METHODS[m].speculative for m in methods)
         engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                         dtype=args.dtype, attention=args.attention)
         if engine.tokenizer is None:
@@ -90,19 +101,28 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
-            bar = progress.add_task("tasks", total=len(todo))
-            built: dict = {}
-            for task, ctx, method, budget in todo:
-                progress.update(bar, description=f"{task.name} {ctx} {_name(method, budget)}")
-                if (task.name, ctx) not in built:
-                    built = {(task.name, ctx): task.samples(engine.tokenizer, min(ctx, limit - args.gamma - 1),
-                                                            args.samples, args.seed)}
-                samples = [s for s in built[(task.name, ctx)]
-                           if (task.name, ctx, method, budget, s.index) not in done]
-                results["rows"] += _evaluate(engine, task, samples, method, budget, args, results["rows"])
-                if main:
-                    save_results(args.json_out, results)
-                progress.advance(bar)
+            bar = progress.add_task("tasks", total=None)
+            for ctx, tasks in pending.items():
+                if not tasks:
+                    continue
+                progress.update(bar, description=f"building {len(tasks)} task(s) at {ctx}")
+                samples = [s for t in tasks for s in t.samples(engine.tokenizer, min(ctx, limit - args.gamma - 1),
+                                                              args.samples, args.seed)
+                           if missing(t.name, ctx, s.index)]
+                # every task's samples of one context share a batch: one prefill serves every method (the
+                # prompt caches are reused) and a GPU decodes the whole batch in the time of one sequence
+                chunks = [samples[i:i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
+                work = [(chunk, m, k) for chunk in chunks for m, k in p["rows"]]
+                work = [(w, m, k) for chunk, m, k in work
+                        if (w := [s for s in chunk if (s.task, ctx, m, k, s.index) not in done])]
+                progress.update(bar, total=(progress.tasks[0].total or 0) + len(work))
+                for batch, method, budget in work:
+                    progress.update(bar, description=f"{ctx} {_name(method, budget)} x {len(batch)}")
+                    results["rows"] += _evaluate(engine, by_name, batch, ctx, method, budget, args,
+                                                 results["rows"])
+                    if main:
+                        save_results(args.json_out, results)
+                    progress.advance(bar)
     summary = summarize(results["rows"], p)
     if is_main_process():
         md = markdown(summary, p)
@@ -121,25 +141,32 @@ def _name(method: str, budget: int | None) -> str:
     return method if budget is None else f"{method}@{budget}"
 
 
-def _evaluate(engine, task, samples, method, budget, args, rows) -> list[dict]:
-    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=task.max_new_tokens, budget=budget,
+def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows) -> list[dict]:
+    """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
+    answer length. Rows are keyed by the requested context `ctx` (a sample
+    may be shorter: the model's own limit caps it)."""
+    longest = max(s.max_new_tokens for s in samples)
+    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=longest, budget=budget,
                            sparse_config=args.config, seed=args.seed)
     t0 = time.perf_counter()
-    r = engine.generate([s.prompt_ids for s in samples], cfg, reuse_prefill=True)
+    r = engine.generate([s.prompt_ids for s in samples], cfg, reuse_prefill=True,
+                        limits=[s.max_new_tokens for s in samples])
     seconds = time.perf_counter() - t0
     tau = r.tau if cfg.spec.speculative else None
     reference = {(x["task"], x["context"], x["index"]): x["token_ids"] for x in rows if x["method"] in LOSSLESS}
     out = []
     for s, seq in zip(samples, r.sequences):
+        task = tasks[s.task]
+        ids = seq.token_ids
         text = seq.text or ""
         extra = task.metrics(text, s.references) if hasattr(task, "metrics") else {}
         # a classification task scores against its sample's label set (LongBench's trec)
         kw = {"all_classes": s.meta["all_classes"]} if s.meta.get("all_classes") is not None else {}
-        ref = reference.get((s.task, s.context, s.index))
-        agree = None if ref is None or method in LOSSLESS else common_prefix(seq.token_ids, ref) / max(len(ref), 1)
-        out.append({"task": s.task, "context": s.context, "method": method, "budget": budget, "index": s.index,
+        ref = reference.get((s.task, ctx, s.index))
+        agree = None if ref is None or method in LOSSLESS else common_prefix(ids, ref) / max(len(ref), 1)
+        out.append({"task": s.task, "context": ctx, "method": method, "budget": budget, "index": s.index,
                     "score": task.score(text, s.references, **kw), "metrics": extra, "prediction": text,
-                    "references": s.references, "token_ids": seq.token_ids, "prompt_tokens": len(s.prompt_ids),
+                    "references": s.references, "token_ids": ids, "prompt_tokens": len(s.prompt_ids),
                     "tau": tau, "agreement": agree, "seconds": seconds / len(samples), "meta": s.meta,
                     "sparse_config": r.sparse_config and r.sparse_config.get("source")})
     return out
