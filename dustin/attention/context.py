@@ -45,10 +45,14 @@ class ForwardContext:
     max_len: int  # host-side upper bound of max(lengths) + T (sizes the attention work)
     rows: slice | None = None  # batch rows of the cache being written (prefill: one sequence)
     fresh: bool = False  # the cache is empty for these rows: attend over the new tokens only
+    prompt: bool = False  # the new tokens are prompt tokens of `rows` (a whole prefill or a chunk of one)
     sinks: int = 0  # streaming attention (MagicDec draft): sinks + recent window only
     window: int = 0
     sparse: SparsePlan | LayerPlanner | None = None  # one set for every layer, or a per-layer planner
     observers: list[QueryObserver] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt = self.prompt or self.fresh  # a fresh forward is always a prompt's
 
     @property
     def num_new(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,96 @@ def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_p
     n_acc = (u < accept_prob).int().cumprod(dim=1).sum(dim=1)
     next_tok = target_logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_tok
+
+
+class RowSampling:
+    """Per-sequence sampling parameters of a batch whose requests differ (the serving engine's slots).
+
+    Rows sharing one `SamplingParams` and the batch's generator take the batched functions above unchanged
+    (`uniform`). Otherwise every row is processed with its own temperature / top-k / top-p, greedy rows by
+    argmax, and a row with its own seed draws its random numbers from its own generator, so a seeded request's
+    tokens do not depend on what else is in the batch."""
+
+    def __init__(self, batch: int, default: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params = [default] * batch
+        self.generators: list[torch.Generator | None] = [None] * batch
+        self.default, self.generator = default, generator
+
+    def set_row(self, row: int, params: SamplingParams, seed: int | None, device) -> None:
+        self.params[row] = params
+        self.generators[row] = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def uniform(self) -> bool:
+        return all(p == self.default for p in self.params) and not any(self.generators)
+
+    @property
+    def greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    def _uniform_noise(self, shape: tuple[int, ...], device) -> torch.Tensor:
+        """U(0, 1) of shape [B, ...]: row b from its own generator when it has one."""
+        u = torch.rand(shape, device=device, generator=self.generator)
+        for b, g in enumerate(self.generators):
+            if g is not None:
+                u[b] = torch.rand(shape[1:], device=device, generator=g)
+        return u
+
+    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-row probabilities of logits [B, ..., V] (a greedy row gets its argmax as a one-hot)."""
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for b, p in enumerate(self.params):
+            if p.greedy:
+                out[b] = F.one_hot(logits[b].argmax(-1), logits.shape[-1]).float()
+            else:
+                out[b] = probabilities(logits[b], p)
+        return out
+
+    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF sampling of probs [B, ..., V] with per-row noise."""
+        u = self._uniform_noise(probs.shape[:-1], probs.device)
+        cdf = probs.cumsum(-1)
+        idx = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
+        return idx.clamp_max(probs.shape[-1] - 1)
+
+    def choose(self, logits: torch.Tensor):
+        """logits [B, V] -> (tokens [B], probs [B, V] or None when every row is greedy)."""
+        if self.uniform:
+            return choose(logits, self.default, self.generator)
+        if self.greedy:
+            return logits.argmax(-1), None
+        probs = self._probabilities(logits)
+        return self._sample(probs), probs
+
+    def accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor):
+        """Greedy rows: the greedy rule; sampled rows: lossless speculative sampling with their own params."""
+        if self.uniform:
+            if self.default.greedy:
+                return accept_greedy(drafts, target_logits)
+            return accept_speculative(drafts, draft_probs, target_logits, self.default, self.generator)
+        if self.greedy:
+            return accept_greedy(drafts, target_logits)
+        B, G = drafts.shape
+        greedy_rows = torch.tensor([p.greedy for p in self.params], device=drafts.device)
+        n_g, next_g = accept_greedy(drafts, target_logits)
+        target_probs = self._probabilities(target_logits)  # [B, G+1, V]
+        p_x = target_probs[:, :G].gather(2, drafts[..., None]).squeeze(2)
+        q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)
+        u = self._uniform_noise((B, G), drafts.device)
+        n_s = (u * q_x <= p_x).int().cumprod(dim=1).sum(dim=1)
+        rows = torch.arange(B, device=drafts.device)
+        p_at = target_probs[rows, n_s]
+        q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n_s]
+        residual = (p_at - q_at).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+        next_s = self._sample(residual)
+        return torch.where(greedy_rows, n_g, n_s), torch.where(greedy_rows, next_g, next_s)
+
+    def choose_row(self, row: int, logits: torch.Tensor) -> torch.Tensor:
+        """The first token of one sequence (after its prefill): logits [1, V] -> [1]."""
+        p = self.params[row]
+        if p.greedy:
+            return logits.argmax(-1)
+        gen = self.generators[row] or self.generator
+        return sample(probabilities(logits, p), gen)

@@ -20,7 +20,7 @@ from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import GraphedForward
-from dustin.engine.sampling import accept_controlled, accept_greedy, accept_speculative, choose
+from dustin.engine.sampling import RowSampling, SamplingParams, accept_controlled, choose
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
@@ -63,8 +63,11 @@ class Session:
     def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
                  cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
                  policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None,
-                 random_prefill: bool = False, limits: list[int] | None = None) -> None:
-        """limits: new tokens per sequence (default cfg.max_new_tokens each; none may exceed it)."""
+                 random_prefill: bool = False, limits: list[int] | None = None, *,
+                 slots: int | None = None, capacity: int | None = None) -> None:
+        """limits: new tokens per sequence (default cfg.max_new_tokens each; none may exceed it).
+        slots/capacity: instead of prompts, an idle batch of `slots` rows of `capacity` positions that requests
+        join (`admit`, `prefill_chunk`) and leave (`release`) between steps: the serving engine's batch."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.prompts = prompts
@@ -72,17 +75,20 @@ class Session:
         self.V = vocab_limit
         self.policy = policy or FullSelection()
         self.device = target.embed_tokens.weight.device
-        self.B = len(prompts)
+        self.B = len(prompts) if slots is None else slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.sampler = RowSampling(self.B, cfg.sampling, self.generator)
+        self.ignore_eos_rows: set[int] = set()  # rows that generate to their limit (a serving request's choice)
         self.timer = PhaseTimer(self.device)
         self.stats = SessionStats()
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.finished = [False] * self.B
+        self.outputs: list[list[int]] = [[] for _ in range(self.B)]
+        self.finished = [slots is not None] * self.B  # an idle slot counts as finished
         self.limits = list(limits) if limits is not None else [cfg.max_new_tokens] * self.B
         if len(self.limits) != self.B or not all(1 <= m <= cfg.max_new_tokens for m in self.limits):
             raise ValueError(f"limits must hold one value in [1, {cfg.max_new_tokens}] per prompt")
-        capacity = cache_capacity([len(p) for p in prompts], self.limits, self.gamma)
+        if slots is None:
+            capacity = cache_capacity([len(p) for p in prompts], self.limits, self.gamma)
         a = target.args
         dtype = target.embed_tokens.weight.dtype
         self.target_cache = KVCache(a.n_layers, self.B, a.n_kv_heads, a.head_dim, capacity, dtype, self.device)
@@ -95,7 +101,10 @@ class Session:
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
         self._graphs: dict[tuple, GraphedForward] = {}
-        self._prefill(reuse_prefill, random_prefill)
+        if slots is None:
+            self._prefill(reuse_prefill, random_prefill)
+        else:
+            self._idle_state()
 
     # ---------------------------------------------------------------- prefill
     @torch.inference_mode()
@@ -123,7 +132,7 @@ class Session:
                 ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True,
                                      observers=self.policy.target_observers(self))
                 logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
-                first.append(choose(logits, self.cfg.sampling, self.generator)[0])
+                first.append(self.sampler.choose_row(b, logits))
             if run_draft:
                 dctx = ForwardContext(self.draft_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
                 self.draft(toks, dctx, logits_at=last)
@@ -148,6 +157,88 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stats.prefill_s = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- slots (serving)
+    def _idle_state(self) -> None:
+        """Every row idle: a 1-position junk context (a step's forwards still run over idle rows; length 1 keeps
+        the first draft forward's [prev, pending] positions >= 0), excluded from output and stopping."""
+        self._prompt_rows: dict[int, list[int]] = {}
+        self._prefilled: dict[int, int] = {}
+        self.target_cache.lengths.fill_(1)
+        self.host_lengths = [1] * self.B
+        self.pending = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.prev = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.done = torch.ones(self.B, dtype=torch.bool, device=self.device)
+
+    def admit(self, row: int, prompt: list[int], limit: int, params: SamplingParams | None = None,
+              seed: int | None = None) -> None:
+        """Give an idle row to a new sequence; its prompt is then prefilled by `prefill_chunk` calls."""
+        if not self.finished[row] or row in self._prompt_rows:
+            raise ValueError(f"row {row} is not idle")
+        if not 1 <= limit <= self.cfg.max_new_tokens:
+            raise ValueError(f"limit must be in [1, {self.cfg.max_new_tokens}], got {limit}")
+        if len(prompt) + limit + 2 * (self.gamma + 2) > self.target_cache.capacity:
+            raise ValueError(f"prompt {len(prompt)} + {limit} new tokens do not fit a slot of "
+                             f"{self.target_cache.capacity} positions")
+        self._prompt_rows[row], self._prefilled[row] = list(prompt), 0
+        self.limits[row], self.outputs[row] = limit, []
+        self.sampler.set_row(row, params or self.cfg.sampling, seed, self.device)
+
+    def prefill_chunk(self, row: int, max_tokens: int) -> int:
+        """Prefill up to `max_tokens` more prompt tokens of an admitted row (target and draft); the chunk that
+        completes the prompt also chooses the first token and makes the row active for the next step. Chunks
+        after the first attend over the cached prefix (the verify path with a causal mask). Returns the number
+        of tokens prefilled. Between chunks the row's cache length is one past the prefilled count, so the
+        step's forwards over idle rows write their junk past the prefix, where the next chunk overwrites it."""
+        prompt, n0 = self._prompt_rows[row], self._prefilled[row]
+        n1 = min(len(prompt), n0 + max_tokens)
+        last = n1 == len(prompt)
+        with torch.inference_mode():
+            toks = torch.tensor(prompt[n0:n1], device=self.device)[None]
+            pos = torch.arange(n0, n1, device=self.device)[None]
+            L = torch.tensor([n0], dtype=torch.int32, device=self.device)
+            rows = slice(row, row + 1)
+            observers = self.policy.target_observers(self) if last else []
+            ctx = ForwardContext(self.target_cache, pos, L, n1, rows=rows, fresh=n0 == 0, prompt=True,
+                                 observers=observers)
+            at = torch.tensor([n1 - n0 - 1], device=self.device)
+            logits = self.target(toks, ctx, logits_at=at)[:, : self.V]
+            if self.draft_cache is not None:
+                dctx = ForwardContext(self.draft_cache, pos, L, n1, rows=rows, fresh=n0 == 0, prompt=True)
+                self.draft(toks, dctx, logits_at=at)
+            self._prefilled[row] = n1
+            # until the prompt completes, the step's junk writes for this row (the draft's first forward
+            # rewrites position length - 1) must land past the prefilled prefix: length n1 + 1
+            self.target_cache.lengths[row] = n1 if last else n1 + 1
+            self.host_lengths[row] = n1 if last else n1 + 1
+            if last:
+                first = self.sampler.choose_row(row, logits)
+                self.pending[row] = first[0]
+                self.prev[row] = prompt[-1]
+                del self._prompt_rows[row], self._prefilled[row]
+                self.finished[row] = False
+                self._commit(row, [int(first[0])])
+                self.done[row] = self.finished[row]
+        return n1 - n0
+
+    def release(self, row: int) -> None:
+        """Free a row (finished, or aborted mid-prefill or mid-decode): it becomes idle for the next request."""
+        self._prompt_rows.pop(row, None)
+        self._prefilled.pop(row, None)
+        self.finished[row] = True
+        self.done[row] = True
+        self.target_cache.lengths[row] = 1
+        self.host_lengths[row] = 1
+        self.sampler.set_row(row, self.cfg.sampling, None, self.device)
+        self.ignore_eos_rows.discard(row)
+
+    @property
+    def prefilling_rows(self) -> set[int]:
+        return set(self._prompt_rows)
+
+    @property
+    def active_rows(self) -> list[int]:
+        return [b for b in range(self.B) if not self.finished[b]]
 
     def _random_prefill_state(self, n_max: int) -> "PrefillState":
         for cache in (self.target_cache, self.draft_cache):
@@ -194,10 +285,8 @@ class Session:
             self.timer.stop(phase)
             if self.cfg.accept_prob is not None:
                 n_acc, nxt = accept_controlled(drafts, logits, self.cfg.accept_prob, self.generator)
-            elif self.cfg.sampling.greedy:
-                n_acc, nxt = accept_greedy(drafts, logits)
             else:
-                n_acc, nxt = accept_speculative(drafts, draft_probs, logits, self.cfg.sampling, self.generator)
+                n_acc, nxt = self.sampler.accept(drafts, draft_probs, logits)
             self.policy.after_verify(self, n_acc)
             last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
             new_prev = torch.where(n_acc == 0, self.pending, last_draft)
@@ -205,7 +294,7 @@ class Session:
             self.timer.start("verify")
             logits = self._forward("target", self.pending[:, None], L.long()[:, None], L, max_len + 1)[:, 0, : self.V]
             self.timer.stop("verify")
-            nxt, _ = choose(logits, self.cfg.sampling, self.generator)
+            nxt, _ = self.sampler.choose(logits)
             n_acc = torch.zeros_like(nxt)
             drafts = nxt[:, None][:, :0]
             new_prev = self.pending
@@ -229,7 +318,7 @@ class Session:
         for i in range(self.gamma):
             logits = self._forward("draft", inp, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
                                    observers=observers)[:, -1, : self.V]
-            tok, p = choose(logits, cfg.sampling, self.generator)
+            tok, p = self.sampler.choose(logits)
             tokens.append(tok)
             probs.append(p)
             inp, pos, lengths = tok[:, None], pos[:, -1:] + 1, L + i + 1
@@ -269,14 +358,15 @@ class Session:
     def _commit(self, b: int, new: list[int]) -> int:
         """Append new tokens to sequence b, stopping at EOS or the token limit; returns tokens kept."""
         out, kept, limit = self.outputs[b], 0, self.limits[b]
+        eos = () if b in self.ignore_eos_rows else self.eos_ids
         for tok in new:
             if len(out) >= limit:
                 break
             out.append(tok)
             kept += 1
-            if tok in self.eos_ids:
+            if tok in eos:
                 break
-        if len(out) >= limit or (out and out[-1] in self.eos_ids):
+        if len(out) >= limit or (out and out[-1] in eos):
             self.finished[b] = True
         return kept
 

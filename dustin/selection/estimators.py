@@ -123,7 +123,7 @@ class DraftLookaheadScores:
         self._base.copy_(lengths)
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
-        if ctx.fresh:
+        if ctx.prompt:
             return  # prefill: no lookahead yet
         # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1})
         sel = q[:, self.by_layer[layer], -1:]  # [B, Hs, 1, D]
@@ -178,7 +178,7 @@ class TargetHistoricalScores:
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         sel = q[:, self.by_layer[layer]]
-        if ctx.fresh:  # prefill of one sequence: its last prompt token is the last cached token
+        if ctx.prompt:  # prefill (or its last chunk) of one sequence: its last prompt token is the last cached
             B = self.scores.shape[0]
             if layer not in self._last_q:
                 self._last_q[layer] = torch.zeros(B, sel.shape[1], 1, sel.shape[3], dtype=q.dtype, device=q.device)
