@@ -1,0 +1,151 @@
+"""The serving engine core (engine/llm_engine.py): continuous batching over KV slots must give every request
+exactly the tokens an offline `Engine.generate` of that prompt alone gives (fp32, CPU), whatever else runs
+beside it, however its prompt is chunked, and however often its slot was used before."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.llm_engine import LLMEngine, QueueFullError, ServeConfig
+from dustin.engine.request import Request, RequestParams
+from dustin.errors import InputError
+
+SPARSE = dict(budget=24, draft_budget=32)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return Engine.from_pretrained(str(target), str(draft))
+
+
+def _prompts(n: int, seed: int = 0, low: int = 5, high: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 90) for _ in range(rng.randrange(low, high))] for _ in range(n)]
+
+
+def _offline(engine, prompts, method, max_new, **kw):
+    cfg = GenerationConfig(method=method, max_new_tokens=max_new, stop_at_eos=False, **kw)
+    return [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["vanilla", "classic", "magicdec", "dustin", "dustin-t", "streaming"])
+def test_continuous_batching_equals_offline_generation(engine, method):
+    """10 requests of 5-120 tokens through 3 slots, prompts prefilled in chunks of 40 between decode steps:
+    each request's greedy tokens equal its own offline generation, token for token."""
+    kw = SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_budget": 32}
+    prompts = _prompts(10)
+    ref = _offline(engine, prompts, method, 20, **kw)
+    llm = LLMEngine(engine, ServeConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
+    out = llm.generate(prompts, RequestParams(max_tokens=20, ignore_eos=True))
+    assert out == ref
+    st = llm.stats()
+    assert st["requests_running"] == 0 and st["requests_finished"] == 10 and st["generated_tokens_total"] == 200
+    assert st["prompt_tokens_total"] == sum(map(len, prompts))
+
+
+def test_requests_join_and_leave_a_running_batch(engine):
+    """Requests added while others decode, with different max_tokens: outputs arrive incrementally, each
+    request finishes with exactly its own tokens, and freed slots are reused."""
+    prompts = _prompts(6, seed=1)
+    limits = [3, 17, 9, 25, 1, 12]
+    ref = [_offline(engine, [p], "classic", m)[0] for p, m in zip(prompts, limits)]
+    llm = LLMEngine(engine, ServeConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
+    got: dict[str, list[int]] = {}
+    finished = {}
+    for i in range(2):
+        llm.add_request(Request(f"r{i}", prompts[i], RequestParams(max_tokens=limits[i], ignore_eos=True)))
+    steps = 0
+    while llm.has_unfinished() or len(got) < 6:
+        if steps == 2:  # late arrivals join at step boundaries
+            for i in range(2, 6):
+                llm.add_request(Request(f"r{i}", prompts[i], RequestParams(max_tokens=limits[i], ignore_eos=True)))
+        for o in llm.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+                assert o.completion_tokens == limits[int(o.request_id[1:])]
+        steps += 1
+        assert llm.stats()["kv_slots_used"] <= 2
+    assert [got[f"r{i}"] for i in range(6)] == ref
+    assert set(finished.values()) == {"length"}
+
+
+def test_abort_frees_the_slot(engine):
+    prompts = _prompts(3, seed=2)
+    llm = LLMEngine(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_budget=32))
+    for i, p in enumerate(prompts):
+        llm.add_request(Request(f"a{i}", p, RequestParams(max_tokens=50, ignore_eos=True)))
+    llm.step()
+    assert llm.stats()["requests_running"] == 1 and llm.stats()["requests_waiting"] == 2
+    llm.abort_request("a0")  # running
+    llm.abort_request("a2")  # waiting
+    outs = llm.step()
+    aborted = {o.request_id for o in outs if o.finish_reason == "abort"}
+    assert aborted == {"a0", "a2"}
+    tokens = [t for o in outs if o.request_id == "a1" for t in o.new_token_ids]  # a1 took the freed slot
+    while llm.has_unfinished():
+        tokens += [t for o in llm.step() if o.request_id == "a1" for t in o.new_token_ids]
+    assert tokens == _offline(engine, [prompts[1]], "magicdec", 50, draft_budget=32)[0]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    """A sampled request with its own seed gets the same tokens alone and beside other (greedy and sampled)
+    requests; greedy neighbours still match their offline output."""
+    prompts = _prompts(4, seed=3)
+    params = RequestParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
+    alone = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
+    solo = alone.generate([prompts[0]], params)[0]
+    mixed = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
+    others = [RequestParams(max_tokens=15, ignore_eos=True),
+              RequestParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True),
+              RequestParams(max_tokens=15, ignore_eos=True)]
+    out = mixed.generate(prompts, [params] + others)
+    assert out[0] == solo
+    assert out[1] == _offline(engine, [prompts[1]], "classic", 15)[0]
+    assert out[3] == _offline(engine, [prompts[3]], "classic", 15)[0]
+    assert len(set(map(tuple, out))) == 4
+
+
+def test_bad_requests_and_a_full_queue(engine):
+    llm = LLMEngine(engine, ServeConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
+    with pytest.raises(InputError, match="empty"):
+        llm.add_request(Request("e", [], RequestParams()))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        llm.add_request(Request("v", [10**6], RequestParams()))
+    with pytest.raises(InputError, match="the prompt has 60 tokens"):
+        llm.add_request(Request("long", [5] * 60, RequestParams(max_tokens=10)))
+    with pytest.raises(InputError, match="max_tokens 100 exceeds"):
+        llm.add_request(Request("m", [5, 6], RequestParams(max_tokens=100)))
+    with pytest.raises(InputError, match="max_tokens must be"):
+        RequestParams(max_tokens=0)
+    llm.add_request(Request("q0", [5, 6], RequestParams(max_tokens=4)))
+    llm.add_request(Request("q1", [5, 6], RequestParams(max_tokens=4)))
+    with pytest.raises(InputError, match="already in use"):
+        llm.add_request(Request("q1", [5, 6], RequestParams(max_tokens=4)))
+    with pytest.raises(QueueFullError):
+        llm.add_request(Request("q2", [5, 6], RequestParams(max_tokens=4)))
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.stats()["requests_finished"] == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"method": "quest"}, "offline-only"), ({"method": "nope"}, "unknown method"),
+    ({"max_slots": 0}, "--max-slots"), ({"prefill_chunk": 0}, "--prefill-chunk")])
+def test_config_errors(kw, match):
+    with pytest.raises(InputError, match=match):
+        ServeConfig(**kw)
+
+
+def test_slot_memory_error_names_the_flags(engine):
+    from dustin.errors import OutOfMemoryError
+
+    huge = ServeConfig(method="vanilla", max_slots=10**6, max_context=256)
+    with pytest.raises(OutOfMemoryError, match="--max-slots"):
+        LLMEngine(engine, huge)
+    torch.zeros(1)  # the failed allocation left nothing behind that breaks the next one
