@@ -209,6 +209,8 @@ def markdown(summary: dict, p: dict) -> str:
                   "|---" * (len(names) + 4) + "|"]
         for m, k in _table_rows(summary, p):
             cells = [summary.get((n, c, m, k)) for n in names]
+            if all(x is None for x in cells):  # not run (e.g. a partial run's report)
+                continue
             scores = [x["score"] for x in cells if x is not None]
             avg = f"{100 * sum(scores) / len(scores):.1f}" if len(scores) == len(names) else "-"
             taus = [x["tau"] for x in cells if x is not None and x["tau"] is not None]
