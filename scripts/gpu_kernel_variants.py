@@ -1,21 +1,24 @@
-"""Check and time the new estimation / sparse-verify kernel variants against the old paths on one GPU.
+"""Check and time the estimation and sparse-verify kernels, and the in-kernel merge experiment, on one GPU.
 
     PYTHONPATH=. python3 scripts/gpu_kernel_variants.py [--quick]
 
+(Its 2026-11-30 run, docs/results/kernel_variants_h200.json, also timed the separate combine launch and the
+two-pass estimation, since deleted from dustin/kernels/score_estimation.py: both were slower.)
 1. Correctness in bf16 against the float32 references (relative Frobenius error, must be < 1e-2):
-   multi-layer score estimation (fused / separate combine / single pass, draft- and target-shaped),
-   the estimators' one-launch path, and sparse verify with the in-kernel merge (per-sequence and
-   per-KV-head lists, 2-4 splits, called twice so a counter left non-zero would show).
+   multi-layer score estimation (draft- and target-shaped), the estimators' one-launch path, and sparse
+   verify with the in-kernel merge (scripts/experiments/sparse_verify_merge.py; per-sequence and per-KV-head
+   lists, 2-4 splits, called twice so a counter left non-zero would show).
 2. Timings (us, CUDA-graph replay with L2 evicted before each call: dustin.bench.attention._GraphTimer) at
    Qwen2.5-32B target layers (Hq 40, Hkv 8, D 128) / Qwen2.5-0.5B draft (Hq 14, Hkv 2, D 64), contexts
    8k/16k/32k x batch 8/16, k 512, Γ 4:
-   - S_target, 1 head x 1 query: old = `attention_scores(fused=False)` (pass 1 + combine + pass 2);
-     new = `attention_scores_multi` fused (2 launches), single_pass; plus TargetHistoricalScores.compute;
-   - S_draft, heads (0, 3, 7, 12) x Γ queries on 3 draft layers: old = 3 calls of the 3-launch path;
-     new = one multi-layer call (fused / single_pass); plus DraftLookaheadScores.compute (cat + launch);
+   - S_target, 1 head x 1 query: `attention_scores_multi`; plus TargetHistoricalScores.compute;
+   - S_draft, heads (0, 3, 7, 12) x Γ queries on 3 draft layers: 3 one-layer calls against one multi-layer
+     call; plus DraftLookaheadScores.compute;
    - selection (`select_dustin`, k 512, m 128);
-   - sparse verify: merge "launch" vs "kernel" at splits 1/2/4 (1 split: identical, no merge);
-   - est/step = S_target + S_draft + selection, old and best new, and (best sparse + est/step / 64).
+   - sparse verify: merge "launch" (the engine's) vs "kernel" (the experiment) at splits 1/2/4 (1 split:
+     identical, no merge);
+   - est/step = S_target + S_draft + selection (per-layer S_draft calls, the multi-layer call, the
+     estimators' compute), and (best sparse + est/step / 64).
 Every variant is wrapped so one failure is reported and the rest still run. Writes $OUT/kernel_variants.json
 when OUT is set (after every setting). Exit status 1 if a correctness check failed.
 """
@@ -38,6 +41,7 @@ from dustin.kernels.selection import select_dustin
 from dustin.kernels.sparse_verify import sparse_verify_attention
 from dustin.selection.config import ScoreHeads
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
+from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
 
 DEV, BF = "cuda", torch.bfloat16
 TARGET = (40, 8, 128, 64)  # Hq, Hkv, D, layers (Qwen2.5-32B)
@@ -66,7 +70,7 @@ def attempt(res, key, fn):
 
 
 def _ctx(positions):
-    return types.SimpleNamespace(fresh=False, positions=positions, rows=None)
+    return types.SimpleNamespace(fresh=False, prompt=False, positions=positions, rows=None)
 
 
 def draft_inputs(B, ctx_lengths, S, gen, n_layers=None):
@@ -88,18 +92,16 @@ def check_correctness(gen):
     q, k_all, lay, kvh, qpos = draft_inputs(B, L, S, gen)
     want = se.attention_scores_multi_reference(q, k_all, lay, kvh, L + GAMMA, qpos,
                                                torch.zeros(B, S, device=DEV), ctx_lengths=L)
-    for name, kw in (("fused", {}), ("combine", {"fused": False}), ("single_pass", {"single_pass": True})):
-        attempt(res, f"scores_draft_{name}_rel_err", lambda kw=kw: rel_err(se.attention_scores_multi(
-            q, k_all, lay, kvh, None, qpos, torch.full((B, S), float("nan"), device=DEV), ctx_lengths=L,
-            accumulate=False, **kw), want))
+    attempt(res, "scores_draft_rel_err", lambda: rel_err(se.attention_scores_multi(
+        q, k_all, lay, kvh, None, qpos, torch.full((B, S), float("nan"), device=DEV), ctx_lengths=L,
+        accumulate=False), want))
     Hq, Hkv, D, _ = TARGET
     kt = torch.randn(2, B, Hkv, S, D, device=DEV, generator=gen, dtype=BF)
     qt = torch.randn(B, 2, 1, 1, D, device=DEV, generator=gen, dtype=BF)
     kvt = torch.tensor([[TARGET_HEAD // (Hq // Hkv)], [3]], dtype=torch.int32, device=DEV)
     want_t = se.attention_scores_multi_reference(qt, kt, None, kvt, L, None, torch.zeros(B, S, device=DEV))
-    for name, kw in (("fused", {}), ("single_pass", {"single_pass": True})):
-        attempt(res, f"scores_target_{name}_rel_err", lambda kw=kw: rel_err(se.attention_scores_multi(
-            qt, kt, None, kvt, L, None, torch.zeros(B, S, device=DEV), **kw), want_t))
+    attempt(res, "scores_target_rel_err", lambda: rel_err(se.attention_scores_multi(
+        qt, kt, None, kvt, L, None, torch.zeros(B, S, device=DEV)), want_t))
     attempt(res, "draft_estimator_rel_err", lambda: _estimator_err(q, k_all, lay, L, qpos, want))
     _check_sparse(res, gen)
     bad = [k for k, v in res.items() if not isinstance(v, float) or not v < 1e-2]
@@ -136,7 +138,7 @@ def _check_sparse(res, gen):
         want = sparse_verify_attention_reference(q, k, v, L, ix, cn)
         for s in (2, 3, 4):
             def run(ix=ix, cn=cn, s=s, want=want):
-                errs = [rel_err(sparse_verify_attention(q, k, v, L, ix, cn, num_splits=s, merge="kernel"), want)
+                errs = [rel_err(sparse_verify_attention_kernel_merge(q, k, v, L, ix, cn, num_splits=s), want)
                         for _ in range(3)]  # repeated: a counter left non-zero would break the next call
                 return max(errs)
             attempt(res, f"sparse_{name}_merge_kernel_s{s}_rel_err", run)
@@ -153,13 +155,8 @@ def time_setting(ctx, B, gen, timer, quick):
     kt = torch.randn(1, B, Hkv, S, D, device=DEV, generator=gen, dtype=BF)
     qt = torch.randn(B, 1, 1, 1, D, device=DEV, generator=gen, dtype=BF)
     kvt = torch.tensor([[TARGET_HEAD // (Hq // Hkv)]], dtype=torch.int32, device=DEV)
-    last = (L.long() - 1)[:, None]
-    attempt(r, "s_target_old", lambda: timer(lambda: se.attention_scores(qt[:, 0], kt[0], kvt[0], L, last, acc,
-                                                                         fused=False)))
-    attempt(r, "s_target_fused", lambda: timer(lambda: se.attention_scores_multi(qt, kt, None, kvt, L, None, acc,
-                                                                                 accumulate=False)))
-    attempt(r, "s_target_single_pass", lambda: timer(lambda: se.attention_scores_multi(
-        qt, kt, None, kvt, L, None, acc, accumulate=False, single_pass=True)))
+    attempt(r, "s_target", lambda: timer(lambda: se.attention_scores_multi(qt, kt, None, kvt, L, None, acc,
+                                                                           accumulate=False)))
     tgt = TargetHistoricalScores((ScoreHeads(0, (TARGET_HEAD,)),), Hq // Hkv, B, S, DEV)
     tgt._last_q[0] = torch.randn(B, 1, 1, D, device=DEV, generator=gen, dtype=BF)
     attempt(r, "s_target_compute", lambda: timer(lambda: tgt.compute({0: kt[0]}, L)))
@@ -168,15 +165,14 @@ def time_setting(ctx, B, gen, timer, quick):
     q, k_all, lay, kvh, qpos = draft_inputs(B, L, S, gen, n_layers=len(DRAFT_LAYERS))
     L_d = L + GAMMA
 
-    def draft_old():
+    def draft_per_layer():
         for i in range(q.shape[1]):
-            se.attention_scores(q[:, i], k_all[i], kvh[i], L_d, qpos, acc, ctx_lengths=L, fused=False)
-    attempt(r, "s_draft_old_3calls", lambda: timer(draft_old))
-    attempt(r, "s_draft_one_layer_old", lambda: timer(lambda: se.attention_scores(
-        q[:, 0], k_all[0], kvh[0], L_d, qpos, acc, ctx_lengths=L, fused=False)))
-    for name, kw in (("fused", {}), ("combine", {"fused": False}), ("single_pass", {"single_pass": True})):
-        attempt(r, f"s_draft_multi_{name}", lambda kw=kw: timer(lambda: se.attention_scores_multi(
-            q, k_all, lay, kvh, None, qpos, acc, ctx_lengths=L, accumulate=False, **kw)))
+            se.attention_scores(q[:, i], k_all[i], kvh[i], L_d, qpos, acc, ctx_lengths=L)
+    attempt(r, "s_draft_3calls", lambda: timer(draft_per_layer))
+    attempt(r, "s_draft_one_layer", lambda: timer(lambda: se.attention_scores(
+        q[:, 0], k_all[0], kvh[0], L_d, qpos, acc, ctx_lengths=L)))
+    attempt(r, "s_draft_multi", lambda: timer(lambda: se.attention_scores_multi(
+        q, k_all, lay, kvh, None, qpos, acc, ctx_lengths=L, accumulate=False)))
     est = DraftLookaheadScores(tuple(ScoreHeads(i, DRAFT_HEADS) for i in range(q.shape[1])), dHq // dHkv, B, S, DEV,
                                GAMMA)
     est.begin_step(qpos[:, 0])
@@ -197,9 +193,10 @@ def time_setting(ctx, B, gen, timer, quick):
     out = torch.empty_like(qv)
     idx, cnt = select_dustin(st, sd, L, k=K_SEL, m=M_DRAFT)
     for s in (1, 2, 4):
-        for merge in (("launch",) if s == 1 else ("launch", "kernel")):
-            attempt(r, f"sparse_s{s}_{merge}", lambda s=s, merge=merge: timer(lambda: sparse_verify_attention(
-                qv, k, v, L, idx, cnt, out=out, num_splits=s, merge=merge)))
+        for merge, fn in (("launch", sparse_verify_attention), ("kernel", sparse_verify_attention_kernel_merge)):
+            if s > 1 or merge == "launch":
+                attempt(r, f"sparse_s{s}_{merge}", lambda s=s, fn=fn: timer(lambda: fn(
+                    qv, k, v, L, idx, cnt, out=out, num_splits=s)))
     attempt(r, "sparse_default", lambda: timer(lambda: sparse_verify_attention(qv, k, v, L, idx, cnt, out=out)))
     _derive(r, n_layers)
     return r
@@ -211,13 +208,11 @@ def _num(r, keys):
 
 
 def _derive(r, n_layers):
-    r["est_step_old"] = r["s_target_old"] + r["s_draft_old_3calls"] + r["select"] if all(
-        isinstance(r.get(k), float) for k in ("s_target_old", "s_draft_old_3calls", "select")) else float("nan")
-    r["est_step_new_kernels"] = (_num(r, ["s_target_fused", "s_target_single_pass"])
-                                 + _num(r, ["s_draft_multi_fused", "s_draft_multi_single_pass"]) + _num(r, ["select"]))
-    r["est_step_new_compute"] = (_num(r, ["s_target_compute"]) + _num(r, ["s_draft_compute"]) + _num(r, ["select"]))
+    r["est_step_per_layer_calls"] = _num(r, ["s_target"]) + _num(r, ["s_draft_3calls"]) + _num(r, ["select"])
+    r["est_step_kernels"] = _num(r, ["s_target"]) + _num(r, ["s_draft_multi"]) + _num(r, ["select"])
+    r["est_step_compute"] = _num(r, ["s_target_compute"]) + _num(r, ["s_draft_compute"]) + _num(r, ["select"])
     r["sparse_best"] = _num(r, [k for k in r if k.startswith("sparse_s")])
-    r["sparse_plus_est_per_layer"] = r["sparse_best"] + r["est_step_new_kernels"] / n_layers
+    r["sparse_plus_est_per_layer"] = r["sparse_best"] + r["est_step_kernels"] / n_layers
 
 
 def main():

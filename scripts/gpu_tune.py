@@ -3,13 +3,14 @@ and runs `dustin bench attention` with the fastest ones (this session had ~5 min
 
     PYTHONPATH=. python3 scripts/gpu_tune.py [--bench-budget 120]
 
-1. select_dustin impl="radix" on the GPU against the Python reference (ties, short rows) and against
-   impl="topk" at B 16 x 32k (distinct scores: both must give the same sets).
+1. The radix selection (scripts/experiments/select_radix.py) on the GPU against the Python reference (ties,
+   short rows) and against the engine's select_dustin at B 16 x 32k (distinct scores: same sets).
 2. Timings (us, CUDA-graph replay with L2 evicted before each call, as `dustin bench attention`):
    selection radix vs topk; sparse verify launch configurations at Qwen2.5-32B / 7B layers, 32k x 16, k 512,
-   Γ 4 (each checked against the default configuration's output); S_draft / S_target launch variants.
+   Γ 4 (each checked against the default configuration's output; "merge": "kernel" runs the in-kernel merge
+   of scripts/experiments/sparse_verify_merge.py); S_draft / S_target launch variants.
 3. `dustin bench attention` in this process with the fastest sparse / estimation configurations patched in
-   (recorded under "chosen" in $OUT/gpu_tune.json) and the faster selection as the default impl; its table,
+   (recorded under "chosen" in $OUT/gpu_tune.json) and the faster selection swapped in; its table,
    JSON and PNG go to $OUT. Every part is wrapped: one failure is reported and the rest still run.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ import dustin.kernels.score_estimation as se
 import dustin.kernels.selection as sel
 import dustin.kernels.sparse_verify as sv
 from dustin.bench.attention import _GraphTimer
+from scripts.experiments.select_radix import select_dustin_radix
+from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
 
 DEV, BF = "cuda", torch.bfloat16
 OUT = os.environ.get("OUT", ".")
@@ -54,6 +57,15 @@ SPARSE_CONFIGS = [
 ]
 SCORE_CONFIGS = [{}, {"block_n": 128}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 8},
                  {"block_n": 128, "num_warps": 8}, {"num_programs": 16}, {"num_programs": 64}, {"block_n": 32}]
+
+
+SELECT_IMPLS = {"radix": select_dustin_radix, "topk": sel.select_dustin}
+
+
+def sparse_config(q, k, v, L, idx, cnt, merge="launch", **cfg):
+    """sparse verify with a SPARSE_CONFIGS entry: merge "kernel" is the experiment, "launch" the engine's."""
+    fn = sparse_verify_attention_kernel_merge if merge == "kernel" else sv.sparse_verify_attention
+    return fn(q, k, v, L, idx, cnt, **cfg)
 
 
 def log(*a):
@@ -88,7 +100,7 @@ def check_selection():
                      ("ties", (torch.rand(B, S, device=DEV, generator=g) * 3).floor())):
         sd = torch.rand(B, S, device=DEV, generator=g).pow(6)
         for m in (0, 128):
-            got = sel.select_dustin(st, sd, L, k=512, m=m, impl="radix")
+            got = select_dustin_radix(st, sd, L, k=512, m=m)
             want = sel.select_dustin_reference(st.cpu(), sd.cpu(), L.cpu(), k=512, m=m)
             out[f"{name}_m{m}_equal_reference"] = bool(torch.equal(got[0].cpu(), want[0]) and
                                                        torch.equal(got[1].cpu(), want[1]))
@@ -97,8 +109,8 @@ def check_selection():
     sd = torch.randperm(B * S, device=DEV, generator=g).float().view(B, S)
     L = torch.full((B,), S - 64, dtype=torch.int32, device=DEV) - torch.arange(B, dtype=torch.int32, device=DEV)
     for m in (0, 128):
-        a = sel.select_dustin(st, sd, L, k=512, m=m, impl="radix")
-        b = sel.select_dustin(st, sd, L, k=512, m=m, impl="topk")
+        a = select_dustin_radix(st, sd, L, k=512, m=m)
+        b = sel.select_dustin(st, sd, L, k=512, m=m)
         out[f"32k_m{m}_radix_equal_topk"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
     RES["selection_checks"] = out
     log("selection checks", out)
@@ -113,8 +125,8 @@ def time_selection(timer):
         st, sd = torch.rand(B, S, device=DEV, generator=g), torch.rand(B, S, device=DEV, generator=g)
         L = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
         r = {"B": B, "ctx": ctx}
-        for impl in ("radix", "topk"):
-            r[impl] = timer(lambda impl=impl: sel.select_dustin(st, sd, L, k=512, m=128, impl=impl))
+        for impl, fn in SELECT_IMPLS.items():
+            r[impl] = timer(lambda fn=fn: fn(st, sd, L, k=512, m=128))
         rows.append(r)
         log("select", r)
     RES["selection_us"] = rows
@@ -127,7 +139,7 @@ def _cache(Hq, Hkv, D, ctx, B, T=5):
     q = torch.randn(B, Hq, T, D, device=DEV, dtype=BF, generator=g)
     L = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
     st, sd = torch.rand(B, S, device=DEV, generator=g), torch.rand(B, S, device=DEV, generator=g)
-    idx, cnt = sel.select_dustin(st, sd, L, k=512, m=128, impl="topk")
+    idx, cnt = sel.select_dustin(st, sd, L, k=512, m=128)
     return q, k, v, L, idx, cnt
 
 
@@ -142,9 +154,9 @@ def sweep_sparse(timer):
             for cfg in SPARSE_CONFIGS:
                 row = dict(cfg)
                 try:
-                    got = sv.sparse_verify_attention(q, k, v, L, idx, cnt, **cfg).float()
+                    got = sparse_config(q, k, v, L, idx, cnt, **cfg).float()
                     row["rel_err"] = ((got - want).norm() / want.norm()).item()
-                    row["us"] = timer(lambda cfg=cfg: sv.sparse_verify_attention(q, k, v, L, idx, cnt, **cfg))
+                    row["us"] = timer(lambda cfg=cfg: sparse_config(q, k, v, L, idx, cnt, **cfg))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:200]
                 rows.append(row)
@@ -169,9 +181,9 @@ def sweep_scores(timer):
     qt = torch.randn(B, 1, 1, 1, 128, device=DEV, dtype=BF, generator=g)
     kvt = torch.tensor([[0]], dtype=torch.int32, device=DEV)
     calls = {"s_draft": lambda **kw: se.attention_scores_multi(qd, kd, None, kvd, None, qpos, acc, ctx_lengths=L,
-                                                               accumulate=False, single_pass=True, **kw),
+                                                               accumulate=False, **kw),
              "s_target": lambda **kw: se.attention_scores_multi(qt, kt, None, kvt, L, None, acc, accumulate=False,
-                                                                single_pass=True, **kw)}
+                                                                **kw)}
     RES["scores_us"] = {}
     for name, call in calls.items():
         want = call().clone()
@@ -209,13 +221,16 @@ def bench(budget, smoke=False):
     faster = sum(r["radix"] < r["topk"] for r in sel_rows) > len(sel_rows) / 2
     chosen["select_impl"] = "radix" if radix_ok and faster else "topk"
     RES["chosen"] = chosen
-    sel.DEFAULT_IMPL = chosen["select_impl"]
+    # The benchmark imports these functions when it runs: patching the module attributes swaps them in.
+    sel.select_dustin = SELECT_IMPLS[chosen["select_impl"]]
     sparse_orig, scores_orig = sv.sparse_verify_attention, se.attention_scores_multi
     by_group = {5: chosen["sparse"].get("qwen2.5-32b", {}), 7: chosen["sparse"].get("qwen2.5-7b", {})}
 
     def sparse(q, k, v, L, idx, cnt, **kw):  # the per-sequence (Dustin) lists of the two benchmark shapes
         cfg = by_group.get(q.shape[1] // k.shape[1], {}) if idx.dim() == 2 and not kw.keys() - {"out"} else {}
-        return sparse_orig(q, k, v, L, idx, cnt, **{**cfg, **kw})
+        cfg = {**cfg, **kw}
+        fn = sparse_verify_attention_kernel_merge if cfg.pop("merge", "launch") == "kernel" else sparse_orig
+        return fn(q, k, v, L, idx, cnt, **cfg)
 
     def scores(q, k_all, *a, **kw):
         B, NL, Hs, Tq, D = q.shape

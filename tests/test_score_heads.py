@@ -40,9 +40,8 @@ def _tol(dtype):
     return {"atol": 1e-3, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_twelve_heads_one_query(accumulate, single_pass):
+def test_twelve_heads_one_query(accumulate):
     """The target shape: all 12 heads of a layer on 2 KV heads (6:1), one query at key_lengths - 1; S odd and
     key lengths ragged (one block-aligned, one partial)."""
     gen = torch.Generator().manual_seed(41)
@@ -50,7 +49,7 @@ def test_twelve_heads_one_query(accumulate, single_pass):
     ctx = klen - torch.tensor([0, 1, 7], dtype=torch.int32)
     start = torch.rand(3, 340, generator=gen)
     got = attention_scores(q[:, 0], k_all[0], kvh[0], klen, None, start.clone(), ctx_lengths=ctx,
-                           accumulate=accumulate, single_pass=single_pass, num_programs=2, block_n=32)
+                           accumulate=accumulate, num_programs=2, block_n=32)
     want = attention_scores_reference(q[:, 0], k_all[0], kvh[0], klen, (klen.long() - 1)[:, None], start.clone(),
                                       ctx_lengths=ctx, accumulate=accumulate)
     torch.testing.assert_close(got, want, **_tol(q.dtype))
@@ -58,23 +57,21 @@ def test_twelve_heads_one_query(accumulate, single_pass):
     torch.testing.assert_close(added, torch.tensor(12.0), atol=1e-3, rtol=0)  # 12 heads, mass 1 each
 
 
-@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fourteen_heads_four_queries_gqa(dtype, single_pass):
+def test_fourteen_heads_four_queries_gqa(dtype):
     """The draft shape: all 14 heads on 2 KV heads (7:1) x Γ = 4 lookahead queries; groups mix KV heads."""
     gen = torch.Generator().manual_seed(42)
     q, k_all, kvh, klen, qpos = _case(gen, 2, 1, 2, [14], 7, 4, 32, 257, [257, 101], dtype)
     ctx = klen - 4
     start = torch.rand(2, 257, generator=gen)
     got = attention_scores(q[:, 0], k_all[0], kvh[0], klen, qpos, start.clone(), ctx_lengths=ctx,
-                           single_pass=single_pass, num_programs=3, block_n=64)
+                           num_programs=3, block_n=64)
     want = attention_scores_reference(q[:, 0], k_all[0], kvh[0], klen, qpos, start.clone(), ctx_lengths=ctx)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
-@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_layers_with_different_head_counts(accumulate, single_pass):
+def test_layers_with_different_head_counts(accumulate):
     """One multi-layer estimate over layers of 14, 3 and 1 heads (-1 padded to 14), read in a shuffled layer
     order: the 14-head layer becomes 4 launch entries, the others 4 entries of mostly padding."""
     gen = torch.Generator().manual_seed(43)
@@ -82,13 +79,13 @@ def test_layers_with_different_head_counts(accumulate, single_pass):
     layers = torch.tensor([3, 0, 2], dtype=torch.int32)
     start = torch.rand(2, 153, generator=gen)
     kw = {"ctx_lengths": klen - 2, "accumulate": accumulate}
-    got = attention_scores_multi(q, k_all, layers, kvh, klen, qpos, start.clone(), single_pass=single_pass,
-                                 num_programs=2, block_n=32, **kw)
+    got = attention_scores_multi(q, k_all, layers, kvh, klen, qpos, start.clone(), num_programs=2, block_n=32,
+                                 **kw)
     want = attention_scores_multi_reference(q, k_all, layers, kvh, klen, qpos, start.clone(), **kw)
     torch.testing.assert_close(got, want, **_tol(q.dtype))
     # layers=None (layers 0 .. NL-1), q a strided view (not viewable as groups: the split copies it)
     qv = torch.randn(2, 3, 16, 2, 32, generator=gen)[:, :, :14]
-    got = attention_scores_multi(qv, k_all, None, kvh, klen, qpos, start.clone(), single_pass=single_pass, **kw)
+    got = attention_scores_multi(qv, k_all, None, kvh, klen, qpos, start.clone(), **kw)
     want = attention_scores_multi_reference(qv, k_all, None, kvh, klen, qpos, start.clone(), **kw)
     torch.testing.assert_close(got, want, **_tol(q.dtype))
 
@@ -100,7 +97,7 @@ def test_group_size_does_not_change_the_sum():
     want = attention_scores_multi_reference(q, k_all, None, kvh, klen, qpos, torch.zeros(2, 97))
     for g in (1, 2, 3, 4, 5, 9):
         got = attention_scores_multi(q, k_all, None, kvh, klen, qpos, torch.zeros(2, 97), group_heads=g,
-                                     single_pass=True, num_programs=2)
+                                     num_programs=2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -115,7 +112,7 @@ def test_small_head_sets_launch_as_before(monkeypatch):
 
 
 def _ctx(positions, fresh=False):
-    return types.SimpleNamespace(fresh=fresh, positions=positions, rows=None)
+    return types.SimpleNamespace(fresh=fresh, prompt=fresh, positions=positions, rows=None)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])

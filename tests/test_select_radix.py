@@ -1,15 +1,16 @@
-"""The three-launch radix selection (dustin/kernels/select_radix.py) against the per-sequence Python
-reference, under the Triton interpreter: ties (many equal scores: the boundary bin then holds more
-candidates than one register tile, which takes the streamed path), negative and infinite scores, -0.0,
-several chunks per row, short rows, and the self-cleaning histogram between calls."""
+"""The three-launch radix selection (an experiment the engine does not run: scripts/experiments/select_radix.py)
+against the per-sequence Python reference and the engine's select_dustin, under the Triton interpreter: ties
+(many equal scores: the boundary bin then holds more candidates than one register tile, which takes the
+streamed path), negative and infinite scores, -0.0, several chunks per row, short rows, and the self-cleaning
+histogram between calls."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dustin.kernels.scratch import zeroed_int32
-from dustin.kernels.select_radix import CAND_BLOCK, CHUNK
 from dustin.kernels.selection import select_dustin, select_dustin_reference
+from scripts.experiments.scratch import zeroed_int32
+from scripts.experiments.select_radix import CAND_BLOCK, CHUNK, select_dustin_radix
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +19,7 @@ def _interpret(monkeypatch):
 
 
 def _check(s_target, s_draft, lengths, k, m):
-    got = select_dustin(s_target, s_draft, lengths, k=k, m=m, impl="radix")
+    got = select_dustin_radix(s_target, s_draft, lengths, k=k, m=m)
     want = select_dustin_reference(s_target, s_draft, lengths, k=k, m=m)
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0], want[0])
@@ -61,6 +62,20 @@ def test_radix_distinct_scores_small_rows():
     s_target = torch.randperm(B * S, generator=gen).float().view(B, S)
     s_draft = torch.randn(B, S, generator=gen).to(torch.bfloat16)  # another dtype: converted, same order
     _check(s_target, s_draft.float(), lengths, k=100, m=37)
-    got = select_dustin(s_target, s_draft, lengths, k=100, m=37, impl="radix")
+    got = select_dustin_radix(s_target, s_draft, lengths, k=100, m=37)
     want = select_dustin_reference(s_target, s_draft.float(), lengths, k=100, m=37)
     assert torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("k,m", [(64, 0), (64, 20), (20, 0), (2000, 100)])
+def test_radix_equals_default_selection(k, m):
+    """Distinct scores: the experiment and the engine's select_dustin give the same sets (the cases the
+    default answers without kernels, k = sinks + window and S <= k, are handed to it)."""
+    gen = torch.Generator().manual_seed(k * 7 + m)
+    B, S = 6, 1100
+    lengths = torch.tensor([17, 1000, 333, 64, 65, 100], dtype=torch.int32)
+    s_target = torch.randperm(B * S, generator=gen).float().view(B, S) - 2000.0
+    s_draft = torch.randperm(B * S, generator=gen).float().view(B, S)
+    got = select_dustin_radix(s_target, s_draft, lengths, k=k, m=m)
+    want = select_dustin(s_target, s_draft, lengths, k=k, m=m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

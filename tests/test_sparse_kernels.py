@@ -131,7 +131,7 @@ def test_attention_scores_accumulate_and_conserve_mass():
     torch.testing.assert_close(out, 2 * once, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["radix", "topk", "torch"])
+@pytest.mark.parametrize("impl", ["topk", "torch"])
 @pytest.mark.parametrize("k,m", [(64, 0), (64, 20), (64, 44), (100, 37), (20, 0), (2000, 100)])
 def test_select_dustin_matches_reference(k, m, impl):
     gen = torch.Generator().manual_seed(k * 7 + m)
@@ -262,7 +262,8 @@ def test_sdpa_sparse_mask_matches_reference(per_head):
     torch.testing.assert_close(got, want, **_tol(torch.float32))
 
 
-# ---- in-kernel merge of the splits (merge="kernel": the last split merges, found by an atomic counter) ----
+# ---- experiment (scripts/experiments/sparse_verify_merge.py): the last split merges, found by an atomic
+# counter, instead of a second launch ----
 
 # (Hq, Hkv, T, D, lengths, counts, k_max, dtype, num_splits, block_n, per_head): GQA 1, 4, 7; T 1..8;
 # ragged, incl. an empty list.
@@ -277,7 +278,8 @@ MERGE_CASES = [
 
 @pytest.mark.parametrize("Hq,Hkv,T,D,lengths,counts,k_max,dtype,splits,block_n,per_head", MERGE_CASES)
 def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dtype, splits, block_n, per_head):
-    from dustin.kernels.scratch import zeroed_int32
+    from scripts.experiments.scratch import zeroed_int32
+    from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
 
     gen = torch.Generator().manual_seed(21)
     q, k, v, L = _cache(len(lengths), Hq, Hkv, T, D, lengths, dtype, gen)
@@ -286,12 +288,11 @@ def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dt
     else:
         indices, counts_t = _random_indices(lengths, counts, k_max, gen)
     want = sparse_verify_attention_reference(q, k, v, L, indices, counts_t)
-    launch = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n,
-                                     merge="launch")
+    launch = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n)
     for _ in range(2):  # the second call checks that the counters were left at zero
         out = torch.full_like(q, float("nan"))
-        got = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n,
-                                      merge="kernel", out=out)
+        got = sparse_verify_attention_kernel_merge(q, k, v, L, indices, counts_t, num_splits=splits,
+                                                   block_n=block_n, out=out)
         torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
         torch.testing.assert_close(got, launch, atol=0, rtol=0)  # same partials, same merge order
         assert int(zeroed_int32("split_counters", "cpu", 1).abs().sum()) == 0

@@ -74,9 +74,8 @@ def compile_all_kernels() -> list[Compiled]:
             verify_attention.verify_attention(q, k, k, L, sinks=4, window=508, max_len=S)  # streaming draft
         q, k = torch.zeros(B, 40, 5, 128, dtype=bf), torch.zeros(B, 8, S, 128, dtype=bf)
         idx, cnt = torch.zeros(B, 512, dtype=i32), torch.full((B,), 512, dtype=i32)
-        for merge in ("launch", "kernel"):
-            for splits in (1, 2, 4):
-                sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, num_splits=splits, merge=merge)
+        for splits in (1, 2, 4):
+            sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, num_splits=splits)
         sparse_verify.sparse_verify_attention(q, k, k, L, torch.zeros(B, 8, 512, dtype=i32),
                                               torch.full((B, 8), 512, dtype=i32))  # per-KV-head lists (Quest)
         out = torch.zeros(B, S)
@@ -88,7 +87,7 @@ def compile_all_kernels() -> list[Compiled]:
             kvh = (torch.arange(hs) * hkv // hs).to(i32).expand(nl, hs)  # GQA: consecutive heads share
             qpos = None if tq == 1 else torch.zeros(B, tq, dtype=torch.long)
             klen = L if tq == 1 else None
-            for kw in ({}, {"fused": False}, {"single_pass": True}, {"accumulate": False}):
+            for kw in ({}, {"accumulate": False}):
                 score_estimation.attention_scores_multi(qs, kall, None, kvh, klen, qpos, out, ctx_lengths=L, **kw)
         # SpecAttn: all draft heads of one layer, one estimate per layer (DraftLookaheadScores.compute(
         # per_layer=True) -> accumulate_scores -> attention_scores)
@@ -107,9 +106,8 @@ def compile_all_kernels() -> list[Compiled]:
         os.environ["TRITON_INTERPRET"] = "1"  # only the wrappers' routing reads it now: take the Triton paths
         try:
             st = torch.rand(B, 4096)
-            for impl in ("radix", "topk"):
-                for m in (128, 0):  # dustin, dustin-t
-                    selection.select_dustin(st, st, torch.full((B,), 4000, dtype=i32), k=512, m=m, impl=impl)
+            for m in (128, 0):  # dustin, dustin-t
+                selection.select_dustin(st, st, torch.full((B,), 4000, dtype=i32), k=512, m=m)
             kq = torch.zeros(B, 8, 4096, 128, dtype=bf)
             pages = quest.QuestPages(1, B, 8, 128, 4096, bf, "cpu")
             pages.build(0, kq, torch.full((B,), 4000, dtype=i32))

@@ -107,7 +107,6 @@ def copy_bandwidth_cpu(nbytes=16 << 20):
 def measure(name, shape, draft, ctx, B, args, timer, dev):
     from dustin.kernels.quest import QuestPages, page_scores, quest_select
     from dustin.kernels.score_estimation import attention_scores, attention_scores_multi
-    from dustin.selection.estimators import DRAFT_SINGLE_PASS, TARGET_SINGLE_PASS
     from dustin.kernels.selection import select_dustin
     from dustin.kernels.sparse_verify import sparse_verify_attention
     from dustin.kernels.verify_attention import verify_attention
@@ -133,14 +132,14 @@ def measure(name, shape, draft, ctx, B, args, timer, dev):
     # index tensors are built here, not in the timed lambdas: a host->device copy cannot be graph-captured
     kv_t, L_d = kv_of([1], Hq, Hkv)[None], L + gamma
     r["s_target_us"] = timer(lambda: attention_scores_multi(q_t, k[None], None, kv_t, L, None, acc_t,
-                                                            accumulate=False, single_pass=TARGET_SINGLE_PASS))
+                                                            accumulate=False))
     n_d = min(SRH_DRAFT_LAYERS, d_layers)
     kd = rnd(n_d, B, dHkv, S, dD)  # the configured draft layers' K caches
     srh_d = [h % dHq for h in SRH_DRAFT_HEADS]
     q_d, qpos = rnd(B, n_d, len(srh_d), gamma, dD), L.long()[:, None] + torch.arange(gamma, device=dev)[None]
     kv_d = kv_of(srh_d, dHq, dHkv)[None].expand(n_d, -1).contiguous()
     r["s_draft_us"] = timer(lambda: attention_scores_multi(q_d, kd, None, kv_d, None, qpos, acc_d, ctx_lengths=L,
-                                                           accumulate=False, single_pass=DRAFT_SINGLE_PASS))
+                                                           accumulate=False))
     st, sd = torch.rand(B, S, device=dev, generator=g), torch.rand(B, S, device=dev, generator=g)
     r["select_us"] = timer(lambda: select_dustin(st, sd, L, k=args.k, m=args.m))
     idx, cnt = select_dustin(st, sd, L, k=args.k, m=args.m)
@@ -257,10 +256,7 @@ def run(args) -> int:
           "(% full) | dustin speedup (sparse only) | quest-16 est us (% full) | quest sparse us | quest speedup "
           "| naive est/layer us (% full) |")
     print("|" + "---|" * 13)
-    from dustin.kernels import selection
-
     res = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "copy_bandwidth_Bps": bw,
-           "select_impl": selection.DEFAULT_IMPL,
            "smoke": bool(args.smoke), "k": args.k, "m": args.m, "gamma": args.gamma, "models": models,
            "draft": draft, "checks": checks, "rows": [], "skipped": []}
     for name, shape in models.items():

@@ -13,23 +13,25 @@ Retrieval Heads only. Design:
   sets; a kv_heads entry of -1 pads a layer with fewer heads.
 - All Hs heads x Tq queries of a layer are folded into the rows of one tl.dot block (row r -> head
   r // Tq, query r % Tq). Pass 1 loads this Q tile once per program (it does not depend on the key
-  block); pass 2, whose layer loop sits inside its key loop, re-loads it per block (as one tile load) on
-  the rare path that recomputes logits (single_pass=False).
+  block).
 - Per key block, each DISTINCT KV head of the layer is loaded once and multiplied once with the Q rows of
   all heads on it (other rows zeroed), summed into one logit tile: heads sharing a KV head (GQA, e.g. 4
   draft heads on 2 KV heads) cost one K tile read, not one per head. Repeats and -1 pads are found in the
   kernel from kv_heads (no host-side table, no sync); their loads are masked off (no memory traffic) and
   their dots multiply zeros (cheaper on sm_90 than branching around them; see `_logits`).
 - Pass 1 (grid B x P1 x layers, key blocks strided over the P1 programs so ragged lengths stay
-  balanced) writes a per-program running (max, sum-exp) per row.
+  balanced) writes a per-program running (max, sum-exp) per row, and stores the scaled logits in an fp32
+  scratch [B, L, rows, S].
 - Pass 2 (grid B x P2): each program first reduces the P1 partials of its sequence to one log-sum-exp
-  per (layer, row) itself (no combine launch: `fused=False` keeps the old separate combine kernel for
-  comparison), then owns disjoint key blocks, loops over the layers for each block, and writes the summed
-  probabilities to out[b, j] with a plain read-add-write (or a plain write with accumulate=False, which
-  also zeroes the rest of the row and saves the caller's zero_()): no atomics, deterministic.
-- single_pass=True: pass 1 also stores the scaled logits in an fp32 scratch [B, L, rows, S] and pass 2
-  normalises those instead of re-reading K: fewer bytes when rows * 4 B < Hkv_used * D * 2 B per key
-  (e.g. 1 target head at D 128: 8 B instead of 256 B per key on the second pass).
+  per (layer, row) itself (no combine launch), then owns disjoint key blocks, loops over the layers for
+  each block, normalises the stored logits, and writes the summed probabilities to out[b, j] with a plain
+  read-add-write (or a plain write with accumulate=False, which also zeroes the rest of the row and saves
+  the caller's zero_()): no atomics, deterministic. Reading the logits instead of K again moves fewer
+  bytes when rows * 4 B < Hkv_used * D * 2 B per key (1 target head at D 128: 8 B instead of 256 B per key).
+  Measured on an H200 (scripts/gpu_kernel_variants.py), B 16 x 32k: S_target 58 vs 79 us for the old
+  pass 2 that re-read K, S_draft over 3 layers 233 vs 263 us; also faster at 8k x 8. That two-pass path
+  and a separate combine launch (3 launches) were deleted: they were slower at every measured shape. The
+  price is the scratch: 4 B per (row, key), e.g. 100 MB for S_draft's 48 rows at B 16 x 32k.
 - Head tiling: sm_90 codegen stages a K and a Q tile in shared memory for every unrolled slot of `_logits`,
   all live at once (12 target heads at D 128 asked for 450560 B; the H200 has 232448). Layers of > 4 heads
   (fewer at large Tq) are split into groups of consecutive heads, each one more launch entry (layers
@@ -135,7 +137,7 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
                         NL: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
                         P1: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_LAYERS: tl.constexpr,
-                        STORE_LOGITS: tl.constexpr, IEEE: tl.constexpr):
+                        IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
     l = tl.program_id(2)
@@ -153,9 +155,9 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
         j_ok = j < key_end
         s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD, BLOCK_N, IEEE)
         s = tl.where(j_ok[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
-        if STORE_LOGITS:  # scratch [B, NL, HS*TQ, S_CAP]: pass 2 reads these instead of K
-            lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
-            tl.store(lg, s, mask=(rows < HS * TQ)[:, None] & j_ok[None, :])
+        # scratch [B, NL, HS*TQ, S_CAP]: pass 2 reads these instead of K
+        lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
+        tl.store(lg, s, mask=(rows < HS * TQ)[:, None] & j_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
@@ -179,41 +181,25 @@ def _lse(ml_ptr, b, l, NL: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _score_combine_kernel(ml_ptr, lse_ptr, NL: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr,
-                          R_PAD: tl.constexpr):
-    """fused=False only: one program per (sequence, layer) writes lse [B, NL, R_PAD]."""
-    b = tl.program_id(0).to(tl.int64)
-    l = tl.program_id(1)
-    tl.store(lse_ptr + (b * NL + l) * R_PAD + tl.arange(0, R_PAD), _lse(ml_ptr, b, l, NL, P1, P_PAD, R_PAD))
-
-
-@triton.jit
-def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, ml_ptr, lse_ptr,
-                        lg_ptr, out_ptr, qk_scale,
-                        sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, sp_b, sp_t, so_b, S_CAP, S_OUT,
+def _score_pass2_kernel(kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, ml_ptr, lg_ptr, out_ptr,
+                        sp_b, sp_t, so_b, S_CAP, S_OUT,
                         NL: tl.constexpr, NL_PAD: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr,
-                        D: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr, P2: tl.constexpr,
+                        P1: tl.constexpr, P_PAD: tl.constexpr, P2: tl.constexpr,
                         R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_CTX: tl.constexpr,
-                        HAS_LAYERS: tl.constexpr, FUSED: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                        ACCUMULATE: tl.constexpr, IEEE: tl.constexpr):
+                        ACCUMULATE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
     rows = tl.arange(0, R_PAD)
     lidx = tl.arange(0, NL_PAD)
     # Every layer's log-sum-exp, held as one [NL_PAD, R_PAD] tile (Triton has no lists of tensors).
-    if FUSED:
-        lse_all = tl.full([NL_PAD, R_PAD], float("inf"), dtype=tl.float32)
-        for l in range(NL):
-            lse_all = tl.where(lidx[:, None] == l, _lse(ml_ptr, b, l, NL, P1, P_PAD, R_PAD)[None, :], lse_all)
-    else:
-        lse_all = tl.load(lse_ptr + (b * NL + lidx[:, None]) * R_PAD + rows[None, :],
-                          mask=(lidx < NL)[:, None], other=float("inf"))
+    lse_all = tl.full([NL_PAD, R_PAD], float("inf"), dtype=tl.float32)
+    for l in range(NL):
+        lse_all = tl.where(lidx[:, None] == l, _lse(ml_ptr, b, l, NL, P1, P_PAD, R_PAD)[None, :], lse_all)
     # (distinct names: Triton rejects a name re-bound with another type inside the loop below)
     _h0, _t0, _kv0, _ok0, _qpos0, key_end = _rows(b, 0, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
                                                   HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
     out_end = tl.minimum(tl.load(ctx_ptr + b).to(tl.int64), key_end) if HAS_CTX else key_end
-    d = tl.arange(0, D)
     n_out = S_OUT if not ACCUMULATE else out_end  # overwrite: zero the rest of the row too
     for blk in range(pid, tl.cdiv(n_out, BLOCK_N), P2):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,20 +207,13 @@ def _score_pass2_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, ctx_ptr, qp
         tot = tl.zeros([BLOCK_N], dtype=tl.float32)
         if blk * BLOCK_N < out_end:
             for l in range(NL):
-                lyr = tl.load(layers_ptr + l).to(tl.int64) if HAS_LAYERS else b * 0 + l
-                row_head, row_t, row_kv, row_ok, qpos, _end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b,
-                                                                    sp_t, S_CAP, HS, TQ, R_PAD, HAS_KLEN,
-                                                                    HAS_QPOS)
+                _head, _t, _kv, row_ok, qpos, _end = _rows(b, l, kvh_ptr, klen_ptr, qpos_ptr, sp_b, sp_t, S_CAP,
+                                                           HS, TQ, R_PAD, HAS_KLEN, HAS_QPOS)
                 lse = tl.sum(tl.where(lidx[:, None] == l, lse_all, 0.0), 0)
+                # pass 1 stored every visible logit (j <= qpos < its key_end)
                 visible = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= qpos[:, None])
-                if FROM_LOGITS:  # pass 1 stored every visible logit (j <= qpos < its key_end)
-                    lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
-                    s = tl.load(lg, mask=visible, other=float("-inf"))
-                else:  # Q re-loaded per block here (one tile load): Triton holds no per-layer list of tiles
-                    q = _q_tile(q_ptr, b, l, row_head, row_t, row_ok, d, sq_b, sq_l, sq_h, sq_t)
-                    s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD,
-                                BLOCK_N, IEEE)
-                    s = s * qk_scale
+                lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
+                s = tl.load(lg, mask=visible, other=float("-inf"))
                 tot += tl.sum(tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), 0)
         o_ptrs = out_ptr + b * so_b + j
         if ACCUMULATE:
@@ -271,10 +250,9 @@ def _split_heads(q, layers, kv_heads, group):
 
 
 def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positions, out, *, scale=None,
-                           ctx_lengths=None, accumulate=True, fused=True, single_pass=False,
-                           num_programs=None, block_n=None, num_warps=None, num_stages=None,
-                           group_heads=None):
-    """Eq. 5 over several layers in one estimate (2 launches; 3 with fused=False).
+                           ctx_lengths=None, accumulate=True, num_programs=None, block_n=None, num_warps=None,
+                           num_stages=None, group_heads=None):
+    """Eq. 5 over several layers in one estimate (2 launches).
 
     q [B, NL, Hs, Tq, D] (any strides, last dim contiguous): layer l's queries; they read layer layers[l]
     of k_all [L, B, Hkv, S_cap, D], query head h reading KV head kv_heads[l, h] (int [NL, >= Hs]; -1 pads).
@@ -282,8 +260,8 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     but S_cap and the query positions); query_positions int [B, Tq] (or [1, Tq]), or None for
     key_lengths[b] - 1. Adds the mass on j < ctx_lengths[b] (default: key_lengths, else S_cap) into out
     fp32 [B, >= S_cap]; accumulate=False writes it instead and zeroes the rest of the row. Returns out.
-    single_pass: store the logits in pass 1 (see the module docstring). num_programs / block_n /
-    num_warps / num_stages / group_heads (heads per launch entry) override the launch (for tuning)."""
+    num_programs / block_n / num_warps / num_stages / group_heads (heads per launch entry) override the
+    launch (for tuning)."""
     B, NL, Hs, Tq, D = q.shape
     S_cap = k_all.shape[3]
     assert k_all.dim() == 5 and k_all.shape[1] == B and k_all.shape[4] == D
@@ -306,35 +284,27 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     block_n, p1, p2 = _launch_config(B, NL, S_cap, r_pad, D, q.device, num_programs, block_n)
     dev = q.device
     ml = torch.empty(B, NL, p1, 2, r_pad, device=dev, dtype=torch.float32)
-    lse = ml if fused else torch.empty(B, NL, r_pad, device=dev, dtype=torch.float32)
-    lg = torch.empty(B, NL, Hs * Tq, S_cap, device=dev, dtype=torch.float32) if single_pass else ml
+    lg = torch.empty(B, NL, Hs * Tq, S_cap, device=dev, dtype=torch.float32)
     kv_heads = kv_heads.contiguous()
     dummy = kv_heads  # stands in for the absent optional tensors (never read: constexpr flags)
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    common = {"NL": NL, "HS": Hs, "TQ": Tq, "D": D, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
+    common = {"NL": NL, "HS": Hs, "TQ": Tq, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
               "HAS_KLEN": key_lengths is not None, "HAS_QPOS": query_positions is not None,
-              "HAS_LAYERS": layers is not None, "IEEE": ieee,
               "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or 2}
     opt = lambda t: dummy if t is None else t  # noqa: E731
     sp = query_positions.stride() if query_positions is not None else (0, 0)
-    strides = (*q.stride()[:4], *k_all.stride()[:4], *sp)
-    args = (q, k_all, opt(layers), kv_heads, opt(key_lengths))
-    _score_pass1_kernel[(B, p1, NL)](*args, opt(query_positions), ml, lg, scale * _LOG2E, *strides, S_cap,
-                                     STORE_LOGITS=single_pass, **common)
-    p_pad = triton.next_power_of_2(p1)
-    if not fused:
-        _score_combine_kernel[(B, NL)](ml, lse, NL=NL, P1=p1, P_PAD=p_pad, R_PAD=r_pad)
-    _score_pass2_kernel[(B, p2)](*args, opt(ctx_lengths), opt(query_positions), ml, lse, lg, out,
-                                 scale * _LOG2E, *strides, out.stride(0), S_cap, out.shape[1],
-                                 NL_PAD=triton.next_power_of_2(NL), P_PAD=p_pad, P2=p2,
-                                 HAS_CTX=ctx_lengths is not None, FUSED=fused, FROM_LOGITS=single_pass,
+    _score_pass1_kernel[(B, p1, NL)](q, k_all, opt(layers), kv_heads, opt(key_lengths), opt(query_positions), ml,
+                                     lg, scale * _LOG2E, *q.stride()[:4], *k_all.stride()[:4], *sp, S_cap, D=D,
+                                     HAS_LAYERS=layers is not None, IEEE=ieee, **common)
+    _score_pass2_kernel[(B, p2)](kv_heads, opt(key_lengths), opt(ctx_lengths), opt(query_positions), ml, lg, out,
+                                 *sp, out.stride(0), S_cap, out.shape[1], NL_PAD=triton.next_power_of_2(NL),
+                                 P_PAD=triton.next_power_of_2(p1), P2=p2, HAS_CTX=ctx_lengths is not None,
                                  ACCUMULATE=accumulate, **common)
     return out
 
 
 def attention_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, **kw):
     """One layer: q_sel [B, Hs, Tq, D], k_cache [B, Hkv, S_cap, D], kv_heads int [Hs]; the rest (and the
-    keywords: scale, ctx_lengths, accumulate, fused, single_pass, launch overrides) as in
-    `attention_scores_multi`. Returns out."""
+    keywords: scale, ctx_lengths, accumulate, launch overrides) as in `attention_scores_multi`. Returns out."""
     return attention_scores_multi(q_sel[:, None], k_cache[None], None, kv_heads[None], key_lengths,
                                   query_positions, out, **kw)

@@ -10,20 +10,18 @@ Dustin's set for a sequence of length L > k:
   target    = top-(k - |protected| - m) of s_target over what is left
 If L <= k every position 0 .. L-1 is selected. m = 0 gives dustin-t; m = k - sinks - window dustin-d.
 
-How, on the GPU (and under the Triton interpreter):
-- impl="radix" (select_radix.py): a per-row key histogram, a compaction of the certain picks and the
-  boundary candidates, and one program per sequence that resolves the boundary, drops the draft picks
-  from the target's and sorts the row: three launches, no torch.topk.
-- impl="topk": a Triton pass writes both score rows masked to the pickable positions (-inf elsewhere)
-  into one [2B, S] buffer; one torch.topk takes n = k - sinks - window picks from each row at once. The
-  target list needs no second topk after the draft picks: dropping the (at most m) draft picks from the
-  target's top-n leaves at least n - m = the target budget, in rank order. A second Triton kernel (one
-  program per sequence) drops those, gathers protected + draft + target candidates and sorts them
-  (tl.sort, <= 1024 values) into the ascending row. Ties in a score are broken by torch.topk.
-Every size is a Python int: no .item(), no boolean indexing, so both are CUDA-graph friendly. On an H200
-the topk path took 80-120 us a step at B 8-16 x 8k-32k (docs/results/kernel_variants_h200.json): torch.topk's
-multi-block radix select (~75 us for both rows) plus the launches around it. CPU tensors outside the
-Triton interpreter take the pure torch path (`_select_dustin_torch`).
+How, on the GPU (and under the Triton interpreter): a Triton pass writes both score rows masked to the
+pickable positions (-inf elsewhere) into one [2B, S] buffer; one torch.topk takes n = k - sinks - window
+picks from each row at once. The target list needs no second topk after the draft picks: dropping the (at
+most m) draft picks from the target's top-n leaves at least n - m = the target budget, in rank order. A
+second Triton kernel (one program per sequence) drops those, gathers protected + draft + target candidates
+and sorts them (tl.sort, <= 1024 values) into the ascending row. Ties in a score are broken by torch.topk.
+Every size is a Python int: no .item(), no boolean indexing, so it is CUDA-graph friendly. On an H200 this
+took 80-120 us a step at B 8-16 x 8k-32k (docs/results/kernel_variants_h200.json): torch.topk's multi-block
+radix select (~75 us for both rows) plus the launches around it. CPU tensors outside the Triton interpreter
+take the pure torch path (`_select_dustin_torch`).
+A three-launch variant without torch.topk (scripts/experiments/select_radix.py) gives the same sets but
+measured slower on an H200 (103-225 us against 79-99 us, docs/results/gpu_tune_h200.json).
 """
 from __future__ import annotations
 
@@ -33,9 +31,44 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.kernels.select_radix import in_list, select_dustin_radix, write_sorted_row
 
 _NEG_INF = float("-inf")
+
+
+@triton.jit
+def in_list(values, list_ptr, M: tl.constexpr, M_PAD: tl.constexpr):
+    """Which of `values` occur among list_ptr[:M] (non-negative positions)."""
+    found = tl.zeros(values.shape, dtype=tl.int32)
+    for c0 in tl.static_range(0, M_PAD, 32):  # membership in 32-wide slices keeps registers small
+        c = c0 + tl.arange(0, 32)
+        listed = tl.load(list_ptr + c, mask=c < M, other=-1).to(tl.int32)
+        found = tl.maximum(found, tl.max((values[:, None] == listed[None, :]).to(tl.int32), 1))
+    return found > 0
+
+
+@triton.jit
+def write_sorted_row(draft, target, keep, L, b, scratch_ptr, idx_ptr, counts_ptr, S,
+                     SINKS: tl.constexpr, WINDOW: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                     NP_PAD: tl.constexpr, M_PAD: tl.constexpr, SW_PAD: tl.constexpr, P: tl.constexpr):
+    """Sequence b's row: protected + draft[:M] + the kept target picks, sorted ascending into idx[b, :K]
+    (0 .. L-1 when L <= K). They go to disjoint slots of a scratch row, then the barrier makes them visible
+    to the whole program for the sort; unused slots hold the sentinel S."""
+    row = scratch_ptr + b.to(tl.int64) * P
+    i = tl.arange(0, SW_PAD)
+    tl.store(row + i, tl.where(i < SINKS, i, L - WINDOW + i - SINKS), mask=i < SINKS + WINDOW)
+    if M > 0:
+        c = tl.arange(0, M_PAD)
+        tl.store(row + SINKS + WINDOW + c, draft, mask=c < M)
+    r = tl.arange(0, NP_PAD)
+    tl.store(row + SINKS + WINDOW + M + r, tl.where(keep, target, S))
+    slot = tl.arange(0, P)
+    tl.store(row + slot, tl.full([P], S, tl.int32), mask=slot >= SINKS + WINDOW + M + NP_PAD)
+    tl.debug_barrier()
+    ordered = tl.sort(tl.load(row + slot))
+    short = L <= K  # everything fits: 0 .. L-1
+    value = tl.where(short, tl.where(slot < L, slot, 0), ordered)
+    tl.store(idx_ptr + b * K + slot, value, mask=slot < K)
+    tl.store(counts_ptr + b, tl.minimum(L, K))
 
 
 @triton.jit
@@ -86,19 +119,19 @@ def _all_positions(L: torch.Tensor, k: int):
     return torch.where(slot < L, slot, torch.zeros_like(slot)).to(torch.int32), L[:, 0].to(torch.int32)
 
 
-# Which Triton path select_dustin takes on the GPU: "topk" (torch.topk between the two kernels below) or
-# "radix" (select_radix.py: three launches, no torch.topk). Both give the reference's sets; on an H200 radix
-# measured slower (103-225 us vs 79-99 us at B 8-16 x 8k-32k, docs/results/gpu_tune_h200.json), so topk stays.
-DEFAULT_IMPL = "topk"
+def sort_row_width(k: int, m: int, sinks: int, window: int) -> int:
+    """Padded width of the per-sequence sort row: protected + m draft + the target's n candidates."""
+    return triton.next_power_of_2(sinks + window + m + triton.next_power_of_2(k - sinks - window))
 
 
 def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, *, k: int, m: int,
-                  sinks: int = 4, window: int = 16, impl: str | None = None):
+                  sinks: int = 4, window: int = 16, impl: str = "topk"):
     """s_target, s_draft: float [B, S] scores (higher = more important); lengths: int [B] committed
     positions (<= S). Returns (indices int32 [B, k], counts int32 [B]); counts[b] = min(lengths[b], k).
-    impl: "radix" or "topk" (default DEFAULT_IMPL); "torch" (also what CPU tensors outside the interpreter
-    get) runs plain torch ops: no Triton kernel specialized on (k, m), so an offline search that tries many m
-    values (dustin profile) compiles nothing."""
+    impl: "topk" (the Triton kernels around torch.topk; CPU tensors outside the interpreter still get the
+    torch ops) or "torch": plain torch ops, no Triton kernel specialized on (k, m), so an offline search
+    that tries many m values (dustin profile) compiles nothing."""
+    assert impl in ("topk", "torch"), f"impl {impl!r}: want 'topk' or 'torch'"
     B, S = s_target.shape
     assert s_draft.shape == (B, S) and k >= 1
     assert 0 <= m <= k - sinks - window, "the budget must hold the protected sinks, window and m draft picks"
@@ -108,16 +141,11 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
         return select_streaming(lengths.to(device), k, sinks)
     if S <= k:  # every row fits (L <= S <= k)
         return _all_positions(lengths.to(device=device, dtype=torch.long)[:, None], k)
-    p = triton.next_power_of_2(sinks + window + m + triton.next_power_of_2(n_pick))
+    p = sort_row_width(k, m, sinks, window)
     if impl == "torch" or p > 4096 or not (s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _select_dustin_torch(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
     lengths = lengths.to(device)
-    impl = impl or DEFAULT_IMPL
-    assert impl in ("radix", "topk"), f"impl {impl!r}: want 'radix' or 'topk'"
-    if impl == "radix":
-        return select_dustin_radix(s_target, s_draft.to(s_target.dtype), lengths, k=k, m=m, sinks=sinks,
-                                   window=window, p=p)
     rows = 2 if m > 0 else 1
     masked = torch.empty(rows, B, S, device=device, dtype=torch.float32)
     _mask_scores_kernel[(B, triton.cdiv(S, 1024))](s_draft, s_target, lengths, masked, S, s_draft.stride(0),

@@ -12,11 +12,10 @@ Design (flash-decoding over the index list):
 - K/V rows are addressed as cache_base + index * stride_s: no torch.gather copy, each row is D contiguous
   elements, so a gather costs exactly its bytes.
 - Splits cover contiguous chunks of the index list; the last one also attends to the T new tokens with
-  the causal mask. With several splits each writes unnormalised fp32 (acc, m, l), merged either by a
-  second kernel (merge="launch") or inside the same launch (merge="kernel"): each split bumps an atomic
-  counter of its (sequence, KV head) after writing its partial, and the split that finishes last merges
-  all of them, writes the output and resets the counter to 0 (so CUDA-graph replays find it zeroed).
-  With one split (enough when B*Hkv fills the GPU) the kernel writes the output directly.
+  the causal mask. With several splits each writes unnormalised fp32 (acc, m, l), merged by a second,
+  combine kernel. With one split (enough when B*Hkv fills the GPU) the kernel writes the output directly.
+  (A variant that merges inside the one launch, the last split found by an atomic counter, is
+  scripts/experiments/sparse_verify_merge.py.)
   Masked logits are -inf but the running max starts at a finite -1e30, so a split that sees no key
   (empty chunk, padding) yields acc = 0, l = 0 and no NaN.
 - No host syncs: the grid depends only on shapes (indices.shape[1] bounds the work); counts and lengths
@@ -27,7 +26,8 @@ layer at Qwen2.5-7B/32B shapes, B 8-16, 8k-32k context (1.8 TB/s on the 34 MB of
 merge kernel), so the ~10 us the bytes alone allow is not reached. A sweep of 12 launch configurations
 (splits 1-8, either merge, BLOCK_N 32-128, 2-8 warps, 1-4 stages; scripts/gpu_tune.py,
 docs/results/gpu_tune_h200.json) found the default best at 32k x 16 (19.6 us on the 32B shape, next 22.4 us);
-4 splits with the in-kernel merge win only where B * Hkv is small (8k x 8: 16.5 vs 17.5 us).
+4 splits with the in-kernel merge (the experiment above) win only where B * Hkv is small (8k x 8: 16.5 vs
+17.5 us).
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
-from dustin.kernels.scratch import zeroed_int32
 
 _LOG2E = 1.4426950408889634
 
@@ -78,7 +77,6 @@ def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr):
 def _sparse_verify_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, idx_ptr, counts_ptr, out_ptr,
     acc_ptr, ml_ptr,  # partials: acc [B*Hkv, NUM_SPLITS, BLOCK_M, D] fp32, ml [B*Hkv, NUM_SPLITS, 2, BLOCK_M]
-    cnt_ptr,  # IN_KERNEL_MERGE: int32 [B*Hkv] finished-split counters, 0 between launches
     qk_scale,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_s, sk_d,
@@ -88,7 +86,6 @@ def _sparse_verify_split_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_N: tl.constexpr, IEEE: tl.constexpr,
-    IN_KERNEL_MERGE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -141,14 +138,6 @@ def _sparse_verify_split_kernel(
         tl.store(acc_ptr + (part * BLOCK_M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2 * BLOCK_M + rows, m_i, mask=row_ok)
         tl.store(ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i, mask=row_ok)
-        if IN_KERNEL_MERGE:
-            # acq_rel: this split's partial stores are visible before its count, and the last split sees
-            # every other split's partial. The last one merges, and resets the counter for the next launch.
-            done = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                tl.store(cnt_ptr + pid_bh, 0)
-                _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t, so_d,
-                            GROUP, T, D, NUM_SPLITS, BLOCK_M)
 
 
 @triton.jit
@@ -172,7 +161,8 @@ def _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t
                 GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, NUM_PARTS: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """Merge the NUM_PARTS partials of (sequence, KV head) pid_bh for the given rows and write them out.
-    Loads go through L2 (.cg): in the in-kernel merge the partials were written by other SMs."""
+    Loads go through L2 (.cg): scripts/experiments/sparse_verify_merge.py merges partials that other SMs
+    wrote within the same launch."""
     row_ok = rows < GROUP * T
     d = tl.arange(0, D)
     m_tot = tl.full([rows.shape[0]], -1.0e30, dtype=tl.float32)
@@ -210,18 +200,11 @@ def _default_num_splits(n_programs: int, k_max: int, block_n: int, device: torch
     return max(1, min(sms // max(n_programs, 1), triton.cdiv(k_max, block_n)))
 
 
-# Which merge a multi-split launch uses by default: "launch" (a second, combine kernel) or "kernel" (the
-# last-finishing split merges; one launch). Flip once scripts/gpu_kernel_variants.py has measured both.
-DEFAULT_MERGE = "launch"
-
-
 def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, scale=None, num_splits=None,
-                            out=None, merge=None, block_n=None, num_warps=None, num_stages=None):
+                            out=None, block_n=None, num_warps=None, num_stages=None):
     """Attention of q [B, Hq, T, D] over cached positions indices[b, :counts[b]] (distinct, each < lengths[b])
     plus the new tokens lengths[b] .. lengths[b]+t (causal). Returns out [B, Hq, T, D] in q's dtype.
     Per-KV-head lists: indices [B, Hkv, K] / counts [B, Hkv]; query head h reads list h // (Hq // Hkv).
-    merge: how several splits are merged, "launch" (combine kernel) or "kernel" (the last split of each
-    (sequence, KV head) merges, found with an atomic counter); default DEFAULT_MERGE.
     block_n / num_warps / num_stages override the launch configuration (for tuning)."""
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
@@ -230,8 +213,6 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
         f"indices {tuple(indices.shape)} / counts {tuple(counts.shape)}: want [B, K] / [B] or [B, Hkv, K] / [B, Hkv]"
     assert Hq % Hkv == 0 and D >= 16 and (D & (D - 1)) == 0, "need Hq % Hkv == 0 and D a power of two"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
-    merge = merge or DEFAULT_MERGE
-    assert merge in ("launch", "kernel"), f"merge {merge!r}: want 'launch' or 'kernel'"
     group = Hq // Hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
@@ -251,20 +232,18 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
         ml_part = torch.empty(B * Hkv, num_splits, 2, block_m, device=q.device, dtype=torch.float32)
     else:
         acc_part = ml_part = out  # unused
-    in_kernel = num_splits > 1 and merge == "kernel"
-    counters = zeroed_int32("split_counters", q.device, B * Hkv) if in_kernel else lengths  # lengths: unused stand-in
     # fp32 callers want fp32 accuracy, not tf32; the interpreter needs fp32 operands (see _dot).
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     _sparse_verify_split_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, counters, scale * _LOG2E,
+        q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         indices.stride(0), indices.stride(1) if per_head else 0, counts.stride(0), counts.stride(1) if per_head else 0,
         H_KV=Hkv, GROUP=group, T=T, D=D, CHUNK=chunk, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, NEW_N=max(16, triton.next_power_of_2(T)), IEEE=ieee,
-        IN_KERNEL_MERGE=in_kernel, num_warps=num_warps, num_stages=num_stages or 3,
+        num_warps=num_warps, num_stages=num_stages or 3,
     )
-    if num_splits > 1 and not in_kernel:
+    if num_splits > 1:
         _sparse_verify_combine_kernel[(B * Hkv, block_m // 16)](
             acc_part, ml_part, out, *out.stride(),
             H_KV=Hkv, GROUP=group, T=T, D=D, NUM_PARTS=num_splits, BLOCK_M=block_m, ROWS=16, num_warps=4,

@@ -51,14 +51,14 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: AttentionBackend | None = None, shard=None) -> Transformer:
+               backend: AttentionBackend | None = None, shard=None, *, fused_ops: bool = True) -> Transformer:
     """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
     dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
-    no process ever holds the whole checkpoint."""
+    no process ever holds the whole checkpoint. fused_ops: see `Transformer`."""
     folder = Path(folder)
     args = read_args(folder)
     with torch.device("meta"):
-        model = Transformer(args, backend)
+        model = Transformer(args, backend, fused_ops=fused_ops)
         full = {n: t.shape for n, t in model.state_dict().items()}
         if shard is not None:
             model = shard(model)

@@ -6,8 +6,6 @@ SwiGLU MLP, optionally tied embeddings. Attention reads and writes a batched `KV
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,29 +23,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-_FUSED = os.environ.get("DUSTIN_FUSED", "1") != "0"  # DUSTIN_FUSED=0: plain PyTorch ops (A/B timing, debugging)
-
-
-def _fused(x: torch.Tensor) -> bool:
-    """GPU tensors take the fused Triton kernels of dustin/kernels/fused_ops.py (one launch instead of ~7)."""
-    return x.is_cuda and _FUSED
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """fused_ops: GPU tensors take the fused Triton kernel of dustin/kernels/fused_ops.py (one launch instead
+    of ~7); False keeps the plain PyTorch ops (A/B timing, debugging). CPU tensors always take those."""
+
+    def __init__(self, dim: int, eps: float, fused_ops: bool = True) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused_ops = eps, fused_ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):
+        if self.fused_ops and x.is_cuda:
             from dustin.kernels.fused_ops import add_rms_norm
             return add_rms_norm(x.contiguous(), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, norm(residual + x)): the residual stream and the next sublayer's input."""
-        if _fused(x):
+        if self.fused_ops and x.is_cuda:
             from dustin.kernels.fused_ops import add_rms_norm
             return add_rms_norm(x.contiguous(), self.weight, self.eps, residual=residual)
         total = residual + x
@@ -72,9 +65,11 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    """fused_ops: RoPE of q and k in one Triton launch on GPU tensors (see RMSNorm)."""
+
+    def __init__(self, args: ModelArgs, layer: int, fused_ops: bool = True) -> None:
         super().__init__()
-        self.layer, self.args = layer, args
+        self.layer, self.args, self.fused_ops = layer, args, fused_ops
         hd = args.head_dim
         self.q_proj = Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
         self.k_proj = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
@@ -88,7 +83,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        if _fused(q):
+        if self.fused_ops and q.is_cuda:
             from dustin.kernels.fused_ops import rope_qk
             q, k = rope_qk(q, k, cos, sin)
         else:
@@ -126,12 +121,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, fused_ops: bool = True) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer)
+        self.self_attn = Attention(args, layer, fused_ops)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, fused_ops)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, fused_ops)
 
     def forward(self, h, residual, cos, sin, ctx, backend):
         """(h, residual) -> (h', residual'): the residual stream is residual + h, kept apart so that each add is
@@ -146,14 +141,15 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head)."""
+    """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head).
+    fused_ops=False: plain PyTorch ops instead of the fused RMSNorm / RoPE Triton kernels on the GPU (A/B)."""
 
-    def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None, *, fused_ops: bool = True) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, fused_ops) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, fused_ops)
         self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -25,13 +25,6 @@ from dustin.attention.context import ForwardContext
 from dustin.selection.config import ScoreHeads
 
 
-# Single-pass estimation (pass 1 stores the logits, pass 2 normalizes them instead of re-reading K). Measured on
-# an H200 (scripts/gpu_kernel_variants.py, 2026-11-30), B 16 x 32k: S_target 58 vs 79 us, S_draft over 3 layers
-# 233 vs 263 us; at 8k x 8 also faster (14 vs 17, 44 vs 49 us). So both estimators use it.
-DRAFT_SINGLE_PASS = True
-TARGET_SINGLE_PASS = True
-
-
 def _kernel_ok(q: torch.Tensor) -> bool:
     D = q.shape[-1]
     return D >= 16 and D & (D - 1) == 0 and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -156,8 +149,7 @@ class DraftLookaheadScores:
 
             # key_lengths None: the last lookahead query bounds the keys (j <= its position)
             attention_scores_multi(self._q_all, full, self._sets.layers_t, self._sets.kv_all, None, pos,
-                                   self.scores, ctx_lengths=context, accumulate=False,
-                                   single_pass=DRAFT_SINGLE_PASS)
+                                   self.scores, ctx_lengths=context, accumulate=False)
             return self.scores
         rows = {}
         for i, (layer, q) in enumerate(self._q_buf.items()):
@@ -214,7 +206,7 @@ class TargetHistoricalScores:
             q = qs[0][:, None] if len(qs) == 1 else torch.stack(qs, dim=1)  # [B, NL, Hs, 1, D]
             # query_positions None: each query sits at lengths[b] - 1 (saves two small launches)
             attention_scores_multi(q, full, self._sets.layers_t, self._sets.kv_all, lengths, None, self.scores,
-                                   accumulate=False, single_pass=TARGET_SINGLE_PASS)
+                                   accumulate=False)
             return self.scores
         pos = (lengths.long() - 1)[:, None]
         for i, (layer, q_last) in enumerate(self._last_q.items()):

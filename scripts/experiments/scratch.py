@@ -1,4 +1,5 @@
-"""Zero-initialised int32 device buffers that kernels leave at zero when they finish (split counters,
+"""(Used by the experiments here only: select_radix.py, sparse_verify_merge.py; moved out of dustin/kernels/
+with them.) Zero-initialised int32 device buffers that kernels leave at zero when they finish (split counters,
 histograms), so a launch needs no memset of its own.
 
 One buffer per (purpose, device), grown on demand. A buffer that is outgrown is kept alive, not freed:

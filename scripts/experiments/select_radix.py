@@ -1,4 +1,10 @@
-"""Dustin's verification set (paper Eq. 6) in three Triton launches, without torch.topk.
+"""EXPERIMENT (not run by the engine): Dustin's verification set (paper Eq. 6) in three Triton launches,
+without torch.topk. Moved out of dustin/kernels/ because it measured slower than the default path
+(`dustin.kernels.selection.select_dustin`, torch.topk between two Triton kernels); kept runnable here, with
+its test in tests/test_select_radix.py, in case its 2-level histogram (below) is ever built.
+
+    from scripts.experiments.select_radix import select_dustin_radix
+    indices, counts = select_dustin_radix(s_target, s_draft, lengths, k=512, m=128)
 
 Semantics are those of `selection.select_dustin_reference`: draft picks = the m best pickable positions
 by s_draft, target picks = the n - m best of the rest by s_target (n = k - sinks - window), best meaning
@@ -21,7 +27,7 @@ No host syncs; every size is a Python int, so the launches are CUDA-graph friend
 
 Measured on an H200 (scripts/gpu_tune.py, docs/results/gpu_tune_h200.json): equal to the reference and to
 the topk path, but SLOWER: 103 / 147 / 197 / 225 us at B 8 x 8k, 16 x 16k, 8 x 32k, 16 x 32k against 79-99 us
-for the topk path, so `selection.DEFAULT_IMPL` stays "topk". The likely cause: 11 key bits are too coarse
+for the topk path, which is the engine's. The likely cause: 11 key bits are too coarse
 for scores packed in a narrow range (the benchmark's uniform [0, 1) scores put a quarter of a row in one
 bin), so the boundary bin holds thousands of candidates and step 3 takes its streamed path, ~37 serial
 passes over them in one program per sequence. A second histogram level over the boundary bin's next bits
@@ -29,11 +35,14 @@ passes over them in one program per sequence. A second histogram level over the 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from dustin.kernels.scratch import zeroed_int32
+from dustin.kernels.selection import in_list, select_dustin, sort_row_width, write_sorted_row
+from scripts.experiments.scratch import zeroed_int32
 
 SHIFT = 21  # the histogram bins the top 32 - SHIFT = 11 bits of a key
 NB = 1 << (32 - SHIFT)
@@ -238,45 +247,22 @@ def _finish_kernel(meta_ptr, fill_ptr, in_pos_ptr, in_key_ptr, cand_pos_ptr, can
                      S, SINKS, WINDOW, K, M, NP_PAD, M_PAD, SW_PAD, P)
 
 
-@triton.jit
-def in_list(values, list_ptr, M: tl.constexpr, M_PAD: tl.constexpr):
-    """Which of `values` occur among list_ptr[:M] (non-negative positions)."""
-    found = tl.zeros(values.shape, dtype=tl.int32)
-    for c0 in tl.static_range(0, M_PAD, 32):  # membership in 32-wide slices keeps registers small
-        c = c0 + tl.arange(0, 32)
-        listed = tl.load(list_ptr + c, mask=c < M, other=-1).to(tl.int32)
-        found = tl.maximum(found, tl.max((values[:, None] == listed[None, :]).to(tl.int32), 1))
-    return found > 0
+def select_dustin_radix(s_target, s_draft, lengths, *, k: int, m: int, sinks: int = 4, window: int = 16):
+    """`select_dustin`'s sets (same arguments) from the three launches; the cases that the default path
+    answers without its kernels (k <= sinks + window, S <= k, a sort row past 4096, CPU tensors outside
+    the Triton interpreter) are handed to it. Returns (indices int32 [B, k], counts int32 [B])."""
+    B, S = s_target.shape
+    assert s_draft.shape == (B, S) and 0 <= m <= k - sinks - window
+    kernels_ok = s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if k - sinks - window == 0 or S <= k or sort_row_width(k, m, sinks, window) > 4096 or not kernels_ok:
+        return select_dustin(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
+    assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
+    return _launch(s_target, s_draft.to(s_target.dtype), lengths.to(s_target.device), k=k, m=m, sinks=sinks,
+                   window=window, p=sort_row_width(k, m, sinks, window))
 
 
-@triton.jit
-def write_sorted_row(draft, target, keep, L, b, scratch_ptr, idx_ptr, counts_ptr, S,
-                     SINKS: tl.constexpr, WINDOW: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
-                     NP_PAD: tl.constexpr, M_PAD: tl.constexpr, SW_PAD: tl.constexpr, P: tl.constexpr):
-    """Sequence b's row: protected + draft[:M] + the kept target picks, sorted ascending into idx[b, :K]
-    (0 .. L-1 when L <= K). They go to disjoint slots of a scratch row, then the barrier makes them visible
-    to the whole program for the sort; unused slots hold the sentinel S."""
-    row = scratch_ptr + b.to(tl.int64) * P
-    i = tl.arange(0, SW_PAD)
-    tl.store(row + i, tl.where(i < SINKS, i, L - WINDOW + i - SINKS), mask=i < SINKS + WINDOW)
-    if M > 0:
-        c = tl.arange(0, M_PAD)
-        tl.store(row + SINKS + WINDOW + c, draft, mask=c < M)
-    r = tl.arange(0, NP_PAD)
-    tl.store(row + SINKS + WINDOW + M + r, tl.where(keep, target, S))
-    slot = tl.arange(0, P)
-    tl.store(row + slot, tl.full([P], S, tl.int32), mask=slot >= SINKS + WINDOW + M + NP_PAD)
-    tl.debug_barrier()
-    ordered = tl.sort(tl.load(row + slot))
-    short = L <= K  # everything fits: 0 .. L-1
-    value = tl.where(short, tl.where(slot < L, slot, 0), ordered)
-    tl.store(idx_ptr + b * K + slot, value, mask=slot < K)
-    tl.store(counts_ptr + b, tl.minimum(L, K))
-
-
-def select_dustin_radix(s_target, s_draft, lengths, *, k: int, m: int, sinks: int, window: int, p: int):
-    """The three launches; arguments checked by the caller (`selection.select_dustin`), p = the padded
-    width of the sort row. Returns (indices int32 [B, k], counts int32 [B])."""
+def _launch(s_target, s_draft, lengths, *, k: int, m: int, sinks: int, window: int, p: int):
+    """The three launches; p = the padded width of the sort row."""
     B, S = s_target.shape
     device = s_target.device
     n_pick = k - sinks - window
