@@ -287,7 +287,6 @@ class Session:
                 n_acc, nxt = accept_controlled(drafts, logits, self.cfg.accept_prob, self.generator)
             else:
                 n_acc, nxt = self.sampler.accept(drafts, draft_probs, logits)
-            self.policy.after_verify(self, n_acc)
             last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
             new_prev = torch.where(n_acc == 0, self.pending, last_draft)
         else:
@@ -300,6 +299,8 @@ class Session:
             new_prev = self.pending
         # rows already finished stay put so they never outgrow the cache
         self.target_cache.lengths.add_(torch.where(self.done, 0, 1 + n_acc).to(torch.int32))
+        if self.spec.speculative:
+            self.policy.after_verify(self, n_acc)  # sees the advanced lengths
         self.prev = torch.where(self.done, self.prev, new_prev)
         self.pending = torch.where(self.done, self.pending, nxt)
         host = torch.cat([n_acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the step's one host sync

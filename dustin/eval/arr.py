@@ -18,15 +18,12 @@ at every step, it lets each policy under test pick its set and scores it against
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
-
 import torch
 
-from dustin.selection.base import SelectionPolicy
+from dustin.attention.context import SparsePlan
+from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.oracle import oracle_set, topk_set, window_attention
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
 
 
 def recovery(mass: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -44,31 +41,35 @@ class ARRProbe(SelectionPolicy):
         self.observes_prefill = any(p.observes_prefill for p in policies.values())
         self.arr: dict[str, list[float]] = defaultdict(list)
 
-    def draft_observers(self, session: Session):
-        return [o for p in self.policies.values() for o in p.draft_observers(session)]
+    def draft_observers(self, state: StepState):
+        return [o for p in self.policies.values() for o in p.draft_observers(state)]
 
-    def target_observers(self, session: Session):
-        return [o for p in self.policies.values() for o in p.target_observers(session)]
+    def target_observers(self, state: StepState):
+        return [o for p in self.policies.values() for o in p.target_observers(state)]
 
-    def begin_step(self, session: Session) -> None:
+    def begin_step(self, state: StepState) -> None:
         for p in self.policies.values():
-            p.begin_step(session)
+            p.begin_step(state)
 
-    def plan(self, session: Session):
-        active = [b for b, done in enumerate(session.finished) if not done]
-        mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
-        L = session.target_cache.lengths
+    def plan(self, state: StepState):
+        active = [b for b, done in enumerate(state.finished) if not done]
+        mass = window_attention(state.target, state.target_cache, state.verify_input, state.verify_positions)
+        L = state.target_cache.lengths
         for name, (idx, counts) in (("oracle-topk", topk_set(mass, L, self.budget)),
                                     ("oracle", oracle_set(mass, L, self.budget, self.sinks, self.window))):
             self.arr[name] += recovery(mass, idx, counts)[active].tolist()
         for name, p in self.policies.items():
-            plan = p.plan(session)
-            self.arr[name] += recovery(mass, plan.indices, plan.counts)[active].tolist()
+            plan = p.plan(state)
+            if isinstance(plan, SparsePlan):  # one set for all layers: ARR is defined (Eq. 3)
+                self.arr[name] += recovery(mass, plan.indices, plan.counts)[active].tolist()
+            else:  # a per-layer planner (quest, specattn, snapkv): no single set to score
+                self.arr.setdefault(name, [])
         # verify with the full cache: the trajectory is classic's
 
-    def after_verify(self, session: Session, n_accepted: torch.Tensor) -> None:
+    def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
         for p in self.policies.values():
-            p.after_verify(session, n_accepted)
+            p.after_verify(state, n_accepted)
 
-    def mean_arr(self) -> dict[str, float]:
-        return {name: sum(v) / max(len(v), 1) for name, v in self.arr.items()}
+    def mean_arr(self) -> dict[str, float | None]:
+        """Mean ARR per method; None for per-layer planners, whose sets differ by layer."""
+        return {name: (sum(v) / len(v) if v else None) for name, v in self.arr.items()}

@@ -116,5 +116,5 @@ def _print(results, Table, console) -> None:
         for n in names:
             a.add_column(n, justify="right")
         for k, row in results["arr"].items():
-            a.add_row(k, *[f"{row[n]:.4f}" for n in names])
+            a.add_row(k, *["per-layer" if row[n] is None else f"{row[n]:.4f}" for n in names])
         console.print(a)

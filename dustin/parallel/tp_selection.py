@@ -16,19 +16,16 @@ supported under TP (they read every target head) and raise an InputError.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.config import ScoreHeads
+from dustin.selection.base import StepState
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
 from dustin.selection.policies import DustinSelection
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
 
 TP_POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d")
 
@@ -60,23 +57,23 @@ class TPTargetHistoricalScores(TargetHistoricalScores):
 
 
 class TPDustinSelection(DustinSelection):
-    def _setup(self, session: Session) -> None:
+    def _setup(self, state: StepState) -> None:
         if self._target_scores is not None or self._draft_scores is not None:
             return
-        target = session.target
-        B, cap, dev = session.B, session.target_cache.capacity, session.device
+        target = state.target
+        B, cap, dev = state.B, state.target_cache.capacity, state.device
         if self.uses_target:
             self._target_scores = TPTargetHistoricalScores(
                 self.cfg.target, target.args.gqa_group, B, cap, dev, target.tp_rank, target.args.n_heads,
                 getattr(target, "tp_group", None))
         if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
-                                                      session.gamma)
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
+                                                      state.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
 
-    def plan(self, session: Session) -> SparsePlan:
-        plan = super().plan(session)
-        return broadcast_plan(plan, getattr(session.target, "tp_group", None))
+    def plan(self, state: StepState) -> SparsePlan:
+        plan = super().plan(state)
+        return broadcast_plan(plan, getattr(state.target, "tp_group", None))
 
 
 def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:

@@ -1,20 +1,49 @@
 """The interface every verification-time KV selection policy implements.
 
-A policy decides, before each verify forward, which cached positions the target attends to (a
-`SparsePlan`, or None for the full cache). It may attach `QueryObserver`s to the draft's and the target's
-forwards to collect the attention scores it needs (only for the heads it chooses), and it is told how many
-tokens each sequence accepted so it can keep the right query for the next step.
+A policy decides, before each verify forward, which cached positions the target attends to: one `SparsePlan`
+shared by every layer, a `LayerPlanner` that picks per layer from that layer's queries, or None for the full
+cache. It may attach `QueryObserver`s to the draft's and the target's forwards to collect the attention scores
+it needs (only for the heads it chooses), and it is told how many tokens each sequence accepted, after the
+cache lengths advanced, so it can keep the right query for the next step.
+
+Policies see the generation only through `StepState`, the step loop's read-only view declared here: the
+selection package never imports the engine (the engine imports the policies).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from dustin.attention.context import QueryObserver, SparsePlan
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
+from dustin.attention.context import LayerPlanner, QueryObserver, SparsePlan
+from dustin.cache.kv_cache import KVCache
+from dustin.models.transformer import Transformer
+
+VerifyPlan = SparsePlan | LayerPlanner | None  # what `plan` returns: one set, a per-layer planner, or full
+
+
+class StepState(Protocol):
+    """What a policy may read of the batch it serves (engine/session.py's Session implements it).
+    Fixed for the batch: B, gamma, device, target/draft (their .args), the caches, prompts, cfg, timer (phases
+    "estimate" / "select" are the policy's own). Per step: target_cache.lengths (cached positions; inside
+    `after_verify` already advanced by this step), verify_input / verify_positions (this step's [pending,
+    drafts] and positions, set before `plan`), done (rows that stopped), finished (host copy)."""
+
+    B: int
+    gamma: int
+    device: torch.device
+    target: Transformer
+    draft: Transformer | None
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    prompts: list[list[int]]
+    cfg: object
+    timer: object  # start(phase) / stop(phase): engine.timing.PhaseTimer
+    verify_input: torch.Tensor
+    verify_positions: torch.Tensor
+    done: torch.Tensor
+    finished: list[bool]
+
 
 
 class SelectionPolicy:
@@ -28,21 +57,22 @@ class SelectionPolicy:
     # observer only writes fixed-address device buffers (no Python-side state per call)
     graph_safe = False
 
-    def draft_observers(self, session: "Session") -> list[QueryObserver]:
+    def draft_observers(self, state: StepState) -> list[QueryObserver]:
         return []
 
-    def target_observers(self, session: "Session") -> list[QueryObserver]:
+    def target_observers(self, state: StepState) -> list[QueryObserver]:
         return []
 
-    def begin_step(self, session: "Session") -> None:
+    def begin_step(self, state: StepState) -> None:
         """Called before drafting (reset per-step score buffers here)."""
 
-    def plan(self, session: "Session") -> SparsePlan | None:
+    def plan(self, state: StepState) -> VerifyPlan:
         """Called after drafting, before the verify forward."""
         return None
 
-    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
-        """Called with the number of accepted draft tokens per sequence (device tensor)."""
+    def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
+        """Called with the number of accepted draft tokens per sequence (device tensor), after the cache
+        lengths advanced by 1 + n_accepted for the rows still running."""
 
 
 class FullSelection(SelectionPolicy):

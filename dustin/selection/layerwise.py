@@ -8,17 +8,13 @@ Both act as a `LayerPlanner`: the verify forward asks them for each layer's set.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from dustin.attention.context import SparsePlan
-from dustin.selection.base import SelectionPolicy
+from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
 
 QUEST_DENSE_LAYERS = 2
 
@@ -30,14 +26,14 @@ class QuestSelection(SelectionPolicy):
         self.cfg = cfg
         self.pages = None
 
-    def plan(self, session: "Session"):
+    def plan(self, state: StepState):
         from dustin.kernels.quest import QuestPages
 
-        cache = session.target_cache
+        cache = state.target_cache
         if self.pages is None:  # first step: page statistics of the prompts
-            a = session.target.args
-            self.pages = QuestPages(a.n_layers, session.B, a.n_kv_heads, a.head_dim, cache.capacity, cache.k.dtype,
-                                    session.device)
+            a = state.target.args
+            self.pages = QuestPages(a.n_layers, state.B, a.n_kv_heads, a.head_dim, cache.capacity, cache.k.dtype,
+                                    state.device)
             for layer in range(a.n_layers):
                 self.pages.build(layer, cache.k[layer], cache.lengths)
         return self
@@ -48,12 +44,14 @@ class QuestSelection(SelectionPolicy):
         idx, counts = self.pages.select(layer, q, ctx.lengths, self.cfg.budget)
         return SparsePlan(idx, counts)
 
-    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
-        before = session.target_cache.lengths
-        after = (before + torch.where(session.done, 0, 1 + n_accepted)).to(torch.int32)
-        for layer in range(session.target.args.n_layers):
-            self.pages.update(layer, session.target_cache.k[layer], before, after,
-                              max_new=session.gamma + 1)
+    def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
+        if self.pages is None:  # before the first plan (prefill): the pages are built from the cache then
+            return
+        after = state.target_cache.lengths  # already advanced by this step
+        before = (after - torch.where(state.done, 0, 1 + n_accepted)).to(torch.int32)
+        for layer in range(state.target.args.n_layers):
+            self.pages.update(layer, state.target_cache.k[layer], before, after,
+                              max_new=state.gamma + 1)
 
 
 class SpecAttnSelection(SelectionPolicy):
@@ -64,28 +62,28 @@ class SpecAttnSelection(SelectionPolicy):
         self.scores: DraftLookaheadScores | None = None
         self._plans: dict[int, SparsePlan] = {}
 
-    def draft_observers(self, session: "Session"):
+    def draft_observers(self, state: StepState):
         if self.scores is None:
-            d = session.draft.args
+            d = state.draft.args
             every = tuple(ScoreHeads(layer, tuple(range(d.n_heads))) for layer in range(d.n_layers))
-            self.scores = DraftLookaheadScores(every, d.gqa_group, session.B, session.target_cache.capacity,
-                                               session.device, session.gamma)
+            self.scores = DraftLookaheadScores(every, d.gqa_group, state.B, state.target_cache.capacity,
+                                               state.device, state.gamma)
         return [self.scores]
 
-    def begin_step(self, session: "Session") -> None:
-        self.draft_observers(session)
-        self.scores.begin_step(session.target_cache.lengths)
+    def begin_step(self, state: StepState) -> None:
+        self.draft_observers(state)
+        self.scores.begin_step(state.target_cache.lengths)
 
-    def plan(self, session: "Session"):
+    def plan(self, state: StepState):
         from dustin.kernels.selection import select_dustin
 
-        L = session.target_cache.lengths
-        session.timer.start("estimate")
-        caches = {layer: session.draft_cache.k[layer] for layer in self.scores.layers}
+        L = state.target_cache.lengths
+        state.timer.start("estimate")
+        caches = {layer: state.draft_cache.k[layer] for layer in self.scores.layers}
         per_layer = self.scores.compute(caches, L, per_layer=True)
-        session.timer.stop("estimate")
-        session.timer.start("select")
-        n_target, n_draft = session.target.args.n_layers, session.draft.args.n_layers
+        state.timer.stop("estimate")
+        state.timer.start("select")
+        n_target, n_draft = state.target.args.n_layers, state.draft.args.n_layers
         by_draft: dict[int, SparsePlan] = {}
         zeros = torch.zeros_like(self.scores.scores)
         for layer in range(n_target):
@@ -95,7 +93,7 @@ class SpecAttnSelection(SelectionPolicy):
                                             sinks=self.cfg.sinks, window=self.cfg.window)
                 by_draft[d] = SparsePlan(idx, counts)
             self._plans[layer] = by_draft[d]
-        session.timer.stop("select")
+        state.timer.stop("select")
         return self
 
     def plan_layer(self, layer: int, q: torch.Tensor, ctx) -> SparsePlan | None:

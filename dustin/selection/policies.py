@@ -12,18 +12,14 @@ tokens are appended and nothing is evicted, so any position can be selected at a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
-from dustin.selection.base import FullSelection, SelectionPolicy
+from dustin.selection.base import FullSelection, SelectionPolicy, StepState
 from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
@@ -40,10 +36,10 @@ class StreamingSelection(SelectionPolicy):
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, session: "Session") -> SparsePlan:
+    def plan(self, state: StepState) -> SparsePlan:
         from dustin.kernels.selection import select_streaming
 
-        idx, counts = select_streaming(session.target_cache.lengths, self.cfg.budget, self.cfg.sinks)
+        idx, counts = select_streaming(state.target_cache.lengths, self.cfg.budget, self.cfg.sinks)
         return SparsePlan(idx, counts)
 
 
@@ -70,46 +66,46 @@ class DustinSelection(SelectionPolicy):
         self._draft_scores: DraftLookaheadScores | None = None
         self._target_scores: TargetHistoricalScores | None = None
 
-    def _setup(self, session: "Session") -> None:
+    def _setup(self, state: StepState) -> None:
         if self._target_scores is not None or self._draft_scores is not None:
             return
-        B, cap, dev = session.B, session.target_cache.capacity, session.device
+        B, cap, dev = state.B, state.target_cache.capacity, state.device
         if self.uses_target:
-            self._target_scores = TargetHistoricalScores(self.cfg.target, session.target.args.gqa_group, B, cap, dev)
+            self._target_scores = TargetHistoricalScores(self.cfg.target, state.target.args.gqa_group, B, cap, dev)
         if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, session.draft.args.gqa_group, B, cap, dev,
-                                                      session.gamma)
+            self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
+                                                      state.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
 
-    def target_observers(self, session: "Session"):
-        self._setup(session)
+    def target_observers(self, state: StepState):
+        self._setup(state)
         return [self._target_scores] if self._target_scores is not None else []
 
-    def draft_observers(self, session: "Session"):
-        self._setup(session)
+    def draft_observers(self, state: StepState):
+        self._setup(state)
         return [self._draft_scores] if self._draft_scores is not None else []
 
-    def begin_step(self, session: "Session") -> None:
+    def begin_step(self, state: StepState) -> None:
         if self._draft_scores is not None:
-            self._draft_scores.begin_step(session.target_cache.lengths)
+            self._draft_scores.begin_step(state.target_cache.lengths)
 
-    def plan(self, session: "Session") -> SparsePlan:
-        L = session.target_cache.lengths
+    def plan(self, state: StepState) -> SparsePlan:
+        L = state.target_cache.lengths
         s_target = s_draft = self._zeros
-        session.timer.start("estimate")
+        state.timer.start("estimate")
         if self._target_scores is not None:
-            caches = {layer: session.target_cache.k[layer] for layer in self._target_scores.layers}
+            caches = {layer: state.target_cache.k[layer] for layer in self._target_scores.layers}
             s_target = self._target_scores.compute(caches, L)
         if self._draft_scores is not None:
-            caches = {layer: session.draft_cache.k[layer] for layer in self._draft_scores.layers}
+            caches = {layer: state.draft_cache.k[layer] for layer in self._draft_scores.layers}
             s_draft = self._draft_scores.compute(caches, L)
-        session.timer.stop("estimate")
-        session.timer.start("select")
+        state.timer.stop("estimate")
+        state.timer.start("select")
         plan = _select(s_target, s_draft, L, self.cfg, self.m)
-        session.timer.stop("select")
+        state.timer.stop("select")
         return plan
 
-    def after_verify(self, session: "Session", n_accepted: torch.Tensor) -> None:
+    def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
         if self._target_scores is not None:
             self._target_scores.after_verify(n_accepted)
 
@@ -122,11 +118,11 @@ class OracleSelection(SelectionPolicy):
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, session: "Session") -> SparsePlan:
+    def plan(self, state: StepState) -> SparsePlan:
         from dustin.selection.oracle import oracle_set, window_attention
 
-        mass = window_attention(session.target, session.target_cache, session.verify_input, session.verify_positions)
-        idx, counts = oracle_set(mass, session.target_cache.lengths, self.cfg.budget, self.cfg.sinks, self.cfg.window)
+        mass = window_attention(state.target, state.target_cache, state.verify_input, state.verify_positions)
+        idx, counts = oracle_set(mass, state.target_cache.lengths, self.cfg.budget, self.cfg.sinks, self.cfg.window)
         return SparsePlan(idx, counts)
 
 

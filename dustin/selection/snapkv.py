@@ -41,19 +41,15 @@ equals a run without reuse. A Session built directly with a reused (or random) p
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.errors import InputError
 from dustin.profiling.observe import causal_probs
-from dustin.selection.base import SelectionPolicy
+from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.config import SparseConfig
 
-if TYPE_CHECKING:
-    from dustin.engine.session import Session
 
 SNAPKV_WINDOW = 32  # observation window: the prompt's last W queries score the rest, and are always kept
 SNAPKV_KERNEL = 7  # max-pool kernel (stride 1, same padding) smoothing the scores before the top-k
@@ -135,24 +131,24 @@ class SnapKVSelection(SelectionPolicy):
         self._decoding = False
         self._plans: list[SparsePlan] = []
 
-    def _setup(self, session: Session) -> SnapKVPrefillObserver:
-        if self.prefill is None or self._owner() is not session:
-            a = session.target.args
+    def _setup(self, state: StepState) -> SnapKVPrefillObserver:
+        if self.prefill is None or self._owner() is not state:
+            a = state.target.args
             self.prefill = SnapKVPrefillObserver(
-                a.n_layers, session.B, a.n_kv_heads, self.cfg.budget, max(len(p) for p in session.prompts),
-                session.cfg.max_new_tokens + session.gamma + 1, session.device)
-            self._owner = weakref.ref(session)
+                a.n_layers, state.B, a.n_kv_heads, self.cfg.budget, max(len(p) for p in state.prompts),
+                state.cfg.max_new_tokens + state.gamma + 1, state.device)
+            self._owner = weakref.ref(state)
             self._decoding = False
-            self._slots = torch.arange(self.prefill.k_max, dtype=torch.int32, device=session.device)
+            self._slots = torch.arange(self.prefill.k_max, dtype=torch.int32, device=state.device)
         return self.prefill
 
     # the prompt's layers are scored during prefill only; decode steps pass no observer (no per-layer call)
-    def target_observers(self, session: Session):
-        obs = self._setup(session)
+    def target_observers(self, state: StepState):
+        obs = self._setup(state)
         return [] if self._decoding else [obs]
 
-    def begin_step(self, session: Session) -> None:
-        obs = self._setup(session)
+    def begin_step(self, state: StepState) -> None:
+        obs = self._setup(state)
         if not self._decoding and not all(obs.seen):
             raise InputError(_OWN_PREFILL)
         self._decoding = True
@@ -167,17 +163,17 @@ class SnapKVSelection(SelectionPolicy):
         """Number of prompt picks int32 [L, B, Hkv]."""
         return self.prefill.counts
 
-    def plan(self, session: Session) -> SnapKVSelection:
-        obs = self._setup(session)
-        session.timer.start("select")
+    def plan(self, state: StepState) -> SnapKVSelection:
+        obs = self._setup(state)
+        state.timer.start("select")
         n = obs.prompt_lengths
-        gen = (session.target_cache.lengths - n).clamp(0, obs.max_generated)  # [B] generated, cached positions
+        gen = (state.target_cache.lengths - n).clamp(0, obs.max_generated)  # [B] generated, cached positions
         t = self._slots - obs.counts[..., None]  # [L, B, Hkv, K_max]: slot index past the prompt picks
         tail = (t >= 0) & (t < gen[None, :, None, None])
         idx = torch.where(tail, n[None, :, None, None] + t, obs.indices)
         counts = obs.counts + gen[None, :, None]
         self._plans = [SparsePlan(idx[layer], counts[layer]) for layer in range(idx.shape[0])]
-        session.timer.stop("select")
+        state.timer.stop("select")
         return self
 
     def plan_layer(self, layer: int, q: torch.Tensor, ctx) -> SparsePlan:
