@@ -89,6 +89,26 @@ def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
             assert arr["oracle-topk"] >= max(arr[m] for m in (*policies, "oracle")) - 1e-6
 
 
+@pytest.mark.parametrize("reuse", [False, True])
+def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
+    """quest / specattn / snapkv plan per layer: the probe reports no single-set ARR for them (None) instead of
+    crashing (it did: `plan()` returned the policy itself), keeps classic's output, and still scores dustin."""
+    from dustin.eval.arr import ARRProbe
+
+    prompts = _prompts([120, 90], seed=6)
+    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False)
+    classic = engine.session(prompts, cfg).run().outputs
+    policies = {m: engine.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
+                for m in ("quest", "specattn", "dustin")}
+    probe = ARRProbe(policies, 32)
+    if reuse:  # the prefill-reuse path calls after_verify before any plan (Quest has no pages yet)
+        engine.session(prompts, cfg, reuse_prefill=True).run()
+    s = engine.session(prompts, cfg, policy=probe, reuse_prefill=reuse).run()
+    arr = probe.mean_arr()
+    assert s.outputs == classic
+    assert arr["quest"] is None and arr["specattn"] is None and 0.0 < arr["dustin"] < 1.0
+
+
 def test_target_scores_use_the_last_cached_query(engine):
     """S_target after a step equals the attention of the last cached token's query at the configured heads,
     recomputed from scratch with a fresh forward of the committed tokens. Layer 0, because the verify is sparse:
