@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arr_kl(esub.add_parser("arr-kl", help="correlation of ARR with the KL divergence of sparse vs full forwards "
                                               "(appendix B)"))
 
+    from dustin.serve.cli import add_arguments as add_serve
+    add_serve(sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching "
+                                          "(/v1/completions, /v1/chat/completions, /metrics)"))
+
     from dustin.profiling.cli import add_arguments as add_profile
     add_profile(sub.add_parser("profile", help="offline profile of a pair: retrieval heads, attention traces, "
                                              "Algorithm 1 -> a tuned sparse config"))
@@ -197,6 +201,9 @@ def _dispatch(argv: list[str] | None) -> int:
                 return run_attention_bench(args)
             from dustin.bench.decode import run as run_decode_bench
             return run_decode_bench(args)
+        if args.command == "serve":
+            from dustin.serve.cli import run as run_serve
+            return run_serve(args)
         if args.command == "profile":
             from dustin.profiling.cli import run as run_profile
             return run_profile(args)

@@ -1,0 +1,296 @@
+"""`AsyncLLMEngine`: the thread-safe, asyncio-facing wrapper of `LLMEngine` used by the HTTP server.
+
+`LLMEngine` is not thread-safe, so exactly one thread, the engine thread owned here, calls its methods. It loops:
+
+    apply pending commands (add / abort) from a thread-safe queue
+    -> step() while there is work (else sleep until a command arrives)
+    -> hand each RequestOutput to its request's asyncio.Queue with loop.call_soon_threadsafe
+    -> refresh the stats snapshot that /metrics and /health read.
+
+Request handlers (on the event loop) only put commands on the queue and await their request's queue. The one
+exception is `LLMEngine.check_request`, which the caller runs itself so a bad request fails fast even while the
+engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
+
+If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
+stops taking requests, and `error` keeps the message for /health (503). The process stays up.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from dustin.engine.request import Request, RequestOutput, RequestParams
+from dustin.errors import DustinError
+
+log = logging.getLogger("dustin.serve")
+
+_SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+class EngineDeadError(DustinError):
+    """The engine thread failed (or was shut down): no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request: Request
+    stream: _Stream
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of `RequestOutput`; ends after the finished one.
+
+    `next(timeout)` is the same with a timeout (None when nothing came), so a handler can poll for a client that
+    went away between outputs. Closing (or leaving) a stream before it finished aborts the request."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
+        self.owner, self.request_id, self._stream = owner, request_id, stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.next()
+        if out is None:
+            raise StopAsyncIteration
+        return out
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output; None at the end of the stream or when `timeout` seconds passed without one
+        (check `finished` to tell them apart). Raises EngineDeadError when the engine failed."""
+        if self.finished:
+            return None
+        try:
+            item = await asyncio.wait_for(self._stream.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop generating (client gone, stop string found). Idempotent; no-op once finished."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:  # a stream dropped unfinished (e.g. a response that never started) aborts
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.abort()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: Any, *, idle_poll_s: float = 1.0, start: bool = True) -> None:
+        """engine: an LLMEngine (or anything with its methods). The engine thread starts at once unless
+        `start` is False (call `start()`)."""
+        self.engine = engine
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.model_name = getattr(engine, "model_name", "dustin")
+        self.max_context = int(engine.max_context)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards _stats and _error
+        self._stats: dict = {}
+        self._error: str | None = None
+        self._idle_poll_s = idle_poll_s
+        self._thread = threading.Thread(target=self._run, name="dustin-engine", daemon=True)
+        self._refresh_stats()
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        if self._thread.ident is None and not self._stop.is_set():
+            self._thread.start()
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped serving (None while healthy)."""
+        with self._lock:
+            return self._error
+
+    def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
+        """LLMEngine.check_request (InputError), run by the caller: it reads only settings fixed at start."""
+        self.engine.check_request(prompt_ids, params)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> RequestStream:
+        """Queue a request and return its output stream once the engine accepted it.
+
+        Raises before any output: InputError (bad prompt or parameters), QueueFullError (too many waiting),
+        EngineDeadError (the engine failed or is shutting down)."""
+        err = self.error
+        if err is not None:
+            raise EngineDeadError(err)
+        self.check_request(prompt_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        cmd = _Add(Request(request_id, list(prompt_ids), params), stream)
+        self._commands.put(cmd)
+        self._wake.set()
+        if self._stop.is_set():  # raced with shutdown: the engine thread may never read the command
+            _set_exception(cmd.future, EngineDeadError(_SHUTDOWN_MESSAGE))
+        try:
+            await asyncio.wrap_future(cmd.future)
+        except asyncio.CancelledError:  # the client left while the request was being queued
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a waiting or running request (thread-safe, non-blocking, no-op for unknown ids)."""
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """The engine's stats after its last step (a copy), plus `error` (None while healthy)."""
+        with self._lock:
+            snap = dict(self._stats)
+            snap["error"] = self._error
+        return snap
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step; in-flight requests fail with EngineDeadError."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()  # before reading commands: a command put after this sets it again
+                self._apply_commands()
+                if self._error is None and self.engine.has_unfinished():
+                    self._step()
+                else:
+                    self._wake.wait(self._idle_poll_s)
+        except BaseException as e:  # noqa: BLE001 - a bug here must not leave clients hanging
+            self._die(f"engine loop failed: {type(e).__name__}: {e}")
+            log.error("dustin serve: engine loop failed\n%s", traceback.format_exc())
+        finally:
+            with self._lock:
+                if self._error is None:
+                    self._error = _SHUTDOWN_MESSAGE
+            self._fail_all(EngineDeadError(_SHUTDOWN_MESSAGE))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_id)
+
+    def _add(self, cmd: _Add) -> None:
+        if self._error is not None:
+            _set_exception(cmd.future, EngineDeadError(self._error))
+            return
+        try:
+            self.engine.add_request(cmd.request)
+        except Exception as e:  # noqa: BLE001 - InputError, QueueFullError (or a bug): the caller gets it
+            _set_exception(cmd.future, e)
+            return
+        self._streams[cmd.request.request_id] = cmd.stream
+        _set_result(cmd.future, None)
+        self._refresh_stats()
+
+    def _abort(self, request_id: str) -> None:
+        if self._error is not None:
+            return
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # unknown or already finished: nothing to abort
+            log.debug("abort of %s ignored", request_id, exc_info=True)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            log.error("dustin serve: engine step failed\n%s", traceback.format_exc())
+            self._die(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        self._refresh_stats()  # before delivering: a client that got its last token sees it counted
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            _deliver(stream, out)
+
+    def _die(self, message: str) -> None:
+        with self._lock:
+            self._error = message
+        self._fail_all(EngineDeadError(message))
+        self._refresh_stats()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            _deliver(stream, exc)
+        self._streams.clear()
+        while True:  # adds that arrived after the failure
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                _set_exception(cmd.future, exc)
+
+    def _refresh_stats(self) -> None:
+        try:
+            snap = dict(self.engine.stats())
+        except Exception:
+            log.debug("engine.stats() failed", exc_info=True)
+            return
+        snap["updated"] = time.time()
+        with self._lock:
+            self._stats = snap
+
+
+def _deliver(stream: _Stream, item: Any) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:  # the client's event loop is closed: nobody is listening
+        pass
+
+
+def _set_result(fut: Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,601 @@
+"""`dustin serve` against a live server: uvicorn in a background thread, the real `openai` client and raw httpx.
+
+The tiny random pair has a word-level tokenizer ("w0".."w92") and no chat template, so most prompts are token-id
+lists; the real default pair (when fetched) checks a chat and a text completion against `Engine.generate`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import pytest
+import torch
+
+try:
+    import httpx
+except ImportError:  # some environments ship httpx's successor under its own name (the openai client uses it)
+    import httpx2 as httpx
+
+import openai
+import uvicorn
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.llm_engine import LLMEngine, ServeConfig
+from dustin.engine.request import RequestParams
+from dustin.serve.app import create_app
+from dustin.serve.async_engine import AsyncLLMEngine
+from dustin.serve.detokenize import IncrementalDetokenizer
+
+MODEL = "tiny"
+CONTEXT = 1024
+GAMMA = 4
+
+
+class LiveServer:
+    """create_app on an AsyncLLMEngine, served by uvicorn on a free port of 127.0.0.1 in a thread."""
+
+    def __init__(self, engine, name: str = MODEL) -> None:
+        self.async_engine = AsyncLLMEngine(engine)
+        app = create_app(self.async_engine, name)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = self.http.get("/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.MULTILINE)}
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if m["dustin_requests_running"] == 0 and m["dustin_requests_waiting"] == 0:
+                return m
+            assert time.time() < deadline, f"requests still in flight: {m}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.async_engine.shutdown()
+
+
+def _engine(tiny_pair, **cfg) -> LLMEngine:
+    target, draft = tiny_pair
+    cfg = {"method": "classic", "gamma": GAMMA, "max_slots": 4, "max_context": CONTEXT, "max_waiting": 64, **cfg}
+    return LLMEngine.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=ServeConfig(**cfg))
+
+
+@pytest.fixture(scope="module")
+def live(tiny_pair):
+    srv = LiveServer(_engine(tiny_pair))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """The offline Engine on the same checkpoints (the server's output must equal its greedy output)."""
+    return Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="fp32")
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def _complete(live, **body) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    return live.http.post("/v1/completions", json=body)
+
+
+def _sse_events(lines) -> list:
+    """The JSON objects of an SSE stream, up to `data: [DONE]` (which must come last)."""
+    events, done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: ") and not done, line
+        if line == "data: [DONE]":
+            done = True
+            continue
+        events.append(json.loads(line[len("data: "):]))
+    assert done, "the stream did not end with data: [DONE]"
+    return events
+
+
+# ------------------------------------------------------------------------------------------ basic endpoints
+def test_health_models_and_metrics(live):
+    r = live.http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = live.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert live.http.get("/v1/models").json()["data"][0]["max_model_len"] == CONTEXT
+    assert _complete(live, prompt=[5, 6, 7], max_tokens=3, temperature=0, ignore_eos=True).status_code == 200
+    r = live.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("dustin_requests_waiting", "dustin_requests_running", "dustin_kv_usage", "dustin_tau",
+                 "dustin_generated_tokens_total", "dustin_tokens_per_second"):
+        assert re.search(rf"^# TYPE {name} (gauge|counter)$", text, re.MULTILINE), name
+        assert re.search(rf"^{name} [0-9.e+-]+$", text, re.MULTILINE), name
+    assert re.search(r'^dustin_requests_total\{status="success"\} [1-9]', text, re.MULTILINE)
+    m = live.metrics()
+    assert m["dustin_generated_tokens_total"] >= 3 and m["dustin_tau"] >= 1.0 and 0 <= m["dustin_kv_usage"] <= 1
+    assert m["dustin_kv_slots_total"] == 4
+
+
+def test_unknown_path_and_model(live):
+    r = live.http.get("/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    r = _complete(live, model="gpt-4", prompt=[5, 6], max_tokens=2)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# ------------------------------------------------------------------------------------------ exactness
+def test_greedy_output_equals_engine_generate(live, reference):
+    prompts = _prompts([5, 23, 61, 12])
+    for p in prompts:
+        ref = reference.generate([p], GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=24))
+        want = ref.sequences[0]
+        resp = live.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        choice = resp.choices[0]
+        assert choice.token_ids == want.token_ids
+        assert choice.text == want.text
+        assert choice.finish_reason == ("length" if len(want.token_ids) == 24 else "stop")
+        assert resp.usage.prompt_tokens == len(p) and resp.usage.completion_tokens == len(want.token_ids)
+        assert resp.usage.total_tokens == len(p) + len(want.token_ids)
+        assert resp.object == "text_completion" and resp.model == MODEL and resp.id.startswith("cmpl-")
+
+
+def _text(ids):
+    """What the tiny tokenizer decodes ids to: its words ("w0" is id 3) run together, special tokens dropped."""
+    return "".join(f"w{i - 3}" for i in ids if i > 2)
+
+
+def test_prompt_forms(live):
+    """Token ids and a one-element batch of them agree; the text is the tokenizer's decoding of the ids. (The
+    tiny tokenizer encodes no text: a text prompt is a 400 naming the problem; the real pair checks text.)"""
+    outs = []
+    for prompt in ([8, 9, 10, 11], [[8, 9, 10, 11]]):
+        r = _complete(live, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, return_token_ids=True)
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["choices"][0])
+    assert outs[0] == outs[1] and len(outs[0]["token_ids"]) == 8
+    assert outs[0]["text"] == _text(outs[0]["token_ids"])
+    r = _complete(live, prompt="w5 w6", max_tokens=2)
+    assert r.status_code == 400 and "no tokens" in r.json()["error"]["message"]
+
+
+def test_max_tokens_default_is_16(live):
+    r = _complete(live, prompt=[5, 6, 7], temperature=0, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_seeded_sampling_is_reproducible(live):
+    a, b = (_complete(live, prompt=[5, 6, 7, 8], max_tokens=12, temperature=1.0, seed=7, ignore_eos=True,
+                      return_token_ids=True).json()["choices"][0]["token_ids"] for _ in range(2))
+    assert a == b and len(a) == 12
+
+
+def test_streaming_returns_the_non_streaming_tokens(live):
+    p = _prompts([30], seed=4)[0]
+    body = {"model": MODEL, "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    plain = _complete(live, **body).json()["choices"][0]
+    with live.http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r.iter_lines())
+    chunks = [e for e in events if e["choices"]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == plain["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert len(chunks) > 1  # really streamed, one chunk per engine step
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 40
+    # the openai client's stream gives the same text
+    stream = live.client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == plain["text"]
+
+
+def test_concurrent_requests_all_complete(live, reference):
+    """32 requests of mixed prompt lengths and max_tokens at once through 4 slots: each gets exactly its tokens,
+    and (greedy output does not depend on the batch) exactly what the offline engine gives it."""
+    prompts = _prompts([3 + (i * 37) % 150 for i in range(32)], seed=11)
+    limits = [1 + (i * 7) % 40 for i in range(32)]
+
+    def one(i):
+        r = live.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=limits[i], temperature=0,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        return r.choices[0], r.usage
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    ref = reference.generate(prompts, GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=max(limits),
+                                                       stop_at_eos=False), limits=limits)
+    for (choice, usage), limit, want in zip(results, limits, ref.sequences):
+        assert usage.completion_tokens == limit and choice.finish_reason == "length"
+        assert choice.token_ids == want.token_ids
+    m = live.wait_idle()
+    assert m["dustin_kv_usage"] == 0
+
+
+# ------------------------------------------------------------------------------------------ stop strings
+def test_stop_strings(live):
+    body = {"prompt": [9, 20, 31, 42], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = _complete(live, **body, return_token_ids=True).json()["choices"][0]
+    stop = _text(full["token_ids"][5:7])  # two tokens' text: the stop string spans a token boundary
+    want = full["text"][:full["text"].index(stop)]
+    r = _complete(live, **body, stop=[stop, "never-there"]).json()
+    assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] < 30
+    with live.http.stream("POST", "/v1/completions", json={**body, "model": MODEL, "stop": stop,
+                                                           "stream": True}) as s:
+        events = _sse_events(s.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    live.wait_idle()  # the engine request was aborted at the stop string
+
+
+class _CharTokenizer:
+    """Each id decodes to one piece; id 0 and 1 are the two halves of one 2-byte character."""
+
+    pieces: ClassVar[dict[int, bytes]] = {0: b"\xc3", 1: b"\xa9", 2: b"a", 3: b"b", 4: b"c", 5: b"X", 6: b"Y", 7: b"\n"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_holds_back_partial_stops_and_characters():
+    d = IncrementalDetokenizer(_CharTokenizer(), ["XY", "\n\n"])
+    assert d.add([2, 3]) == "ab"
+    assert d.add([0]) == ""  # half a character: held back
+    assert d.add([1]) == "é"
+    assert d.add([5]) == ""  # could start "XY"
+    assert d.add([4]) == "Xc"  # it did not
+    assert d.add([7]) == ""  # could start "\n\n"
+    assert d.add([7, 2]) == "" and d.stopped  # a stop string: dropped, with what follows
+    assert d.text == "abéXc" and d.add([2]) == "" and d.finish() == ""
+    d = IncrementalDetokenizer(_CharTokenizer(), ["XY"])
+    assert d.add([2, 5]) == "a" and d.finish() == "X" and d.text == "aX"
+    assert IncrementalDetokenizer(None, ["x"]).add([1, 2]) == ""  # no tokenizer: ids only
+
+
+# ------------------------------------------------------------------------------------------ bad requests
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "5", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": [5, 6], "temperature": "hot"}, "temperature"),
+    ({"prompt": [5, 6], "max_tokens": True}, "max_tokens"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [5, "x"]}, "prompt"),
+    ({"prompt": [5, 6], "stream": "yes"}, "stream"),
+    ({"prompt": [5, 6], "stop": 3}, "stop"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [5] * (CONTEXT + 10), "max_tokens": 4}, "prompt"),
+    ({"prompt": [5, 6], "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": CONTEXT - 3}, "max_tokens"),  # prompt + max_tokens + Γ past the context
+    ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, 6], "n": 2}, "n"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[5], [6]]}, "prompt"),
+    ({"prompt": [5, 10_000]}, "prompt"),
+    ({"prompt": [5, 6], "echo": True}, "echo"),
+    ({"prompt": [5, 6], "logprobs": 2}, "logprobs"),
+    ({"prompt": [5, 6], "top_p": 0}, "top_p"),
+    ({"prompt": [5, 6], "temperature": -1}, "temperature"),
+    ({"prompt": [5, 6], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": [5, 6], "stop": [""]}, "stop"),
+])
+def test_bad_requests_are_400_with_an_openai_error(live, body, param):
+    r = live.http.post("/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, err
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": [1, 2', b"not json", b"[1, 2]", b""])
+def test_malformed_json_is_400(live, raw):
+    r = live.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_bad_requests(live):
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(model=MODEL, prompt=[5, 6], n=2)
+    assert "n = 1" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        live.client.completions.create(model=MODEL, prompt=[5] * (CONTEXT + 1), max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="chat template"):  # the tiny tokenizer has none
+        live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1 w2"}])
+    r = live.http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_fields_are_ignored(live):
+    r = _complete(live, prompt=[5, 6], max_tokens=2, temperature=0, frobnicate={"a": 1}, user="me",
+                  presence_penalty=0, logprobs=None)
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------------------ disconnects
+def test_disconnect_mid_stream_aborts_the_request(live):
+    before = live.metrics()
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 20, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with live.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[len("data: "):])["choices"][0]["text"] is not None
+        assert live.metrics()["dustin_requests_running"] == 1
+    m = live.wait_idle()
+    assert m['dustin_requests_total{status="aborted"}'] == before['dustin_requests_total{status="aborted"}'] + 1
+    assert m["dustin_generated_tokens_total"] - before["dustin_generated_tokens_total"] < CONTEXT - 20
+    r = _complete(live, prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_non_streaming_client_that_leaves_is_aborted(live):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 20, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.3)
+    live.wait_idle()
+
+
+# ------------------------------------------------------------------------------------------ overload, failure
+def test_queue_full_is_429(tiny_pair):
+    srv = LiveServer(_ProxyEngine(_engine(tiny_pair, max_slots=1, max_waiting=1), delay=0.02))  # A runs > 10 s
+    try:
+        long = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 20, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with srv.http.stream("POST", "/v1/completions", json=long) as a:
+            a_lines = a.iter_lines()  # kept referenced: a collected line iterator closes the response
+            assert next(a_lines).startswith("data: ")  # running in the one slot
+            with srv.http.stream("POST", "/v1/completions", json=long) as b:
+                assert b.status_code == 200  # accepted: waiting
+                r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2})
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["message"] and r.json()["error"]["code"] == "queue_full"
+                with pytest.raises(openai.RateLimitError):
+                    srv.client.completions.create(model=MODEL, prompt=[5], max_tokens=2)
+        srv.wait_idle()
+        assert srv.metrics()['dustin_requests_total{status="rejected"}'] == 2
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        srv.close()
+
+
+class _ProxyEngine:
+    """An LLMEngine whose step() takes `delay` seconds longer, and raises once `fail` is set."""
+
+    def __init__(self, engine, delay: float = 0.0) -> None:
+        self._engine, self.delay, self.fail = engine, delay, False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("simulated CUDA error")
+        time.sleep(self.delay)
+        return self._engine.step()
+
+
+def test_engine_failure_fails_requests_and_health(tiny_pair):
+    eng = _ProxyEngine(_engine(tiny_pair))
+    srv = LiveServer(eng)
+    try:
+        assert _complete(srv, prompt=[5, 6], max_tokens=3).status_code == 200
+        eng.fail = True
+        r = _complete(srv, prompt=[5, 6], max_tokens=3)
+        assert r.status_code == 500 and "simulated CUDA error" in r.json()["error"]["message"]
+        h = srv.http.get("/health")
+        assert h.status_code == 503 and "simulated CUDA error" in h.json()["error"]
+        r = _complete(srv, prompt=[5, 6], max_tokens=3)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        with pytest.raises(openai.InternalServerError):
+            srv.client.completions.create(model=MODEL, prompt=[5], max_tokens=2)
+        m = srv.metrics()
+        assert m["dustin_engine_healthy"] == 0 and m['dustin_requests_total{status="error"}'] >= 2
+    finally:
+        srv.close()
+
+
+def test_stream_gets_an_error_event_when_the_engine_fails(tiny_pair):
+    eng = _ProxyEngine(_engine(tiny_pair))
+    srv = LiveServer(eng)
+    try:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": CONTEXT - 20, "ignore_eos": True,
+                "stream": True}
+        with srv.http.stream("POST", "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line)
+            next(lines)
+            eng.fail = True
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["type"] == "server_error"
+    finally:
+        srv.close()
+
+
+def test_async_engine_check_runs_before_queueing(tiny_pair):
+    """InputError comes back from generate() itself, before any stream exists."""
+    import asyncio
+
+    from dustin.errors import InputError
+
+    eng = AsyncLLMEngine(_engine(tiny_pair))
+    try:
+        async def go():
+            with pytest.raises(InputError, match="empty"):
+                await eng.generate("a", [], RequestParams(max_tokens=2))
+            stream = await eng.generate("b", [5, 6], RequestParams(max_tokens=3, ignore_eos=True))
+            outs = [o async for o in stream]
+            assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finished
+            assert outs[-1].finish_reason == "length"
+        asyncio.run(go())
+        assert eng.stats()["requests_running"] == 0 and eng.stats()["error"] is None
+    finally:
+        eng.shutdown()
+    assert not eng._thread.is_alive()
+
+
+# ------------------------------------------------------------------------------------------ the command
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--method", "quest"], "offline-only"),
+    (["--gamma", "0"], "--gamma must be >= 1"),
+    (["--max-slots", "0"], "--max-slots"),
+    (["--port", "70000"], "--port"),
+])
+def test_serve_bad_flags(capsys, tiny_pair, argv, needle):
+    from dustin.cli.main import main
+
+    code = main(["serve", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--port",
+                 str(_free_port()), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("dustin: error:") and needle in err and err.count("\n") == 1, err
+
+
+def test_serve_missing_checkpoint_busy_port_and_torchrun(capsys, tmp_path, tiny_pair, monkeypatch):
+    from dustin.cli.main import main
+
+    code = main(["serve", "--target", str(tmp_path / "nope"), "--port", str(_free_port())])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = main(["serve", "--target", str(tiny_pair[0]), "--port", str(busy.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot listen on 127.0.0.1:" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code = main(["serve", "--target", str(tiny_pair[0]), "--port", str(_free_port())])
+    assert code == 2 and "under torchrun is not supported yet" in capsys.readouterr().err
+
+
+def test_serve_command_end_to_end(tiny_pair):
+    """`python -m dustin serve` prints its address, serves, and exits 0 on SIGINT."""
+    import signal
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dustin", "serve", "--target", str(tiny_pair[0]), "--draft",
+                             str(tiny_pair[1]), "--method", "classic", "--max-context", "256", "--port", str(port),
+                             "--served-model-name", "tiny-e2e"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"dustin serve: http://127.0.0.1:{port} (model tiny-e2e, method classic"), \
+            line + proc.stderr.read()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-e2e", "prompt": [4, 5, 6], "max_tokens": 5,
+                                                      "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, proc.stderr.read()
+
+
+# ------------------------------------------------------------------------------------------ the real pair
+def _real_pair_or_skip():
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+
+    try:
+        resolve_model_path("default", "target")
+        resolve_model_path("default", "draft")
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+
+
+@pytest.mark.realmodels
+@pytest.mark.slow
+def test_real_pair_chat_and_text_completion_equal_engine_generate():
+    import gc
+
+    _real_pair_or_skip()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core (conftest sets 1 for tiny ones)
+    question = "Write a Python function that reverses a string."
+    code = "def fibonacci(n):\n"
+    n = 24
+    try:
+        llm = LLMEngine.from_pretrained("default", "default", device="cpu", dtype="fp32",
+                                        config=ServeConfig(method="classic", gamma=GAMMA, max_slots=2,
+                                                           max_context=1024))
+        # the offline reference: the serving engine's own loaded Engine when it exposes it (saves a second load),
+        # used before the engine thread starts
+        engine = getattr(llm, "engine", None)
+        if not isinstance(engine, Engine):
+            engine = Engine.from_pretrained("default", "default", device="cpu", dtype="fp32")
+        cfg = GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=n)
+        want_chat = engine.generate([question], cfg, chat=True).sequences[0]
+        want_text = engine.generate([code], cfg).sequences[0]
+        del engine
+        gc.collect()
+        srv = LiveServer(llm, name="qwen")
+        try:
+            chat = srv.client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": question}],
+                                                      max_tokens=n, temperature=0)
+            assert chat.choices[0].message.content == want_chat.text
+            assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+            assert chat.usage.completion_tokens == len(want_chat.token_ids)
+            text = srv.client.completions.create(model="qwen", prompt=code, max_tokens=n, temperature=0)
+            assert text.choices[0].text == want_text.text
+            streamed = srv.client.chat.completions.create(
+                model="qwen", messages=[{"role": "user", "content": question}], max_tokens=n, temperature=0,
+                stream=True)
+            chunks = list(streamed)
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat.text
+            # no max_tokens on chat: the rest of the context (here the model stops at EOS or the slot's end)
+            r = srv.http.post("/v1/chat/completions", json={"model": "qwen", "temperature": 0, "messages": [
+                {"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Hi?"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        finally:
+            srv.close()
+    finally:
+        torch.set_num_threads(threads)
