@@ -44,6 +44,17 @@ def tok():
         pytest.skip(f"default pair not fetched: {e}")
 
 
+def real_pair_or_skip():
+    """(target, draft) folders of the fetched default pair; the calling test skips when it is not fetched."""
+    from dustin.errors import CheckpointError
+    from dustin.models.fetch import resolve_model_path
+
+    try:
+        return resolve_model_path("default", "target"), resolve_model_path("default", "draft")
+    except CheckpointError as e:
+        pytest.skip(f"default pair not fetched: {e}")
+
+
 # Tiny models: one thread avoids OpenMP hand-off costs that dominate small matmuls on a 2-core machine
 # (measured: a 144x64 matmul 15 ms with 2 threads under load vs 20 us with 1). The real-pair tests raise it.
 torch.set_num_threads(1)

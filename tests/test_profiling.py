@@ -26,6 +26,7 @@ from dustin.eval.arr import recovery
 from dustin.models.loader import load_model, read_args
 from dustin.profiling.observe import RowRecorder, SpanMass, causal_probs
 from dustin.selection.oracle import ARR_WINDOW, WindowAttention, oracle_set, topk_set
+from tests.conftest import real_pair_or_skip
 
 
 def _cache(B, Hkv, S, D, layers=1):
@@ -756,23 +757,13 @@ def test_profile_rejects_a_pair_without_a_shared_tokenizer(tiny_pair, tmp_path, 
     assert code == 2 and err.count("\n") == 1 and "tokenizers differ" in err, err
 
 
-def _real_pair_or_skip():
-    from dustin.errors import CheckpointError
-    from dustin.models.fetch import resolve_model_path
-
-    try:
-        return resolve_model_path("default", "target"), resolve_model_path("default", "draft")
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
-
-
 @pytest.mark.realmodels
 @pytest.mark.slow
 def test_profile_all_on_the_real_pair(tmp_path, capsys):
     """`dustin profile all` end to end at tiny sizes on the CPU (~2-3 minutes on 2 cores)."""
     from dustin.cli.main import main
 
-    folders = _real_pair_or_skip()
+    folders = real_pair_or_skip()
     try:
         from dustin.data.corpora import essays
         essays("profile")

@@ -34,6 +34,7 @@ from dustin.engine.request import RequestParams
 from dustin.serve.app import create_app
 from dustin.serve.async_engine import AsyncLLMEngine
 from dustin.serve.detokenize import IncrementalDetokenizer
+from tests.conftest import real_pair_or_skip
 
 MODEL = "tiny"
 CONTEXT = 1024
@@ -540,15 +541,6 @@ def test_serve_command_end_to_end(tiny_pair):
 
 
 # ------------------------------------------------------------------------------------------ the real pair
-def _real_pair_or_skip():
-    from dustin.errors import CheckpointError
-    from dustin.models.fetch import resolve_model_path
-
-    try:
-        resolve_model_path("default", "target")
-        resolve_model_path("default", "draft")
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
 
 
 @pytest.mark.realmodels
@@ -556,7 +548,7 @@ def _real_pair_or_skip():
 def test_real_pair_chat_and_text_completion_equal_engine_generate():
     import gc
 
-    _real_pair_or_skip()
+    real_pair_or_skip()
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core (conftest sets 1 for tiny ones)
     question = "Write a Python function that reverses a string."

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dustin.errors import InputError
+from tests.conftest import real_pair_or_skip
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -111,23 +112,12 @@ def test_arr_kl_study_on_a_tiny_model(tiny_qwen2):
         study(model, prompt, budget=300, subsets=3, new_tokens=2, seed=0)
 
 
-def _real_pair_or_skip():
-    from dustin.errors import CheckpointError
-    from dustin.models.fetch import resolve_model_path
-
-    try:
-        resolve_model_path("default", "target")
-        resolve_model_path("default", "draft")
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
-
-
 @pytest.mark.realmodels
 @pytest.mark.slow
 def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys):
     from dustin.cli.main import main
 
-    _real_pair_or_skip()
+    real_pair_or_skip()
     out = tmp_path / "tasks.json"
     argv = ["eval", "tasks", "--tasks", "code_completion", "--contexts", "700", "--samples", "1",
             "--methods", "vanilla,dustin", "--budgets", "64", "--json-out", str(out)]
