@@ -624,7 +624,7 @@ def test_evaluate_ranks_oracle_topk_first(torch_selection):
 
 # ------------------------------------------------------------------------------------------------ tuned configs
 def test_model_identity_is_dtype_free_and_checkpoint_specific(tiny_pair, tmp_path):
-    from dustin.parallel.tp import shard_transformer
+    from dustin.parallel.tp import TensorParallel
     from dustin.selection.tuned import model_identity
     from tests.tiny_models import make_tiny_checkpoint
 
@@ -634,7 +634,9 @@ def test_model_identity_is_dtype_free_and_checkpoint_specific(tiny_pair, tmp_pat
     assert model_identity(load_model(target, dtype=torch.bfloat16)) == ident
     assert model_identity(load_model(target, dtype=torch.float16)) == ident
     # tensor parallelism shards q/k/v and the MLP (per-rank args): the identity is the unsharded model's
-    assert model_identity(shard_transformer(load_model(target), 1, 2)) == ident
+    parallel = TensorParallel(1, 2)
+    sharded = parallel.shard(load_model(target))
+    assert model_identity(sharded, parallel.full_args) == ident
     assert model_identity(load_model(draft))["fingerprint"] != ident["fingerprint"]
     # same architecture, other seed (its norms are untrained ones, like the first model's): still different
     other = make_tiny_checkpoint(tmp_path / "other", "qwen2", layers=3, seed=2)

@@ -16,7 +16,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
-from dustin.parallel.tp import TPShard, finish_distributed, maybe_shard, shard_transformer
+from dustin.parallel.tp import TensorParallel, finish_distributed, shard_transformer
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
 
 WORKER_TIMEOUT_S = 120
@@ -64,7 +64,8 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
     assert init_distributed("gloo") == (rank, world)
     try:
         # sharded loading (each rank reads only its slices), as Engine.from_pretrained does under torchrun
-        engine = maybe_shard(Engine(load_model(target, shard=TPShard(rank, world)), load_model(draft)))
+        parallel = TensorParallel(rank, world)
+        engine = Engine(load_model(target, shard=parallel), load_model(draft), parallel=parallel)
         a = engine.target.args
         assert (a.n_heads, a.n_kv_heads) == (8 // world, 4 // world)
         assert engine.target.layers[0].self_attn.k_proj.weight.shape[0] == a.n_kv_heads * a.head_dim
@@ -129,9 +130,25 @@ def test_shard_rejects_indivisible_kv_heads(tp_pair):
         shard_transformer(model, 0, 3)
 
 
-def test_maybe_shard_is_a_noop_without_distributed(tp_pair):
-    engine = Engine(load_model(tp_pair[0]))
-    assert maybe_shard(engine) is engine and engine.target.args.n_heads == 8
+def test_parallel_object_is_handed_in_not_patched(tp_pair):
+    """Without torchrun there is no TensorParallel; with one, the engine keeps the full shape for sparse configs
+    and asks the object for the TP form of a policy (unsupported ones are one InputError); nothing is patched."""
+    from dustin.engine.config import GenerationConfig
+    from dustin.parallel.tp import current_parallel
+    from dustin.parallel.tp_selection import TPDustinSelection
+
+    assert current_parallel() is None
+    plain = Engine(load_model(tp_pair[0]), load_model(tp_pair[1]))
+    assert plain.parallel is None and plain.target_args is plain.target.args
+    parallel = TensorParallel(0, 2)
+    engine = Engine(load_model(tp_pair[0], shard=parallel), load_model(tp_pair[1]), parallel=parallel)
+    assert engine.target.args.n_heads == 4 and engine.target_args.n_heads == 8
+    assert "make_policy" not in vars(engine) and not any(k.startswith("tp_") for k in vars(engine.target))
+    policy = engine.make_policy(GenerationConfig(method="dustin", budget=32))
+    assert isinstance(policy, TPDustinSelection) and policy.rank == 0
+    assert engine.identities()[0]["n_heads"] == 8  # the fingerprint names the unsharded shape
+    with pytest.raises(InputError, match="not supported with tensor parallelism"):
+        engine.make_policy(GenerationConfig(method="quest", budget=32))
 
 
 def _bench_worker(rank: int, world: int, port: int, target, draft, out_json) -> None:
@@ -178,7 +195,7 @@ def test_bench_e2e_under_tensor_parallelism(tp_pair, tmp_path):
 def test_sharded_loading_reads_exactly_the_rank_slices(tp_pair, world):
     """load_model(shard=...) reads each rank's slices from safetensors; they equal slicing the full model."""
     for rank in range(world):
-        direct = load_model(tp_pair[0], shard=TPShard(rank, world)).state_dict()
+        direct = load_model(tp_pair[0], shard=TensorParallel(rank, world)).state_dict()
         sliced = shard_transformer(load_model(tp_pair[0]), rank, world).state_dict()
         assert direct.keys() == sliced.keys()
         for name, t in sliced.items():

@@ -65,10 +65,10 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
     from dustin.engine.cuda_graphs import GraphedForward
     from dustin.models.args import named_config
     from dustin.models.loader import random_model
-    from dustin.parallel.tp import current_shard
+    from dustin.parallel.tp import current_parallel
 
     model = random_model(named_config(name), "cuda", torch.bfloat16, backend=AttentionBackend(attention),
-                         shard=current_shard())  # under torchrun: this rank's tensor-parallel shard
+                         shard=current_parallel())  # under torchrun: this rank's tensor-parallel shard
     args = model.args  # per-rank shape: the KV heads and weights this GPU reads
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if n != "embed_tokens.weight" or args.tie_word_embeddings)

@@ -75,15 +75,16 @@ def build_engine(t_args, d_args, device, attention: str = "auto"):
     from dustin.attention.backend import AttentionBackend
     from dustin.engine.engine import Engine
     from dustin.models.loader import random_model
-    from dustin.parallel.tp import current_shard, init_distributed, maybe_shard, rank_device
+    from dustin.parallel.tp import current_parallel, init_distributed, rank_device
 
     init_distributed()
     dev = rank_device(torch.device(device))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     backend = AttentionBackend.for_device(dev, attention)
-    target = random_model(t_args, dev, dtype, seed=0, backend=backend, shard=current_shard())
+    parallel = current_parallel()
+    target = random_model(t_args, dev, dtype, seed=0, backend=backend, shard=parallel)
     draft = random_model(replace(d_args, vocab_size=t_args.vocab_size), dev, dtype, seed=1, backend=backend)
-    return maybe_shard(Engine(target, draft))
+    return Engine(target, draft, parallel=parallel)
 
 
 def run_method(engine, method: str, batch: int, context: int, a) -> dict:

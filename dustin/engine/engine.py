@@ -21,6 +21,7 @@ from dustin.models.transformer import Transformer
 from dustin.selection.base import SelectionPolicy
 
 if TYPE_CHECKING:
+    from dustin.parallel.tp import TensorParallel
     from dustin.selection.config import SparseConfig
 
 
@@ -89,8 +90,12 @@ def _load_tokenizer(folder: Path):
 
 class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None = None, tokenizer=None,
-                 draft_tokenizer=None) -> None:
+                 draft_tokenizer=None, parallel: "TensorParallel | None" = None) -> None:
+        """parallel: the TensorParallel that sharded `target` (under torchrun), else None."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.parallel = parallel
+        # the target's unsharded shape: sparse configs and the tuned-config fingerprint name global heads
+        self.target_args = parallel.full_args if parallel is not None and parallel.full_args else target.args
         self.device = target.embed_tokens.weight.device
         if draft is not None:
             _check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
@@ -111,19 +116,20 @@ class Engine:
         from dustin.models.fetch import resolve_model_path
 
         dev = parse_device(device)
-        from dustin.parallel.tp import current_shard, init_distributed, maybe_shard, rank_device
+        from dustin.parallel.tp import current_parallel, init_distributed, rank_device
         init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
         dev = rank_device(dev)
         dt = resolve_dtype(dtype, dev)
         backend = AttentionBackend.for_device(dev, attention)
         t_path = resolve_model_path(str(target), "target")
-        t_model = load_model(t_path, dev, dt, backend, shard=current_shard())  # each rank reads only its slices
+        parallel = current_parallel()
+        t_model = load_model(t_path, dev, dt, backend, shard=parallel)  # each rank reads only its slices
         d_model = d_tok = None
         if draft is not None:
             d_path = resolve_model_path(str(draft), "draft")
             d_model = load_model(d_path, dev, dt, backend)
             d_tok = _load_tokenizer(d_path)
-        return maybe_shard(cls(t_model, d_model, _load_tokenizer(t_path), d_tok))
+        return cls(t_model, d_model, _load_tokenizer(t_path), d_tok, parallel=parallel)
 
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -182,7 +188,7 @@ class Engine:
         from dustin.selection.tuned import model_identity
 
         if self._identities is None:
-            self._identities = (model_identity(self.target),
+            self._identities = (model_identity(self.target, self.target_args),
                                 None if self.draft is None else model_identity(self.draft))
         return self._identities
 
@@ -194,25 +200,27 @@ class Engine:
         path = find_tuned(*self.identities())
         if path is not None:
             return load_tuned(path)
-        return default_config(self.target.args, self.draft.args if self.draft is not None else None)
+        return default_config(self.target_args, self.draft.args if self.draft is not None else None)
 
     def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:
         """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
-        config shipped for this pair, else the built-in fallback."""
+        config shipped for this pair, else the built-in fallback. Configs name global heads (the target's
+        unsharded shape); under tensor parallelism the `TensorParallel` object builds the policy's TP form."""
         from dustin.selection.config import BUILTIN, SparseConfig, default_config
         from dustin.selection.policies import make_policy
 
+        build = make_policy if self.parallel is None else self.parallel.make_policy
         if cfg.spec.policy == "full":
-            return make_policy("full", None)
+            return build("full", None)
         d_args = self.draft.args if self.draft is not None else None
         if cfg.sparse_config == BUILTIN:
-            sc = default_config(self.target.args, d_args)
+            sc = default_config(self.target_args, d_args)
         else:
             sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
         if cfg.budget is not None:
             sc = sc.with_budget(cfg.budget)
-        sc.validate_for(self.target.args, d_args)
-        return make_policy(cfg.spec.policy, sc)
+        sc.validate_for(self.target_args, d_args)
+        return build(cfg.spec.policy, sc)
 
     def decode(self, ids: list[int]) -> str | None:
         """Text of generated ids (special tokens dropped); None without a tokenizer."""

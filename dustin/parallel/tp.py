@@ -13,13 +13,16 @@ Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_tr
   sampling agrees too because each rank's Session seeds its generator from cfg.seed.
 - `model.args` (and every Attention's `args`) becomes the per-rank shape (n_heads, n_kv_heads, intermediate_size
   divided by world), so the unchanged Attention reshapes work and the Session's `KVCache(target.args...)` holds only
-  the rank's KV heads. The full shape stays in `model.tp_full_args`.
+  the rank's KV heads. The full shape is kept by the `TensorParallel` object that sharded the model.
 The draft is replicated: every rank runs the same draft forward (deterministic, no communication).
-Sparse selection (`dustin` policies) under TP lives in tp_selection.py.
 
-Loading: `load_model(..., shard=TPShard(rank, world))` shards the model on the meta device and reads only the
-rank's slice of each tensor from the safetensors files (`safe_open(...).get_slice`), so no rank ever holds the
-whole checkpoint; `random_model(..., shard=...)` does the same for benchmark weights.
+`TensorParallel` is the one object that carries all of this: it shards the target at load time and is handed to
+`Engine(..., parallel=...)`, which asks it for the model's full shape (sparse configs name global heads) and for
+the TP form of a selection policy (tp_selection.py). Nothing is patched into the engine or the model.
+
+Loading: `load_model(..., shard=TensorParallel(rank, world))` shards the model on the meta device and reads only
+the rank's slice of each tensor from the safetensors files (`safe_open(...).get_slice`), so no rank ever holds
+the whole checkpoint; `random_model(..., shard=...)` does the same for benchmark weights.
 """
 from __future__ import annotations
 
@@ -149,7 +152,7 @@ def check_shardable(args, world: int) -> None:
 
 def shard_transformer(model, rank: int, world: int, group=None):
     """Shard a loaded `Transformer` in place for rank `rank` of `world` (see the module docstring)."""
-    if world == 1 or getattr(model, "tp_world", 1) > 1:
+    if world == 1:
         return model
     full = model.args
     check_shardable(full, world)
@@ -169,41 +172,32 @@ def shard_transformer(model, rank: int, world: int, group=None):
         _shard_in(mlp.down_proj, rank * inter, inter)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     model.args = local
-    model.tp_full_args, model.tp_rank, model.tp_world, model.tp_group = full, rank, world, group
     return model
 
 
-class TPShard:
-    """`shard(model)` callable for load_model / random_model: shards a model still on the meta device for this rank,
-    so each rank reads (or draws) only its own slices of the weights."""
+class TensorParallel:
+    """Rank `rank` of `world` (process group `group`, None: the default one). `shard(model)` (also its call, the
+    `shard=` hook of load_model / random_model) shards a target, on the meta device or loaded, and remembers its
+    full shape; `make_policy` builds the TP form of a selection policy for `Engine.make_policy`."""
 
     def __init__(self, rank: int, world: int, group=None) -> None:
         self.rank, self.world, self.group = rank, world, group
+        self.full_args = None  # the unsharded ModelArgs of the target this object sharded
 
-    def __call__(self, model):
+    def shard(self, model):
+        self.full_args = model.args
         return shard_transformer(model, self.rank, self.world, self.group)
 
+    __call__ = shard
 
-def current_shard() -> TPShard | None:
-    """The shard of this process under torchrun (None when not distributed)."""
+    def make_policy(self, name: str, cfg):
+        """The selection policy `name` with sparse config `cfg` (global heads) for this rank."""
+        from dustin.parallel.tp_selection import tp_policy
+
+        return tp_policy(name, cfg, self.rank, self.group)
+
+
+def current_parallel() -> TensorParallel | None:
+    """This process's TensorParallel under torchrun (None when not distributed)."""
     rank, world = tp_rank_world()
-    return TPShard(rank, world) if world > 1 else None
-
-
-def full_args(model):
-    """The model's unsharded shape (its `args` when not sharded)."""
-    return getattr(model, "tp_full_args", model.args)
-
-
-def maybe_shard(engine):
-    """Shard `engine.target` over the torchrun process group (a no-op when not distributed) and make the engine's
-    selection policies TP-aware. Call it on the Engine built by `Engine.from_pretrained`, after
-    `init_distributed()` ran before loading. Returns the engine."""
-    rank, world = tp_rank_world()
-    if world == 1:
-        return engine
-    shard_transformer(engine.target, rank, world)
-    from dustin.parallel.tp_selection import install_tp_policies
-
-    install_tp_policies(engine)
-    return engine
+    return TensorParallel(rank, world) if world > 1 else None

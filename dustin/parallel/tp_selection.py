@@ -8,14 +8,13 @@ Design (dustin, dustin-t, dustin-d):
 - The selection kernel then runs on every rank over identical inputs; as a safety net the final SparsePlan
   (indices, counts) is broadcast from rank 0, so the index sets are identical even if a backend's all_reduce
   were not bitwise identical across ranks.
-Sparse configs name global head indices and are validated/defaulted against the unsharded shape
-(`tp_full_args`), so a run with and without TP picks the same heads.
+Sparse configs name global head indices and are validated/defaulted against the unsharded shape (the Engine
+does that with `TensorParallel.full_args`), so a run with and without TP picks the same heads.
 `streaming` needs no scores (lengths only) and works unchanged. `quest`, `specattn`, `snapkv` and `oracle` are not
 supported under TP (they read every target head) and raise an InputError.
 """
 from __future__ import annotations
 
-import types
 import torch
 import torch.distributed as dist
 
@@ -23,7 +22,7 @@ from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.config import ScoreHeads
 from dustin.selection.base import StepState
-from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
+from dustin.selection.estimators import TargetHistoricalScores
 from dustin.selection.policies import DustinSelection
 
 
@@ -57,23 +56,20 @@ class TPTargetHistoricalScores(TargetHistoricalScores):
 
 
 class TPDustinSelection(DustinSelection):
-    def _setup(self, state: StepState) -> None:
-        if self._target_scores is not None or self._draft_scores is not None:
-            return
-        target = state.target
-        B, cap, dev = state.B, state.target_cache.capacity, state.device
-        if self.uses_target:
-            self._target_scores = TPTargetHistoricalScores(
-                self.cfg.target, target.args.gqa_group, B, cap, dev, target.tp_rank, target.args.n_heads,
-                getattr(target, "tp_group", None))
-        if self.uses_draft:
-            self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
-                                                      state.gamma)
-        self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
+    """DustinSelection whose S_target sums this rank's configured heads over ranks, and whose plan is
+    broadcast from rank 0."""
+
+    def __init__(self, cfg, variant: str, rank: int, group=None) -> None:
+        super().__init__(cfg, variant)
+        self.rank, self.group = rank, group
+
+    def _make_target_scores(self, state: StepState) -> TargetHistoricalScores:
+        a = state.target.args  # per-rank shape: n_heads is the heads per rank
+        return TPTargetHistoricalScores(self.cfg.target, a.gqa_group, state.B, state.target_cache.capacity,
+                                        state.device, self.rank, a.n_heads, self.group)
 
     def plan(self, state: StepState) -> SparsePlan:
-        plan = super().plan(state)
-        return broadcast_plan(plan, getattr(state.target, "tp_group", None))
+        return broadcast_plan(super().plan(state), self.group)
 
 
 def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
@@ -84,29 +80,13 @@ def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
     return SparsePlan(indices, counts)
 
 
-def make_tp_policy(engine, cfg):
-    """Engine.make_policy for a TP-sharded target: configs name global heads (checked against the full shape)."""
-    from dustin.parallel.tp import full_args
-    from dustin.selection.config import SparseConfig, default_config
+def tp_policy(name: str, cfg, rank: int, group=None):
+    """The TP form of selection policy `name` (cfg: the sparse config in global heads, None for "full")."""
     from dustin.selection.policies import make_policy
 
-    name = cfg.spec.policy
     if name not in TP_POLICIES:
-        raise InputError(f"method {cfg.method!r} (policy {name!r}) is not supported with tensor parallelism; "
-                         f"supported policies: {', '.join(TP_POLICIES)}")
-    if name == "full":
-        return make_policy("full", None)
-    t_args = full_args(engine.target)
-    d_args = engine.draft.args if engine.draft is not None else None
-    sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else default_config(t_args, d_args)
-    if cfg.budget is not None:
-        sc = sc.with_budget(cfg.budget)
-    sc.validate_for(t_args, d_args)
-    if name == "streaming":
-        return make_policy("streaming", sc)
-    return TPDustinSelection(sc, name)
-
-
-def install_tp_policies(engine) -> None:
-    """Route `engine.make_policy` (used by Engine.session) through `make_tp_policy` for this engine instance."""
-    engine.make_policy = types.MethodType(make_tp_policy, engine)
+        raise InputError(f"policy {name!r} is not supported with tensor parallelism; supported policies: "
+                         f"{', '.join(TP_POLICIES)}")
+    if name in ("full", "streaming"):
+        return make_policy(name, cfg)
+    return TPDustinSelection(cfg, name, rank, group)

@@ -71,11 +71,16 @@ class DustinSelection(SelectionPolicy):
             return
         B, cap, dev = state.B, state.target_cache.capacity, state.device
         if self.uses_target:
-            self._target_scores = TargetHistoricalScores(self.cfg.target, state.target.args.gqa_group, B, cap, dev)
+            self._target_scores = self._make_target_scores(state)
         if self.uses_draft:
             self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
                                                       state.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
+
+    def _make_target_scores(self, state: StepState) -> TargetHistoricalScores:
+        """S_target's estimator (tensor parallelism overrides it: each rank scores its own heads)."""
+        return TargetHistoricalScores(self.cfg.target, state.target.args.gqa_group, state.B,
+                                      state.target_cache.capacity, state.device)
 
     def target_observers(self, state: StepState):
         self._setup(state)

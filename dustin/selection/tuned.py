@@ -21,9 +21,10 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 _ARCH = ("family", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
 
-def model_identity(model) -> dict:
-    """Architecture fields plus a weight fingerprint; equal for the same checkpoint in any dtype or device."""
-    a = getattr(model, "tp_full_args", model.args)  # the unsharded shape under tensor parallelism
+def model_identity(model, args=None) -> dict:
+    """Architecture fields plus a weight fingerprint; equal for the same checkpoint in any dtype or device.
+    args: the model's unsharded shape under tensor parallelism (default model.args)."""
+    a = args or model.args
     h = hashlib.sha256(json.dumps([getattr(a, f) for f in _ARCH]).encode())
     norms = [layer.input_layernorm.weight for layer in model.layers] + [model.norm.weight]
     for w in norms:
