@@ -34,6 +34,7 @@ from dustin.engine.request import RequestParams
 from dustin.serve.app import create_app
 from dustin.serve.async_engine import AsyncLLMEngine
 from dustin.serve.detokenize import IncrementalDetokenizer
+from dustin.serve.local import LocalServer
 from tests.conftest import real_pair_or_skip
 
 MODEL = "tiny"
@@ -41,21 +42,11 @@ CONTEXT = 1024
 GAMMA = 4
 
 
-class LiveServer:
-    """create_app on an AsyncLLMEngine, served by uvicorn on a free port of 127.0.0.1 in a thread."""
+class LiveServer(LocalServer):
+    """dustin serve on a free port of 127.0.0.1 in a thread, with an httpx and an openai client."""
 
     def __init__(self, engine, name: str = MODEL) -> None:
-        self.async_engine = AsyncLLMEngine(engine)
-        app = create_app(self.async_engine, name)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(engine, name)
         self.http = httpx.Client(base_url=self.url, timeout=60)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -74,9 +65,7 @@ class LiveServer:
 
     def close(self) -> None:
         self.http.close()
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.async_engine.shutdown()
+        super().close()
 
 
 def _engine(tiny_pair, **cfg) -> LLMEngine:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dustin.bench.e2e import add_arguments as add_e2e_bench
     add_e2e_bench(bsub.add_parser("e2e", help="end-to-end decoding throughput per method (acceptance-controlled, "
                                              "random weights, torchrun for tensor parallelism)"))
+    from dustin.bench.serve import add_arguments as add_serve_bench
+    add_serve_bench(bsub.add_parser("serve", help="load generator against dustin serve: Poisson arrivals of long "
+                                                  "prompts, throughput and TTFT / TPOT / ITL percentiles per method"))
     try:
         from dustin.bench.attention import add_arguments as add_attention_bench
         add_attention_bench(bsub.add_parser("attention", help="verify self-attention breakdown: full vs sparse"))
@@ -196,6 +199,9 @@ def _dispatch(argv: list[str] | None) -> int:
             if args.bench_command == "e2e":
                 from dustin.bench.e2e import run as run_e2e_bench
                 return run_e2e_bench(args)
+            if args.bench_command == "serve":
+                from dustin.bench.serve import run as run_serve_bench
+                return run_serve_bench(args)
             if args.bench_command == "attention":
                 from dustin.bench.attention import run as run_attention_bench
                 return run_attention_bench(args)
