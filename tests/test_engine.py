@@ -6,6 +6,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
+from dustin.engine.session import PrefillCache
 from dustin.errors import InputError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from tests.tiny_models import make_tiny_checkpoint
@@ -147,10 +148,11 @@ def test_reused_prefill_gives_the_same_tokens(tiny_pair):
     prompts = _prompts([30, 7, 52])
     fresh = {m: _run(eng, prompts, method=m, gamma=3, max_new_tokens=20) for m in ("classic", "vanilla", "magicdec")}
     kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
-    reused = {m: eng.generate(prompts, GenerationConfig(method=m, **kw), reuse_prefill=True)
+    shared = PrefillCache()
+    reused = {m: eng.generate(prompts, GenerationConfig(method=m, **kw), prefill_cache=shared)
               for m in ("classic", "vanilla", "magicdec")}
     for m in fresh:
         assert [s.token_ids for s in reused[m].sequences] == [s.token_ids for s in fresh[m].sequences], m
-    assert eng._saved_prefill is not None and eng._saved_prefill.draft_kv is not None
-    other = eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), reuse_prefill=True)
+    assert shared.state is not None and shared.state.draft_kv is not None
+    other = eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
     assert other.sequences[2].prompt_len == 51  # different prompts never reuse the saved caches

@@ -39,8 +39,16 @@ def prompts(engine):
 
 
 @pytest.fixture(scope="module")
-def vanilla(engine, prompts):
-    return engine.generate(prompts, GenerationConfig(method="vanilla", max_new_tokens=48), reuse_prefill=True)
+def shared():
+    """One prefill of the prompts for every method (the CPU prefill dominates these tests)."""
+    from dustin.engine.session import PrefillCache
+
+    return PrefillCache()
+
+
+@pytest.fixture(scope="module")
+def vanilla(engine, prompts, shared):
+    return engine.generate(prompts, GenerationConfig(method="vanilla", max_new_tokens=48), prefill_cache=shared)
 
 
 def _score_fn(engine):
@@ -62,9 +70,8 @@ def test_tokenizers_are_shared(engine):
 
 
 @pytest.mark.parametrize("method", ["classic", "magicdec"])
-def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, method):
-    # reuse_prefill: the prompts are prefilled once for all methods (the CPU prefill dominates this test)
-    out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=48), reuse_prefill=True)
+def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, shared, method):
+    out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=48), prefill_cache=shared)
     assert all(len(p) > N_TOKENS // 2 for p in prompts)  # cut after the last `def` of the second half
     for p, ref, got in zip(prompts, vanilla.sequences, out.sequences):
         assert_same_or_near_tie(ref.token_ids, got.token_ids, p, _score_fn(engine), NEAR_TIE_EPS[torch.float32])

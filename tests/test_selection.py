@@ -10,6 +10,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
+from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
@@ -101,9 +102,10 @@ def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
     policies = {m: engine.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
                 for m in ("quest", "specattn", "dustin")}
     probe = ARRProbe(policies, 32)
+    shared = PrefillCache() if reuse else None
     if reuse:  # the prefill-reuse path calls after_verify before any plan (Quest has no pages yet)
-        engine.session(prompts, cfg, reuse_prefill=True).run()
-    s = engine.session(prompts, cfg, policy=probe, reuse_prefill=reuse).run()
+        engine.session(prompts, cfg, prefill_cache=shared).run()
+    s = engine.session(prompts, cfg, policy=probe, prefill_cache=shared).run()
     arr = probe.mean_arr()
     assert s.outputs == classic
     assert arr["quest"] is None and arr["specattn"] is None and 0.0 < arr["dustin"] < 1.0

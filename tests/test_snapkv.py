@@ -9,7 +9,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import Session
+from dustin.engine.session import PrefillCache, Session
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.profiling.observe import causal_probs
@@ -165,20 +165,20 @@ def test_generate_completes_and_reports_tau(engine):
 
 
 def test_reuse_prefill_runs_its_own_prefill(engine):
-    """The Engine never hands snapkv a reused prefill (which re-runs only the last prompt token): with
-    reuse_prefill it prefills in full and decodes exactly as without; a Session built directly with a reused or
+    """The Engine never hands snapkv a reused prefill (which re-runs only the last prompt token): with a
+    prefill cache it prefills in full and decodes exactly as without; a Session built directly with a reused or
     random prefill refuses."""
     prompts = _prompts(RAGGED, seed=3)
     kw = {"gamma": 3, "max_new_tokens": 16, "stop_at_eos": False, "draft_budget": 16}
-    engine._saved_prefill = None
-    engine.generate(prompts, GenerationConfig(method="classic", **kw), reuse_prefill=True)
-    saved = engine._saved_prefill
+    shared = PrefillCache()
+    engine.generate(prompts, GenerationConfig(method="classic", **kw), prefill_cache=shared)
+    saved = shared.state
     assert saved is not None
     fresh = engine.generate(prompts, GenerationConfig(method="snapkv", budget=K, **kw))
-    reused = engine.generate(prompts, GenerationConfig(method="snapkv", budget=K, **kw), reuse_prefill=True)
+    reused = engine.generate(prompts, GenerationConfig(method="snapkv", budget=K, **kw), prefill_cache=shared)
     assert [s.token_ids for s in reused.sequences] == [s.token_ids for s in fresh.sequences]
-    assert engine._saved_prefill is not None and engine._saved_prefill.key == saved.key  # later methods reuse it
-    assert torch.equal(engine._saved_prefill.target_kv[0], saved.target_kv[0])  # snapkv's own prefill: same caches
+    assert shared.state is not None and shared.state.key == saved.key  # later methods reuse it
+    assert torch.equal(shared.state.target_kv[0], saved.target_kv[0])  # snapkv's own prefill: same caches
 
     cfg = GenerationConfig(method="snapkv", budget=K, **kw)
     with pytest.raises(InputError, match="snapkv needs its own prefill"):

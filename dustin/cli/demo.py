@@ -30,13 +30,16 @@ def run_demo(args) -> int:
     console.print(f"[bold]Prompt[/bold]: the first {len(ids)} tokens of {name}, ending with:")
     console.print(prompt[-300:], style="dim", markup=False, highlight=False)
     results = {}
+    from dustin.engine.session import PrefillCache
+
+    shared = PrefillCache()
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is
     # prefilled once; each method's decode is timed on its own.
     for method in ("classic", "vanilla", "magicdec", "dustin"):
         cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                                budget=args.budget if method == "dustin" else None)
         with console.status(f"decoding with {method}..."):
-            results[method] = engine.generate([ids], cfg, reuse_prefill=True)
+            results[method] = engine.generate([ids], cfg, prefill_cache=shared)
     results = {m: results[m] for m in DEMO_METHODS}
     reference = results["vanilla"].sequences[0].token_ids
     console.print("\n[bold]Continuation[/bold] (vanilla greedy):")

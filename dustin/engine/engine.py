@@ -14,7 +14,7 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.session import Session, cache_capacity
+from dustin.engine.session import PrefillCache, Session, cache_capacity
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
@@ -108,7 +108,6 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self._identities = None  # (target, draft) model identities, computed on first use
-        self._saved_prefill = None  # see session(reuse_prefill=True)
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
@@ -136,28 +135,27 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def session(self, prompts: list[list[int]], cfg: GenerationConfig,
-                policy: SelectionPolicy | None = None, reuse_prefill: bool = False,
+                policy: SelectionPolicy | None = None, prefill_cache: PrefillCache | None = None,
                 random_prefill: bool = False, limits: list[int] | None = None) -> Session:
-        """A generation to drive with `step()`. With `reuse_prefill`, greedy sessions over the same prompts
-        share one prefill (the prompt caches are copied), which is how methods are compared side by side.
+        """A generation to drive with `step()`. Greedy sessions given the same `prefill_cache` over the same
+        prompts share one prefill (the prompt caches are copied), which is how methods are compared side by side.
         `random_prefill` fills the prompt caches with noise instead (benchmarks with random weights).
         `limits`: new tokens per prompt (default cfg.max_new_tokens for each)."""
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         self._validate(prompts, cfg, limits)
         policy = policy or self.make_policy(cfg)
-        reuse_prefill = reuse_prefill and cfg.sampling.greedy and not random_prefill
-        reuse = self._saved_prefill
+        share = prefill_cache is not None and cfg.sampling.greedy and not random_prefill
         key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
-        reuse = reuse if (reuse_prefill and reuse is not None and reuse.key == key) else None
+        reuse = prefill_cache.lookup(key) if share else None
         if policy.needs_own_prefill:  # e.g. snapkv: it scores the prompt with its last queries; prefill in full
             reuse = None
         try:
             s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
                         self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill,
                         limits=limits)
-            if reuse_prefill and (reuse is None or reuse.draft_kv is None):
-                self._saved_prefill = s.prefill_state()
+            if share and (reuse is None or reuse.draft_kv is None):
+                prefill_cache.store(s.prefill_state())
             return s
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
@@ -165,12 +163,12 @@ class Engine:
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
                  policy: SelectionPolicy | None = None, chat: bool = False,
-                 reuse_prefill: bool = False, limits: list[int] | None = None) -> GenerationResult:
+                 prefill_cache: PrefillCache | None = None, limits: list[int] | None = None) -> GenerationResult:
         """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask)."""
         ids = [self.encode(p, chat) for p in prompts]
         policy = policy or self.make_policy(cfg)
         try:
-            s = self.session(ids, cfg, policy, reuse_prefill, limits=limits).run()
+            s = self.session(ids, cfg, policy, prefill_cache, limits=limits).run()
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None

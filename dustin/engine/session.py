@@ -59,6 +59,22 @@ class PrefillState:
     first_tokens: torch.Tensor
 
 
+class PrefillCache:
+    """A caller-owned store of one prompt batch's prefill, which greedy sessions over the same prompts share (the
+    prompt caches are copied; how methods are compared side by side). Pass the same object to every
+    `Engine.session` / `Engine.generate(prefill_cache=...)` that may share; without one nothing is kept, so no
+    call's result depends on an earlier call."""
+
+    def __init__(self) -> None:
+        self.state: PrefillState | None = None
+
+    def lookup(self, key: tuple) -> "PrefillState | None":
+        return self.state if self.state is not None and self.state.key == key else None
+
+    def store(self, state: "PrefillState") -> None:
+        self.state = state
+
+
 class Session:
     def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
                  cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,

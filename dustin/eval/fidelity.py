@@ -56,10 +56,15 @@ def run(args) -> int:
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "settings": vars(args).copy(), "runs": {}}
     results["settings"].pop("func", None)
 
+    from dustin.engine.session import PrefillCache
+
+    shared = PrefillCache()  # every run below is over the same prompts: one prefill
+
     def generate(method: str, **kw):
         t0 = time.perf_counter()
         with console.status(f"{method} {kw or ''}..."):
-            r = engine.generate(prompts, GenerationConfig(method=method, **{**base, **kw}), reuse_prefill=True)
+            r = engine.generate(prompts, GenerationConfig(method=method, **{**base, **kw}),
+                                prefill_cache=shared)
         console.print(f"{method} {kw or ''}: tau {r.tau:.3f}, {time.perf_counter() - t0:.0f}s")
         return r
 
@@ -90,7 +95,7 @@ def run(args) -> int:
                         for m in args.methods.split(",")}
             probe = ARRProbe(policies, k)
             with console.status(f"ARR at k={k}..."):
-                engine.session(prompts, cfg, policy=probe, reuse_prefill=True).run()
+                engine.session(prompts, cfg, policy=probe, prefill_cache=shared).run()
             results.setdefault("arr", {})[str(k)] = probe.mean_arr()
     _print(results, Table, Console(quiet=not main))
     if args.json_out and main:

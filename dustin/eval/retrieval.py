@@ -14,6 +14,7 @@ import time
 
 from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
@@ -106,6 +107,7 @@ def run(args) -> int:
         limit = min(limit, engine.draft.args.max_position_embeddings)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
+    shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
     for (kind, ctx), rows in todo.items():
         n = min(ctx, room)
         if n < ctx:
@@ -116,7 +118,7 @@ def run(args) -> int:
             raise InputError(f"a needle prompt for context {ctx} has {max(q.n_tokens for q in prompts)} tokens, "
                              f"more than the model allows with the generated tokens ({room})")
         for method, budget in rows:
-            results["rows"].append(_evaluate(engine, console, prompts, kind, ctx, method, budget, args))
+            results["rows"].append(_evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared))
             if main:
                 save_results(args.json_out, results)
     if main:
@@ -124,13 +126,13 @@ def run(args) -> int:
     return 0
 
 
-def _evaluate(engine, console, prompts, kind, ctx, method, budget, args) -> dict:
+def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared: PrefillCache) -> dict:
     cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budget,
                            sparse_config=args.config, seed=args.seed)
     name = method if budget is None else f"{method}@{budget}"
     t0 = time.perf_counter()
     with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
-        r = engine.generate([q.ids for q in prompts], cfg, reuse_prefill=True)
+        r = engine.generate([q.ids for q in prompts], cfg, prefill_cache=shared)
     samples = []
     for q, s in zip(prompts, r.sequences):
         recall = rouge1_recall(s.text or "", q.answer)

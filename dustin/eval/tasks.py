@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
@@ -100,6 +101,7 @@ def run(args) -> int:
         main = is_main_process()
         console = Console(stderr=True, quiet=not main)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        shared = PrefillCache()  # each batch of samples is prefilled once for every method
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("tasks", total=None)
             for ctx, tasks in pending.items():
@@ -119,7 +121,7 @@ def run(args) -> int:
                 for batch, method, budget in work:
                     progress.update(bar, description=f"{ctx} {_name(method, budget)} x {len(batch)}")
                     results["rows"] += _evaluate(engine, by_name, batch, ctx, method, budget, args,
-                                                 results["rows"])
+                                                 results["rows"], shared)
                     if main:
                         save_results(args.json_out, results)
                     progress.advance(bar)
@@ -141,7 +143,8 @@ def _name(method: str, budget: int | None) -> str:
     return method if budget is None else f"{method}@{budget}"
 
 
-def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows) -> list[dict]:
+def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows,
+              shared: PrefillCache) -> list[dict]:
     """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
@@ -149,7 +152,7 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=longest, budget=budget,
                            sparse_config=args.config, seed=args.seed)
     t0 = time.perf_counter()
-    r = engine.generate([s.prompt_ids for s in samples], cfg, reuse_prefill=True,
+    r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,
                         limits=[s.max_new_tokens for s in samples])
     seconds = time.perf_counter() - t0
     tau = r.tau if cfg.spec.speculative else None

@@ -34,7 +34,7 @@ The planner is per layer (a `LayerPlanner`), so the verify forward runs eagerly 
 
 reuse_prefill: a Session given a reused prefill copies the prompt caches and re-runs only the LAST prompt token,
 so an observer would see one query per sequence, not the window. The Engine therefore never hands a reused
-prefill to a policy with `needs_own_prefill` (this one): `Engine.session(..., reuse_prefill=True)` runs snapkv's
+prefill to a policy with `needs_own_prefill` (this one): `Engine.session(..., prefill_cache=...)` runs snapkv's
 own full prefill (identical caches, so its own state is saved for the methods that follow), and its output
 equals a run without reuse. A Session built directly with a reused (or random) prefill raises InputError.
 """
@@ -57,7 +57,7 @@ _CHUNK_BYTES = 256 * 2**20  # bound on the fp32 window probabilities materialize
 
 _OWN_PREFILL = ("snapkv needs its own prefill: it scores the prompt with the queries of the prompt's last "
                 f"{SNAPKV_WINDOW} tokens, which a reused (or random) prefill does not compute; run the session "
-                "without reuse_prefill / random_prefill")
+                "without a reused / random prefill")
 
 
 def snapkv_prompt_set(q: torch.Tensor, k_cache: torch.Tensor, budget: int, window: int = SNAPKV_WINDOW,
