@@ -55,7 +55,7 @@ def main() -> int:
     van_eager = run(method="vanilla", cuda_graphs=False)
     for name, res in [("vanilla-eager", van_eager), ("classic", run(method="classic", gamma=4)),
                       ("classic-eager", run(method="classic", gamma=4, cuda_graphs=False)),
-                      ("magicdec", run(method="magicdec", gamma=4, draft_budget=256)),
+                      ("magicdec", run(method="magicdec", gamma=4, draft_window=256)),
                       # sparse verification with k above every length selects everything: classic's output
                       ("dustin-k4096", run(method="dustin", gamma=4, budget=4096, draft_kv="full")),
                       ("dustin-k128", run(method="dustin", gamma=4, budget=128)),

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RUNS = {
     "vanilla": {"method": "vanilla"},
     "classic": {"method": "classic"},
-    "magicdec": {"method": "magicdec", "draft_budget": 256},
-    "dustin": {"method": "dustin", "draft_budget": 256, "budget": 128},
-    "dustin-t": {"method": "dustin-t", "draft_budget": 256, "budget": 128},
-    "streaming": {"method": "streaming", "draft_budget": 256, "budget": 128},
+    "magicdec": {"method": "magicdec", "draft_window": 256},
+    "dustin": {"method": "dustin", "draft_window": 256, "budget": 128},
+    "dustin-t": {"method": "dustin-t", "draft_window": 256, "budget": 128},
+    "streaming": {"method": "streaming", "draft_window": 256, "budget": 128},
 }
 
 

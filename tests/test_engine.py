@@ -32,8 +32,8 @@ def _run(engine, prompts, **kw):
 def test_greedy_speculative_equals_vanilla(engine, gamma):
     prompts = _prompts([5, 23, 61, 12, 40])
     vanilla = _run(engine, prompts, method="vanilla", max_new_tokens=40)
-    for method, extra in [("classic", {}), ("magicdec", {"draft_budget": 16}), ("classic", {"draft_kv": "streaming",
-                                                                                         "draft_budget": 9})]:
+    for method, extra in [("classic", {}), ("magicdec", {"draft_window": 16}), ("classic", {"draft_kv": "streaming",
+                                                                                         "draft_window": 9})]:
         out = _run(engine, prompts, method=method, gamma=gamma, max_new_tokens=40, **extra)
         assert [s.token_ids for s in out.sequences] == [s.token_ids for s in vanilla.sequences], (method, extra)
         assert all(len(s.token_ids) == 40 for s in out.sequences)
@@ -61,7 +61,7 @@ def test_streaming_draft_changes_drafts_not_output(engine):
     """MagicDec's draft reads only sinks + window: its acceptance differs from the full draft at long prompts."""
     prompts = _prompts([200, 150])
     full = _run(engine, prompts, method="classic", gamma=4, max_new_tokens=30)
-    stream = _run(engine, prompts, method="magicdec", gamma=4, max_new_tokens=30, draft_budget=8)
+    stream = _run(engine, prompts, method="magicdec", gamma=4, max_new_tokens=30, draft_window=8)
     assert [s.token_ids for s in full.sequences] == [s.token_ids for s in stream.sequences]
     assert full.steps != stream.steps or full.tau != stream.tau
 
@@ -135,7 +135,7 @@ def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
     eng_tri = Engine(load_model(target, backend=tri), load_model(draft, backend=tri))
     eng_sdpa = Engine(load_model(target), load_model(draft))
     prompts = _prompts([6, 29])
-    for method, extra in [("vanilla", {}), ("magicdec", {"draft_budget": 10})]:
+    for method, extra in [("vanilla", {}), ("magicdec", {"draft_window": 10})]:
         a = _run(eng_tri, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
         b = _run(eng_sdpa, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
         assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]

@@ -14,7 +14,7 @@ from dustin.engine.llm_engine import LLMEngine, QueueFullError, ServeConfig
 from dustin.engine.request import Request, RequestParams
 from dustin.errors import InputError
 
-SPARSE = dict(budget=24, draft_budget=32)
+SPARSE = dict(budget=24, draft_window=32)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def _offline(engine, prompts, method, max_new, **kw):
 def test_continuous_batching_equals_offline_generation(engine, method):
     """10 requests of 5-120 tokens through 3 slots, prompts prefilled in chunks of 40 between decode steps:
     each request's greedy tokens equal its own offline generation, token for token."""
-    kw = SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_budget": 32}
+    kw = SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_window": 32}
     prompts = _prompts(10)
     ref = _offline(engine, prompts, method, 20, **kw)
     llm = LLMEngine(engine, ServeConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
@@ -77,7 +77,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
 
 def test_abort_frees_the_slot(engine):
     prompts = _prompts(3, seed=2)
-    llm = LLMEngine(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_budget=32))
+    llm = LLMEngine(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
     for i, p in enumerate(prompts):
         llm.add_request(Request(f"a{i}", p, RequestParams(max_tokens=50, ignore_eos=True)))
     llm.step()
@@ -90,7 +90,7 @@ def test_abort_frees_the_slot(engine):
     tokens = [t for o in outs if o.request_id == "a1" for t in o.new_token_ids]  # a1 took the freed slot
     while llm.has_unfinished():
         tokens += [t for o in llm.step() if o.request_id == "a1" for t in o.new_token_ids]
-    assert tokens == _offline(engine, [prompts[1]], "magicdec", 50, draft_budget=32)[0]
+    assert tokens == _offline(engine, [prompts[1]], "magicdec", 50, draft_window=32)[0]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):

@@ -384,8 +384,8 @@ def traced(pair_engine):
 
     return ids, {
         "full": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="full", **kw),
-        "wide": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_window=1000, **kw),
-        "narrow": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_window=16, **kw),
+        "wide": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=1000, **kw),
+        "narrow": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=16, **kw),
     }
 
 
@@ -462,7 +462,7 @@ def test_run_trace_writes_resumes_and_loads_padded(pair_engine, tmp_path, monkey
     from dustin.profiling import trace
 
     texts = [("long", _ids(300, 1)), ("short", _ids(240, 2))]
-    kw = {"gamma": 3, "steps": 2, "stride": 5, "draft_kv": "full", "draft_budget": 64}
+    kw = {"gamma": 3, "steps": 2, "stride": 5, "draft_kv": "full", "draft_window": 64}
     paths = trace.run_trace(pair_engine, tmp_path, "profile", texts, SRH_T, SRH_D, **kw)
     folder = tmp_path / "trace" / "profile"
     assert paths == [folder / "long.safetensors", folder / "short.safetensors"]
@@ -706,11 +706,11 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
     own = e.make_policy(GenerationConfig(method="dustin", sparse_config=str(explicit))).cfg
     assert own.source == str(explicit) and own.budget == 40 and own.target[0].layer == 0
     out = json.loads(json.dumps(e.generate([_ids(70, 5)], GenerationConfig(
-        method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False, draft_budget=24)).to_json()))
+        method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False, draft_window=24)).to_json()))
     assert out["sparse_config"]["source"] == "tuned: pair.json" and out["sparse_config"]["budget"] == 48
     assert out["sparse_config"]["draft"] == [{"layer": 0, "heads": [3]}, {"layer": 1, "heads": [0, 7]}]
     out = e.generate([_ids(70, 5)], GenerationConfig(method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False,
-                                                     draft_budget=24, sparse_config=str(explicit))).to_json()
+                                                     draft_window=24, sparse_config=str(explicit))).to_json()
     assert out["sparse_config"]["source"] == str(explicit)
     classic = e.generate([_ids(70, 5)], GenerationConfig(method="classic", gamma=2, max_new_tokens=4)).to_json()
     assert classic["sparse_config"] is None

@@ -37,7 +37,7 @@ def _args(tmp_path, **over):
 
 
 def test_finished_file_is_not_rerun_and_other_settings_are_refused(tmp_path, capsys):
-    settings = {"target": "/nonexistent/model", "draft": "default", "dtype": "auto", "gamma": 4,
+    settings = {"target": "/nonexistent/model", "draft": "default", "dtype": "auto", "gamma": 4, "draft_window": 512,
                 "max_new_tokens": 8, "seed": 0, "needles": "heldout", "depths": 1, "config": None}
     row = {"kind": "single", "context": 500, "method": "vanilla", "budget": None, "score": 1.0, "tau": None,
            "samples": []}

@@ -44,9 +44,9 @@ def _run(engine, prompts, **kw):
 def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, method):
     """With k >= every sequence's length, each policy selects every cached position: classic's output."""
     prompts = _prompts([20, 47, 9])
-    classic = _run(engine, prompts, method="classic", draft_kv="streaming", draft_budget=16)
+    classic = _run(engine, prompts, method="classic", draft_kv="streaming", draft_window=16)
     sparse = _run(engine, prompts, method=method, budget=200, sparse_config=sparse_cfg, draft_kv="streaming",
-                  draft_budget=16)
+                  draft_window=16)
     assert [s.token_ids for s in sparse.sequences] == [s.token_ids for s in classic.sequences]
     assert sparse.steps == classic.steps
     assert "sparse_verify" in sparse.time_split_s and "verify" not in sparse.time_split_s
@@ -174,7 +174,7 @@ def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
                Engine(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
     outs = [e.generate(prompts, GenerationConfig(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
-                                                 sparse_config=str(path), draft_budget=24)) for e in engines]
+                                                 sparse_config=str(path), draft_window=24)) for e in engines]
     assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]
 
 
@@ -222,7 +222,7 @@ def _recorded_plans(engine, policy, prompts):
 
     policy.plan = recording
     out = engine.generate(prompts, GenerationConfig(method=policy.name, gamma=3, max_new_tokens=16,
-                                                    stop_at_eos=False, draft_budget=24), policy=policy)
+                                                    stop_at_eos=False, draft_window=24), policy=policy)
     return plans, [s.token_ids for s in out.sequences]
 
 

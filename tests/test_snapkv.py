@@ -33,7 +33,7 @@ def _prompts(lengths, seed=0):
 
 def _cfg(**kw):
     return GenerationConfig(**{"method": "snapkv", "gamma": 3, "max_new_tokens": 20, "stop_at_eos": False,
-                               "draft_budget": 16, **kw})
+                               "draft_window": 16, **kw})
 
 
 def _session(engine, prompts, budget=K, **kw):
@@ -115,7 +115,7 @@ def test_prompt_picks_equal_a_direct_recomputation(engine):
 def test_budget_above_prompt_is_exactly_classic(engine):
     """k >= every prompt: every prompt position is kept and every generated one attended: classic's output."""
     prompts = _prompts([20, 47, 9])
-    kw = {"gamma": 3, "max_new_tokens": 24, "stop_at_eos": False, "draft_kv": "streaming", "draft_budget": 16}
+    kw = {"gamma": 3, "max_new_tokens": 24, "stop_at_eos": False, "draft_kv": "streaming", "draft_window": 16}
     classic = engine.generate(prompts, GenerationConfig(method="classic", **kw))
     snap = engine.generate(prompts, GenerationConfig(method="snapkv", budget=200, **kw))
     assert [s.token_ids for s in snap.sequences] == [s.token_ids for s in classic.sequences]
@@ -169,7 +169,7 @@ def test_reuse_prefill_runs_its_own_prefill(engine):
     prefill cache it prefills in full and decodes exactly as without; a Session built directly with a reused or
     random prefill refuses."""
     prompts = _prompts(RAGGED, seed=3)
-    kw = {"gamma": 3, "max_new_tokens": 16, "stop_at_eos": False, "draft_budget": 16}
+    kw = {"gamma": 3, "max_new_tokens": 16, "stop_at_eos": False, "draft_window": 16}
     shared = PrefillCache()
     engine.generate(prompts, GenerationConfig(method="classic", **kw), prefill_cache=shared)
     saved = shared.state

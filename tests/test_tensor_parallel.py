@@ -24,12 +24,12 @@ PROMPT_LENGTHS = [45, 30, 52]  # ragged, and longer than the dustin budget below
 RUNS = {  # name -> GenerationConfig kwargs
     "vanilla": {"method": "vanilla"},
     "classic": {"method": "classic", "gamma": 3},
-    "magicdec": {"method": "magicdec", "gamma": 3, "draft_budget": 12},
-    "dustin": {"method": "dustin", "gamma": 3, "draft_budget": 12, "budget": 26},
-    "dustin-t": {"method": "dustin-t", "gamma": 3, "draft_budget": 12, "budget": 24},
+    "magicdec": {"method": "magicdec", "gamma": 3, "draft_window": 12},
+    "dustin": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26},
+    "dustin-t": {"method": "dustin-t", "gamma": 3, "draft_window": 12, "budget": 24},
     "sampled": {"method": "classic", "gamma": 3, "temperature": 0.8, "seed": 5},
     # acceptance-controlled benchmark mode: the random accept decisions must be identical on every rank
-    "controlled": {"method": "dustin", "gamma": 3, "draft_budget": 12, "budget": 26, "accept_prob": 0.6},
+    "controlled": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26, "accept_prob": 0.6},
 }
 
 
@@ -161,7 +161,7 @@ def _bench_worker(rank: int, world: int, port: int, target, draft, out_json) -> 
 
     try:  # what `torchrun --nproc-per-node 2 -m dustin bench e2e ...` runs on each rank
         assert main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "60,75",
-                     "--batches", "2", "--steps", "4", "--warmup", "1", "--budget", "26", "--draft-budget", "12",
+                     "--batches", "2", "--steps", "4", "--warmup", "1", "--budget", "26", "--draft-window", "12",
                      "--gamma", "3", "--tau", "2.0", "--json-out", out_json]) == 0
     finally:
         if dist.is_initialized():

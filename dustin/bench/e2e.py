@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from dustin.bench.plots import e2e_throughput
+from dustin.cli.args import add_sparse_args, add_speculation_args
 from dustin.errors import InputError
 
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
@@ -37,11 +38,10 @@ def add_arguments(p) -> None:
     p.add_argument("--contexts", default="8192,16384,32768", help="prompt tokens per sequence")
     p.add_argument("--batches", default="8,16")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--tau", type=float, default=2.2, help="target tokens per step for the acceptance control")
     p.add_argument("--accept-prob", type=float, default=None, help="per-token acceptance (overrides --tau)")
-    p.add_argument("--budget", type=int, default=512, help="dustin's KV budget k")
-    p.add_argument("--draft-budget", type=int, default=512, help="streaming draft cache: sinks + window")
+    add_speculation_args(p)
+    add_sparse_args(p)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--device", default="cuda")
@@ -89,14 +89,15 @@ def build_engine(t_args, d_args, device, attention: str = "auto"):
 
 def run_method(engine, method: str, batch: int, context: int, a) -> dict:
     """Time `a.steps` decode steps of one method after `a.warmup` untimed ones."""
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import METHODS, GenerationConfig
     from dustin.engine.sampling import accept_prob_for_tau
 
     p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(a.tau, a.gamma)
     total_steps = a.warmup + a.steps
+    sparse = METHODS[method].policy != "full"
     cfg = GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=total_steps * (a.gamma + 1) + 1,
-                           stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_budget=a.draft_budget,
-                           budget=a.budget if method.startswith("dustin") else None,
+                           stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
+                           budget=a.budget if sparse else None, sparse_config=a.config if sparse else None,
                            accept_prob=None if method == "vanilla" else p)
     prompts = [[1] * context for _ in range(batch)]  # only the lengths matter: the caches are filled with noise
     s = engine.session(prompts, cfg, random_prefill=True)

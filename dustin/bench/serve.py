@@ -22,7 +22,7 @@ import random
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, method_list
+from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args, method_list
 from dustin.errors import InputError
 
 
@@ -34,9 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=float("inf"), help="mean arrivals per second (Poisson); inf: all at once")
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request (EOS ignored)")
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--budget", type=int, default=None, help="sparse verification: k")
-    p.add_argument("--config", default=None, help="sparse config JSON or 'builtin'")
+    add_speculation_args(p)
+    add_sparse_args(p)
     p.add_argument("--max-slots", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=2048)
@@ -60,8 +59,8 @@ def _plan(args) -> dict:
     from dustin.engine.llm_engine import ServeConfig
 
     for m in methods:  # offline-only methods and bad scheduling flags: one line before any model loads
-        ServeConfig(method=m, gamma=args.gamma, budget=args.budget, sparse_config=args.config,
-                    max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk)
+        ServeConfig(method=m, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+                    sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk)
     return {"methods": methods, "lengths": (lo, hi)}
 
 
@@ -161,7 +160,8 @@ def run(args) -> int:
     console = Console(stderr=True)
     rows = []
     for method in p["methods"]:
-        cfg = ServeConfig(method=method, gamma=args.gamma, budget=args.budget, sparse_config=args.config,
+        cfg = ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+                          sparse_config=args.config,
                           max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                           max_waiting=max(args.num_requests, 1))
         llm = LLMEngine(engine, cfg)
@@ -189,7 +189,7 @@ def run(args) -> int:
         del llm
     data = {"settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
                          if k in ("target", "draft", "device", "dtype", "prompt_tokens", "prompts", "num_requests",
-                                  "rate", "max_tokens", "gamma", "budget", "config", "max_slots", "max_context",
+                                  "rate", "max_tokens", "gamma", "draft_window", "budget", "config", "max_slots", "max_context",
                                   "prefill_chunk", "seed")},
             "prompt_tokens": [len(q) for q in prompts], "results": rows}
     md = markdown(rows)

@@ -49,3 +49,28 @@ def check_sparse_config(path: str | None, budgets: list[int]) -> None:
         cfg = SparseConfig.load(path)
         for k in budgets:
             cfg.with_budget(k)
+
+
+SPARSE_CONFIG_HELP = ("sparse verification config JSON (score heads, m), or 'builtin' for the hand-written fallback "
+                      "(default: the tuned config shipped for this pair, else builtin)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser):
+    """--gamma and --draft-window: how the draft speculates (every speculative command, same defaults)."""
+    g = p.add_argument_group("speculation")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (Γ)")
+    g.add_argument("--draft-window", type=int, default=512,
+                   help="positions a streaming draft attends: 4 sinks + the most recent (magicdec, dustin, ...)")
+    return g
+
+
+def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None):
+    """--budget K (or, for a sweep, --budgets K,...) and --config: sparse verification, declared once."""
+    g = p.add_argument_group("sparse verification")
+    if sweep is None:
+        g.add_argument("--budget", type=int, default=None,
+                       help="KV positions per sequence the target verifies against (k; default: the config's, 512)")
+    else:
+        g.add_argument("--budgets", default=sweep, help="k values for the sparse methods, comma separated")
+    g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
+    return g

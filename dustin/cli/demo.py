@@ -37,7 +37,8 @@ def run_demo(args) -> int:
     # prefilled once; each method's decode is timed on its own.
     for method in ("classic", "vanilla", "magicdec", "dustin"):
         cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                               budget=args.budget if method == "dustin" else None)
+                               draft_window=args.draft_window, budget=args.budget if method == "dustin" else None,
+                               sparse_config=args.config if method == "dustin" else None)
         with console.status(f"decoding with {method}..."):
             results[method] = engine.generate([ids], cfg, prefill_cache=shared)
     results = {m: results[m] for m in DEMO_METHODS}

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import DustinError, InputError
 
 
@@ -18,18 +18,15 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default="classic", choices=list(METHODS))
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (Γ)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--draft-kv", choices=["full", "streaming"], default=None, help="override the method's draft cache")
-    g.add_argument("--draft-budget", type=int, default=512, help="streaming draft: sinks + window positions")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    g.add_argument("--budget", type=int, default=None, help="sparse verification: KV positions per sequence (k)")
-    g.add_argument("--config", default=None, help="sparse verification config JSON (score heads, m), or 'builtin' "
-                   "for the hand-written fallback (default: the tuned config shipped for this pair, else builtin)")
+    add_speculation_args(p)
+    add_sparse_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(demo)
     demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--gamma", type=int, default=4)
     demo.add_argument("--source", default=None, help="stdlib module file to complete (default: a long one)")
-    demo.add_argument("--budget", type=int, default=512, help="dustin's KV budget k")
+    add_speculation_args(demo)
+    add_sparse_args(demo)
 
     models = sub.add_parser("models", help="manage the default model pair")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -140,7 +137,7 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                           draft_kv=args.draft_kv, draft_budget=args.draft_budget, stop_at_eos=not args.ignore_eos,
+                           draft_kv=args.draft_kv, draft_window=args.draft_window, stop_at_eos=not args.ignore_eos,
                            budget=args.budget, sparse_config=args.config)
     if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
         flag = "--config" if args.config is not None else "--budget"

@@ -42,8 +42,8 @@ class GenerationConfig:
     top_k: int = 0
     seed: int = 0
     draft_kv: str | None = None  # None: the method's default
-    draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_budget - 4) recent positions
-    draft_budget: int = 512
+    draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_window - 4) recent positions
+    draft_window: int = 512  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
     stop_at_eos: bool = True
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
     budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
@@ -78,8 +78,9 @@ class GenerationConfig:
                 raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
             if not self.spec.speculative:
                 raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
-        if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_budget:
-            raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < budget ({self.draft_budget})")
+        if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_window:
+            raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < --draft-window "
+                             f"({self.draft_window})")
 
     @property
     def spec(self) -> MethodSpec:
@@ -90,5 +91,6 @@ class GenerationConfig:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     @property
-    def draft_window(self) -> int:
-        return self.draft_budget - self.draft_sinks if self.draft_kv == "streaming" else 0
+    def draft_recent(self) -> int:
+        """Recent positions of the streaming draft's window (after its sinks); 0 for a full draft cache."""
+        return self.draft_window - self.draft_sinks if self.draft_kv == "streaming" else 0

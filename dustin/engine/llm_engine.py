@@ -57,7 +57,7 @@ class ServeConfig:
     max_context: int | None = None
     prefill_chunk: int = 2048  # prompt tokens prefilled per step at most (over all admitted requests)
     max_waiting: int = 256
-    draft_budget: int = 512  # streaming draft: sinks + window
+    draft_window: int = 512  # positions the streaming draft attends: sinks + recent
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ class ServeConfig:
     def generation(self, max_new_tokens: int) -> GenerationConfig:
         return GenerationConfig(method=self.method, gamma=self.gamma, max_new_tokens=max_new_tokens,
                                 budget=self.budget, sparse_config=self.sparse_config, seed=self.seed,
-                                draft_budget=self.draft_budget)
+                                draft_window=self.draft_window)
 
 
 @dataclass

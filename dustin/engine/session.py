@@ -326,7 +326,7 @@ class Session:
     def _draft(self, L: torch.Tensor, max_len: int):
         """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
         cfg = self.cfg
-        sinks, window = (cfg.draft_sinks, cfg.draft_window) if cfg.draft_kv == "streaming" else (0, 0)
+        sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
         observers = self.policy.draft_observers(self)
         inp = torch.stack([self.prev, self.pending], dim=1)
         pos = L.long()[:, None] + torch.arange(-1, 1, device=self.device)

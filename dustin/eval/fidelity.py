@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.arr import ARRProbe
@@ -24,12 +24,11 @@ def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help="stdlib modules (or file paths)")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens per input")
-    p.add_argument("--budgets", default="512,256,128")
     p.add_argument("--methods", default=",".join(SPARSE_METHODS))
-    p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--draft-kv", choices=["full", "streaming"], default="streaming")
-    p.add_argument("--config", default=None, help="sparse config JSON (default: built-in for the pair)")
+    add_speculation_args(p)
+    add_sparse_args(p, sweep="512,256,128")
     p.add_argument("--no-arr", action="store_true", help="skip the ARR measurement")
     p.add_argument("--with-vanilla", action="store_true",
                    help="also decode with vanilla and check classic / magicdec against it token for token")
@@ -52,7 +51,7 @@ def run(args) -> int:
     console = Console(stderr=True, quiet=not main)
     prompts = [engine.encode(long_code_prompt(engine.tokenizer, args.context, s)[0]) for s in args.sources.split(",")]
     base = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, draft_kv=args.draft_kv,
-                sparse_config=args.config)
+                draft_window=args.draft_window, sparse_config=args.config)
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "settings": vars(args).copy(), "runs": {}}
     results["settings"].pop("func", None)
 

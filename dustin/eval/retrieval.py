@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
+from dustin.cli.args import (add_model_args, add_sparse_args, add_speculation_args, check_sparse_config, int_list,
+                             method_list)
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
@@ -22,7 +23,7 @@ from dustin.eval.results import load_results, save_results
 LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
-_RESUME_KEYS = ("target", "draft", "dtype", "gamma", "max_new_tokens", "seed", "needles", "depths", "config")
+_RESUME_KEYS = ("target", "draft", "dtype", "gamma", "draft_window", "max_new_tokens", "seed", "needles", "depths", "config")
 
 
 def add_arguments(p) -> None:
@@ -31,13 +32,11 @@ def add_arguments(p) -> None:
     p.add_argument("--depths", type=int, default=5, help="prompts per (kind, context): depths evenly in [0, 1]")
     p.add_argument("--kinds", default="single,multikey", help="single and/or multikey (4 needles, one asked)")
     p.add_argument("--methods", default="vanilla,dustin,quest,streaming")
-    p.add_argument("--budgets", default="512,256", help="k for the sparse methods")
     p.add_argument("--needles", choices=["heldout", "profile"], default="heldout")
-    p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="haystack shuffling")
-    p.add_argument("--config", default=None, help="sparse config JSON, or 'builtin' for the hand-written "
-                   "fallback (default: the tuned config shipped for this pair, else the fallback)")
+    add_speculation_args(p)
+    add_sparse_args(p, sweep="512,256")
     p.add_argument("--json-out", default=None, help="results file; rerunning with it skips finished rows")
 
 
@@ -52,7 +51,8 @@ def plan(args) -> dict:
         raise InputError(f"--depths must be >= 1 (prompts per kind and context), got {args.depths}")
     check_sparse_config(args.config, budgets)
     for m in methods:  # gamma, max-new-tokens, budget ranges
-        GenerationConfig(method=m, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budgets[0])
+        GenerationConfig(method=m, gamma=args.gamma, draft_window=args.draft_window,
+                         max_new_tokens=args.max_new_tokens, budget=budgets[0])
     rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
                                                              if m not in LOSSLESS]
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
@@ -127,7 +127,8 @@ def run(args) -> int:
 
 
 def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared: PrefillCache) -> dict:
-    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens, budget=budget,
+    cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
+                           max_new_tokens=args.max_new_tokens, budget=budget,
                            sparse_config=args.config, seed=args.seed)
     name = method if budget is None else f"{method}@{budget}"
     t0 = time.perf_counter()

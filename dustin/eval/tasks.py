@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, check_sparse_config, int_list, method_list
+from dustin.cli.args import (add_model_args, add_sparse_args, add_speculation_args, check_sparse_config, int_list,
+                             method_list)
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
@@ -23,7 +24,7 @@ from dustin.eval.results import load_results, save_results
 
 LOSSLESS = ("vanilla", "classic", "magicdec")
 HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")
-_SETTINGS = ("target", "draft", "dtype", "gamma", "seed", "config")
+_SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "config")
 
 
 def add_arguments(p) -> None:
@@ -37,10 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=16,
                    help="sequences per generation (samples of all tasks at one context are batched together)")
     p.add_argument("--methods", default="vanilla,dustin")
-    p.add_argument("--budgets", default="128,256,512", help="k for the sparse methods")
-    p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="sample generation")
-    p.add_argument("--config", default=None, help="sparse config JSON or 'builtin' (default: the pair's tuned one)")
+    add_speculation_args(p)
+    add_sparse_args(p, sweep="128,256,512")
     p.add_argument("--longbench-dir", default=None, help="folder of LongBench's <task>.jsonl files")
     p.add_argument("--json-out", default=None, help="results file; rerunning with it resumes")
     p.add_argument("--report-only", action="store_true",
@@ -64,7 +64,7 @@ def plan(args) -> dict:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_sparse_config(args.config, budgets)
     for m in methods:
-        GenerationConfig(method=m, gamma=args.gamma, budget=budgets[0])
+        GenerationConfig(method=m, gamma=args.gamma, draft_window=args.draft_window, budget=budgets[0])
     methods.sort(key=lambda m: m not in LOSSLESS)  # the lossless reference first: agreement needs it
     rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
                                                              if m not in LOSSLESS]
@@ -149,7 +149,8 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
     longest = max(s.max_new_tokens for s in samples)
-    cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=longest, budget=budget,
+    cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, max_new_tokens=longest,
+                           budget=budget,
                            sparse_config=args.config, seed=args.seed)
     t0 = time.perf_counter()
     r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, int_list
+from dustin.cli.args import add_model_args, add_speculation_args, int_list
 from dustin.errors import InputError
 
 STAGES = ("srh", "trace", "search", "all")
@@ -37,9 +37,8 @@ def add_arguments(p) -> None:
     t.add_argument("--texts", type=int, default=1, help="texts per (kind, length) and split")
     t.add_argument("--steps", type=int, default=16, help="sampled decode steps per text")
     t.add_argument("--stride", type=int, default=8, help="tokens between sampled steps")
-    t.add_argument("--gamma", type=int, default=4)
     t.add_argument("--draft-kv", choices=["full", "streaming"], default="streaming")
-    t.add_argument("--draft-budget", type=int, default=512)
+    add_speculation_args(p)
     a = p.add_argument_group("search")
     a.add_argument("--budget", type=int, default=512, help="verify budget k the config is tuned for")
     a.add_argument("--search-m", default="128,192,256", help="draft budgets m scored in phase 2")
@@ -133,7 +132,7 @@ def _trace(engine, args, out: Path, progress) -> None:
                 for i, text in enumerate(long_texts(kind, split, n, engine.tokenizer, args.texts, seed)):
                     texts.append((f"{kind}-{n}-{i}", text))
         run_trace(engine, out, split, texts, srh_t, srh_d, gamma=args.gamma, steps=args.steps, stride=args.stride,
-                  draft_kv=args.draft_kv, draft_budget=args.draft_budget, progress=progress)
+                  draft_kv=args.draft_kv, draft_window=args.draft_window, progress=progress)
 
 
 def _timed(fn) -> float:

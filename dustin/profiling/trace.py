@@ -61,7 +61,7 @@ def _prefill(model, ids: torch.Tensor, observers) -> KVCache:
 @torch.inference_mode()
 def trace_text(target, draft, ids: list[int], srh_target: dict[int, list[int]], srh_draft: dict[int, list[int]],
                *, gamma: int, steps: int, stride: int, draft_kv: str = "streaming", draft_sinks: int = 4,
-               draft_window: int = 508) -> dict[str, torch.Tensor]:
+               draft_recent: int = 508) -> dict[str, torch.Tensor]:
     dev = target.embed_tokens.weight.device
     n = len(ids)
     w = ARR_WINDOW
@@ -92,7 +92,7 @@ def trace_text(target, draft, ids: list[int], srh_target: dict[int, list[int]], 
             pos = torch.arange(Li, Li + gamma, device=dev)[None]
             drec = RowRecorder(draft.args.n_layers, {"draft": (pos, h_d, L[i:i + 1])}, n)
             ctx = ForwardContext(cache, pos, torch.tensor([Li], dtype=torch.int32, device=dev), Li + gamma,
-                                 sinks=draft_sinks, window=draft_window, observers=[drec])
+                                 sinks=draft_sinks, window=draft_recent, observers=[drec])
             draft(toks[span][None], ctx)
             cache.k[:, :, :, span], cache.v[:, :, :, span] = saved  # later steps read the prefill's K/V
             rows.append(drec.rows["draft"][0])
@@ -101,7 +101,7 @@ def trace_text(target, draft, ids: list[int], srh_target: dict[int, list[int]], 
 
 
 def run_trace(engine, out_dir: Path, split: str, texts: list[tuple[str, str]], srh_target, srh_draft, *,
-              gamma: int, steps: int, stride: int, draft_kv: str, draft_budget: int, progress=None) -> list[Path]:
+              gamma: int, steps: int, stride: int, draft_kv: str, draft_window: int, progress=None) -> list[Path]:
     """Trace every (name, text) not traced yet into out_dir/trace/<split>/<name>.safetensors."""
     from safetensors.torch import save_file
 
@@ -114,7 +114,7 @@ def run_trace(engine, out_dir: Path, split: str, texts: list[tuple[str, str]], s
         if not path.is_file():
             ids = engine.encode(text)
             rows = trace_text(engine.target, engine.draft, ids, srh_target, srh_draft, gamma=gamma, steps=steps,
-                              stride=stride, draft_kv=draft_kv, draft_window=draft_budget - 4)
+                              stride=stride, draft_kv=draft_kv, draft_recent=draft_window - 4)
             tmp = path.with_suffix(".tmp")
             save_file(rows, str(tmp), metadata={"name": name, "tokens": str(len(ids)), "gamma": str(gamma),
                                                 "draft_kv": draft_kv, "deltas": json.dumps(DELTAS)})

@@ -8,7 +8,7 @@ import argparse
 import os
 import socket
 
-from dustin.cli.args import add_model_args
+from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import InputError
 
 
@@ -20,10 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default="dustin", choices=list(METHODS),
                    help="decoding method of every request (default dustin; the offline-only baselines quest, "
                         "snapkv, specattn and oracle are refused)")
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (Γ)")
-    g.add_argument("--budget", type=int, default=None, help="sparse verification: KV positions per sequence (k)")
-    g.add_argument("--config", default=None, help="sparse verification config JSON, or 'builtin' (default: the "
-                   "tuned config shipped for this pair, else builtin)")
+    add_speculation_args(p)
+    add_sparse_args(p)
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", type=int, default=None,
                    help="KV-cache slots = requests decoded together (default 16 on a GPU, 8 on a CPU)")
@@ -69,7 +67,8 @@ def _check_not_distributed() -> None:
 def build_engine(args):
     from dustin.engine.llm_engine import LLMEngine, ServeConfig
 
-    cfg = ServeConfig(method=args.method, gamma=args.gamma, budget=args.budget, sparse_config=args.config,
+    cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+                      sparse_config=args.config,
                       max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                       max_waiting=args.max_waiting)
     cfg.generation(1)  # Γ and the budget are checked there: fail before the model load
