@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dustin.attention.context import ForwardContext, SparsePlan
-from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
-from dustin.engine.cuda_graphs import GraphedForward
-from dustin.engine.sampling import RowSampling, SamplingParams, accept_controlled, choose
+from dustin.engine.model_runner import ModelRunner
+from dustin.engine.sampling import RowSampling, SamplingParams, accept_controlled
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
@@ -105,18 +103,15 @@ class Session:
             raise ValueError(f"limits must hold one value in [1, {cfg.max_new_tokens}] per prompt")
         if slots is None:
             capacity = cache_capacity([len(p) for p in prompts], self.limits, self.gamma)
-        a = target.args
-        dtype = target.embed_tokens.weight.dtype
-        self.target_cache = KVCache(a.n_layers, self.B, a.n_kv_heads, a.head_dim, capacity, dtype, self.device)
-        self.draft_cache = None
-        if self.spec.speculative:
-            d = draft.args
-            self.draft_cache = KVCache(d.n_layers, self.B, d.n_kv_heads, d.head_dim, capacity, dtype, self.device)
         # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend; policies whose observers and plans
         # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
-        self._graphs: dict[tuple, GraphedForward] = {}
+        self.runners = {"target": ModelRunner(target, self.B, capacity, self.use_graphs)}
+        if self.spec.speculative:
+            self.runners["draft"] = ModelRunner(draft, self.B, capacity, self.use_graphs)
+        self.target_cache = self.runners["target"].cache
+        self.draft_cache = self.runners["draft"].cache if self.spec.speculative else None
         if slots is None:
             self._prefill(reuse_prefill, random_prefill)
         else:
@@ -139,19 +134,11 @@ class Session:
         first = []
         run_draft = self.draft_cache is not None and (reuse is None or reuse.draft_kv is None)
         for b, prompt in enumerate(self.prompts if reuse is None or run_draft else ()):
-            n = len(prompt)
-            toks = torch.tensor(prompt, device=self.device)[None]
-            pos = torch.arange(n, device=self.device)[None]
-            last = torch.tensor([n - 1], device=self.device)
-            zero = torch.zeros(1, dtype=torch.int32, device=self.device)
             if reuse is None:
-                ctx = ForwardContext(self.target_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True,
-                                     observers=self.policy.target_observers(self))
-                logits = self.target(toks, ctx, logits_at=last)[:, : self.V]
-                first.append(self.sampler.choose_row(b, logits))
+                logits = self.runners["target"].prefill(b, prompt, observers=self.policy.target_observers(self))
+                first.append(self.sampler.choose_row(b, logits[:, : self.V]))
             if run_draft:
-                dctx = ForwardContext(self.draft_cache, pos, zero, n, rows=slice(b, b + 1), fresh=True)
-                self.draft(toks, dctx, logits_at=last)
+                self.runners["draft"].prefill(b, prompt)
         if reuse is not None:
             first = [reuse.first_tokens]
             if self.policy.observes_prefill:  # let the policy see the last prompt token's query again
@@ -210,18 +197,10 @@ class Session:
         n1 = min(len(prompt), n0 + max_tokens)
         last = n1 == len(prompt)
         with torch.inference_mode():
-            toks = torch.tensor(prompt[n0:n1], device=self.device)[None]
-            pos = torch.arange(n0, n1, device=self.device)[None]
-            L = torch.tensor([n0], dtype=torch.int32, device=self.device)
-            rows = slice(row, row + 1)
             observers = self.policy.target_observers(self) if last else []
-            ctx = ForwardContext(self.target_cache, pos, L, n1, rows=rows, fresh=n0 == 0, prompt=True,
-                                 observers=observers)
-            at = torch.tensor([n1 - n0 - 1], device=self.device)
-            logits = self.target(toks, ctx, logits_at=at)[:, : self.V]
-            if self.draft_cache is not None:
-                dctx = ForwardContext(self.draft_cache, pos, L, n1, rows=rows, fresh=n0 == 0, prompt=True)
-                self.draft(toks, dctx, logits_at=at)
+            logits = self.runners["target"].prefill(row, prompt[n0:n1], n0, observers)[:, : self.V]
+            if "draft" in self.runners:
+                self.runners["draft"].prefill(row, prompt[n0:n1], n0)
             self._prefilled[row] = n1
             # until the prompt completes, the step's junk writes for this row (the draft's first forward
             # rewrites position length - 1) must land past the prefilled prefix: length n1 + 1
@@ -342,20 +321,8 @@ class Session:
         drafts = torch.stack(tokens, dim=1)
         return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
 
-    def _forward(self, which: str, tokens, positions, lengths, max_len: int, *, sinks: int = 0, window: int = 0,
-                 sparse=None, observers=()) -> torch.Tensor:
-        model = self.target if which == "target" else self.draft
-        cache = self.target_cache if which == "target" else self.draft_cache
-        if self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
-            sparse_k = None if sparse is None else sparse.indices.shape[1]
-            key = (which, tokens.shape[1], sparse_k)
-            if key not in self._graphs:
-                self._graphs[key] = GraphedForward(model, cache, self.B, tokens.shape[1], sinks=sinks, window=window,
-                                                   sparse_k=sparse_k, observers=observers)
-            return self._graphs[key](tokens, positions, lengths, sparse)
-        ctx = ForwardContext(cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
-                             observers=list(observers))
-        return model(tokens, ctx)
+    def _forward(self, which: str, tokens, positions, lengths, max_len: int, **kw) -> torch.Tensor:
+        return self.runners[which].forward(tokens, positions, lengths, max_len, **kw)
 
     def _bookkeep(self, host: list[list[int]]) -> None:
         active = 0

@@ -1,0 +1,53 @@
+"""One model of a generation: its weights, its KV cache rows, and the CUDA graphs of its step forwards.
+
+A speculative generation has two (target and draft). The step loop (`Session`) asks a runner for
+- `forward(tokens, positions, lengths, ...)`: one step over every row (verify, decode or a draft token),
+  replayed from a CUDA graph captured once per shape when graphs are on (they live as long as the runner:
+  a serving engine's runner serves every request with the same graphs);
+- `prefill(row, tokens, start)`: prompt tokens [start, start + len) of one row, the whole prompt (start 0, the
+  causal prefill kernel) or a later chunk (attending over the cached prefix).
+"""
+from __future__ import annotations
+
+import torch
+
+from dustin.attention.context import ForwardContext, SparsePlan
+from dustin.cache.kv_cache import KVCache
+from dustin.engine.cuda_graphs import GraphedForward
+from dustin.models.transformer import Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, batch: int, capacity: int, use_graphs: bool) -> None:
+        a = model.args
+        w = model.embed_tokens.weight
+        self.model, self.batch, self.use_graphs = model, batch, use_graphs
+        self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, w.dtype, w.device)
+        self.device = w.device
+        self._graphs: dict[tuple, GraphedForward] = {}
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, max_len: int, *,
+                sinks: int = 0, window: int = 0, sparse=None, observers=()) -> torch.Tensor:
+        """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions."""
+        if self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
+            sparse_k = None if sparse is None else sparse.indices.shape[1]
+            key = (tokens.shape[1], sparse_k)
+            if key not in self._graphs:
+                self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
+                                                   window=window, sparse_k=sparse_k, observers=observers)
+            return self._graphs[key](tokens, positions, lengths, sparse)
+        ctx = ForwardContext(self.cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
+                             observers=list(observers))
+        return self.model(tokens, ctx)
+
+    @torch.inference_mode()
+    def prefill(self, row: int, tokens: list[int], start: int = 0, observers=()) -> torch.Tensor:
+        """Write prompt tokens at positions start.. of `row` (attending over the row's first `start` cached
+        positions); the logits [1, V] of the last one."""
+        n = len(tokens)
+        toks = torch.tensor(tokens, device=self.device)[None]
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        lengths = torch.tensor([start], dtype=torch.int32, device=self.device)
+        ctx = ForwardContext(self.cache, pos, lengths, start + n, rows=slice(row, row + 1), fresh=start == 0,
+                             prompt=True, observers=list(observers))
+        return self.model(toks, ctx, logits_at=torch.tensor([n - 1], device=self.device))
