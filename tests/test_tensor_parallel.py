@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
         assert s.target_cache.k.shape[2] == 4 // world
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outputs, f)
-        finish_distributed()
+        finish_distributed(exit_process=True)
     finally:
         if dist.is_initialized():  # error path: leave without a barrier
             dist.destroy_process_group()

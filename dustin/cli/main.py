@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     code = _dispatch(argv)
     if code == 0:
         from dustin.parallel.tp import finish_distributed
-        finish_distributed()  # under torchrun: all ranks leave the process group together
+        finish_distributed(exit_process=True)  # under torchrun: all ranks leave the process group together
     return code
 
 
