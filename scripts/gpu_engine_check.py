@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,17 +20,12 @@ from dustin.engine.config import GenerationConfig  # noqa: E402
 from dustin.engine.engine import Engine  # noqa: E402
 from dustin.models.loader import load_model  # noqa: E402
 from tests.exactness import first_divergence  # noqa: E402
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft  # noqa: E402
+from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
 def main() -> int:
-    root = Path(tempfile.mkdtemp())
-    target = make_tiny_checkpoint(root / "t", "qwen2", layers=4, dim=256, heads=4, kv_heads=2, seed=5, vocab=512)
-    draft = make_tiny_draft(target, root / "d", noise=0.1)
+    eng, prompts, (target, draft) = gpu_check_pair(torch.bfloat16)
     be = AttentionBackend("triton")
-    eng = Engine(load_model(target, "cuda", torch.bfloat16, be), load_model(draft, "cuda", torch.bfloat16, be))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 700, 1500, 3001)]
     report = {}
 
     def gap_at(prompt, ref, i):

@@ -86,3 +86,23 @@ def make_tiny_draft(target: Path, folder: Path, *, layers: int | None = None, no
     draft.save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
     return folder
+
+
+def gpu_check_pair(dtype: torch.dtype):
+    """The GPU check scripts' pair (scripts/gpu_*_check.py): a 4-layer Qwen2 target (head_dim 64) and its noisy
+    draft on CUDA with the Triton backend, plus four random prompts of 37 to 3001 tokens. Returns (engine,
+    prompts, target folder)."""
+    import tempfile
+
+    from dustin.attention.backend import AttentionBackend
+    from dustin.engine.engine import Engine
+    from dustin.models.loader import load_model
+
+    root = Path(tempfile.mkdtemp())
+    target = make_tiny_checkpoint(root / "t", "qwen2", layers=4, dim=256, heads=4, kv_heads=2, seed=5, vocab=512)
+    draft = make_tiny_draft(target, root / "d", noise=0.1)
+    be = AttentionBackend("triton")
+    eng = Engine(load_model(target, "cuda", dtype, be), load_model(draft, "cuda", dtype, be))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 700, 1500, 3001)]
+    return eng, prompts, (target, draft)

@@ -46,6 +46,9 @@ class GenerationConfig:
     draft_window: int = 512  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
     stop_at_eos: bool = True
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
+    # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
+    # verify, acceptance, cache bookkeeping) as ONE graph; False: one graph per forward, Python in between
+    step_graph: bool = True
     budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it

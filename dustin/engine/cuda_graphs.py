@@ -1,4 +1,5 @@
-"""CUDA-graph capture of a fixed-shape forward (B sequences x T new tokens) over a KV cache.
+"""CUDA graphs of the decode loop: a whole speculative step (`StepGraph`), or one fixed-shape forward
+(`GraphedForward`: B sequences x T new tokens over a KV cache).
 
 A decode or verify step launches hundreds of small kernels; replaying them as one graph removes the launch
 gaps, which dominate for small models. The captured forward reads its tokens, positions and cache lengths from
@@ -6,6 +7,8 @@ static buffers, and attention is sized by the cache capacity (the Triton kernels
 sequence's length), so one graph serves every step of a generation.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -54,3 +57,36 @@ class GraphedForward:
             self.plan.counts.copy_(plan.counts)
         self.graph.replay()
         return self.logits
+
+
+class StepGraph:
+    """One CUDA graph of a whole decode step: `fn` (no host syncs; every piece of state it changes is updated in
+    place) is captured once and replayed each step.
+
+    Why: a speculative step of a small pair is ~2,500 kernels; replayed forward by forward, the Python between
+    the forwards (token choice, estimation, selection, acceptance, bookkeeping: ~100 small launches) leaves the
+    GPU idle for ~15% of the step (H200, 1.5B + 0.5B, 16 x 32k: 1.7 of 12 ms). As one graph the GPU runs the
+    step back to back, and the host's only work is one replay and one sync.
+    Capture does not execute `fn`, so the caller runs the same code once eagerly before (to compile the Triton
+    kernels and create every lazily built buffer). `generators`: CUDA generators `fn` draws from (sampling,
+    acceptance control), registered so that each replay advances their state like an eager run would."""
+
+    def __init__(self, fn, generators=()) -> None:
+        t0 = time.perf_counter()
+        self.graph = torch.cuda.CUDAGraph()
+        for g in generators:
+            if g is not None and g.device.type == "cuda":
+                self.graph.register_generator_state(g)
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.out = fn()
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    @staticmethod
+    def can_register_generators() -> bool:
+        """Whether this PyTorch can capture draws from a generator other than the default one."""
+        return hasattr(torch.cuda.CUDAGraph, "register_generator_state")

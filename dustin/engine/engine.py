@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+import time
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,9 @@ from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
 from dustin.selection.base import SelectionPolicy
+
+# kept sessions (`Engine.generate` on a GPU) round their capacity up to a multiple of this many positions
+KEPT_ROUNDING = 4096
 
 if TYPE_CHECKING:
     from dustin.parallel.tp import TensorParallel
@@ -43,12 +47,13 @@ class GenerationResult:
     decode_s: float
     time_split_s: dict[str, float]
     sparse_config: dict | None = None  # source, k, m and score heads of a sparse method's config
+    capture_s: float = 0.0  # one-time CUDA-graph capture, not in decode_s (nor in tokens_per_s)
 
     def to_json(self) -> dict:
         return {
             "method": self.method, "sparse_config": self.sparse_config, "steps": self.steps, "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
-            "decode_s": round(self.decode_s, 4),
+            "decode_s": round(self.decode_s, 4), "capture_s": round(self.capture_s, 4),
             "time_split_s": {k: round(v, 4) for k, v in self.time_split_s.items()},
             "sequences": [{"prompt_len": s.prompt_len, "token_ids": s.token_ids, "text": s.text}
                           for s in self.sequences],
@@ -108,6 +113,10 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self._identities = None  # (target, draft) model identities, computed on first use
+        # `generate` runs on one kept slot session (caches + CUDA graphs reused across calls) on a GPU; CPU
+        # runs allocate per call (their caches live in host memory, and there are no graphs to keep)
+        self.keep_session = self.device.type == "cuda"
+        self._kept: tuple[tuple, Session] | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
@@ -166,10 +175,15 @@ class Engine:
                  prefill_cache: PrefillCache | None = None, limits: list[int] | None = None) -> GenerationResult:
         """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask)."""
         ids = [self.encode(p, chat) for p in prompts]
-        policy = policy or self.make_policy(cfg)
         try:
-            s = self.session(ids, cfg, policy, prefill_cache, limits=limits).run()
+            if policy is None and prefill_cache is None and self.keep_session:
+                s = self._run_kept(ids, cfg, limits)
+                policy = s.policy
+            else:
+                policy = policy or self.make_policy(cfg)
+                s = self.session(ids, cfg, policy, prefill_cache, limits=limits).run()
         except torch.OutOfMemoryError:
+            self._kept = None
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
         seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, s.outputs)]
@@ -179,7 +193,60 @@ class Engine:
         sc = policy.cfg
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used)
+                                st.prefill_s, st.decode_s, split, used, st.capture_s)
+
+    def _run_kept(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None) -> Session:
+        """Generate on the kept slot session: its KV caches, policy buffers and CUDA graphs outlive the call, so
+        a second `generate` of the same method and batch size (and a context that fits) pays neither the
+        allocation nor the graph capture again. One session is kept; another method, batch size or a longer
+        context replaces it. Capacity is rounded up to a multiple of `KEPT_ROUNDING` positions so that calls
+        of similar lengths share it. Each sequence is one slot: admitted, prefilled in one chunk (the same
+        forward as a fresh session's prefill), decoded, released; the generator is reseeded per call, so the
+        tokens equal a fresh session's."""
+        self._validate(ids, cfg, limits, memory=False)  # memory: below, only if a session is allocated
+        limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(ids)
+        gamma = cfg.gamma if cfg.spec.speculative else 0
+        need = cache_capacity([len(p) for p in ids], limits, gamma)
+        key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(ids))
+        kept = self._kept
+        if kept is None or kept[0] != key or kept[1].target_cache.capacity < need:
+            self._kept = kept = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING
+            self._check_memory(ids, cfg, limits, capacity=cap)
+            policy = self.make_policy(cfg)
+            if not policy.row_local:
+                raise InputError(f"method {cfg.method!r} keeps whole-batch state: it cannot run on a kept session")
+            s = Session(self.target, self.draft if cfg.spec.speculative else None, [],
+                        replace(cfg, max_new_tokens=cap), self.eos_ids, self.vocab_limit, policy,
+                        slots=len(ids), capacity=cap)
+            self._kept = kept = (key, s)
+        s = kept[1]
+        s.begin_run(cfg.seed)
+        t0 = time.perf_counter()
+        for row, (p, m) in enumerate(zip(ids, limits)):
+            s.admit(row, p, m)
+            s.prefill_chunk(row, len(p))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        s.stats.prefill_s = time.perf_counter() - t0
+        try:
+            s.run()
+        finally:
+            outputs = [list(o) for o in s.outputs]
+            for row in range(len(ids)):
+                s.release(row)
+            s.outputs = outputs
+        return s
+
+    def release_kept_session(self) -> None:
+        """Free the kept session's KV caches and graphs (the next `generate` allocates and captures anew)."""
+        self._kept = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def identities(self) -> tuple[dict, dict | None]:
         """(target, draft) model identities: architecture + weight fingerprint (selection/tuned.py)."""
@@ -224,7 +291,8 @@ class Engine:
         """Text of generated ids (special tokens dropped); None without a tokenizer."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None) -> None:
+    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None,
+                  memory: bool = True) -> None:
         context = self.target.args.max_position_embeddings
         if self.draft is not None and cfg.spec.speculative:
             context = min(context, self.draft.args.max_position_embeddings)
@@ -232,7 +300,8 @@ class Engine:
         if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
             raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
         check_prompts(prompts, cfg, context, self.vocab_limit, limits)
-        self._check_memory(prompts, cfg, limits)
+        if memory:
+            self._check_memory(prompts, cfg, limits)
 
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
         """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
@@ -243,13 +312,16 @@ class Engine:
             per_tok += self.draft.args.kv_bytes_per_token(elem)
         return per_tok * capacity * batch
 
-    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int]) -> None:
+    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int],
+                      capacity: int | None = None) -> None:
         gamma = cfg.gamma if cfg.spec.speculative else 0
-        capacity = cache_capacity([len(p) for p in prompts], limits, gamma)
+        capacity = capacity or cache_capacity([len(p) for p in prompts], limits, gamma)
         need = self.kv_cache_bytes(len(prompts), capacity, cfg.spec.speculative)
         free = _free_memory(self.device)
         if free is not None and need > 0.9 * free and self.device.type == "cuda":
-            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools
+            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and the
+            # kept session of `generate` holds its caches: give them back before refusing
+            self._kept = None
             gc.collect()
             torch.cuda.empty_cache()
             free = _free_memory(self.device)

@@ -9,6 +9,8 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dustin.attention.context import ForwardContext, SparsePlan
@@ -25,16 +27,20 @@ class ModelRunner:
         self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, w.dtype, w.device)
         self.device = w.device
         self._graphs: dict[tuple, GraphedForward] = {}
+        self.capture_s = 0.0  # time spent capturing (warm-up runs included)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, max_len: int, *,
-                sinks: int = 0, window: int = 0, sparse=None, observers=()) -> torch.Tensor:
-        """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions."""
-        if self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
+                sinks: int = 0, window: int = 0, sparse=None, observers=(), graphed: bool = True) -> torch.Tensor:
+        """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions.
+        graphed=False: run eagerly even when graphs are on (the step loop captures a whole step around it)."""
+        if graphed and self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
             sparse_k = None if sparse is None else sparse.indices.shape[1]
             key = (tokens.shape[1], sparse_k)
             if key not in self._graphs:
+                t0 = time.perf_counter()
                 self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
                                                    window=window, sparse_k=sparse_k, observers=observers)
+                self.capture_s += time.perf_counter() - t0
             return self._graphs[key](tokens, positions, lengths, sparse)
         ctx = ForwardContext(self.cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
                              observers=list(observers))

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dustin.engine.config import GenerationConfig
+from dustin.engine.cuda_graphs import StepGraph
 from dustin.engine.model_runner import ModelRunner
 from dustin.engine.sampling import RowSampling, SamplingParams, accept_controlled
-from dustin.engine.timing import PhaseTimer
+from dustin.engine.timing import NullTimer, PhaseTimer
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
 
@@ -31,7 +32,8 @@ class SessionStats:
     produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
     step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
+    capture_s: float = 0.0  # that one-time capture (graph warm-up runs included)
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -107,6 +109,8 @@ class Session:
         # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
+        self._graph: StepGraph | None = None
+        self._graph_warm = False
         self.runners = {"target": ModelRunner(target, self.B, capacity, self.use_graphs)}
         if self.spec.speculative:
             self.runners["draft"] = ModelRunner(draft, self.B, capacity, self.use_graphs)
@@ -216,6 +220,18 @@ class Session:
                 self.done[row] = self.finished[row]
         return n1 - n0
 
+    def begin_run(self, seed: int) -> None:
+        """Start a new generation on a kept slot session (`Engine.generate` reuses one across calls, graphs
+        and all): fresh statistics and timers, and the generator reseeded, so a call's result and numbers do
+        not depend on earlier calls."""
+        self.stats = SessionStats()
+        self.timer = PhaseTimer(self.device)
+        self.generator.manual_seed(seed)
+        for r in self.runners.values():
+            r.capture_s = 0.0
+        if self._graph is not None:
+            self._graph.capture_s = 0.0
+
     def release(self, row: int) -> None:
         """Free a row (finished, or aborted mid-prefill or mid-decode): it becomes idle for the next request."""
         self._prompt_rows.pop(row, None)
@@ -260,24 +276,74 @@ class Session:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One target forward (vanilla) or one draft-then-verify round (speculative)."""
-        t0 = time.perf_counter()
+        """One target forward (vanilla) or one draft-then-verify round (speculative), then the step's one host
+        sync. On a GPU with graphs, the whole device part replays as one CUDA graph (`StepGraph`)."""
+        t0, c0 = time.perf_counter(), self._capture_total()
+        if self._step_graph_eligible():
+            if self._graph is None and self._graph_warm:
+                self._graph = StepGraph(self._capture_step, generators=[self.generator])
+            if self._graph is not None:
+                self.timer.start("step_graph")
+                out = self._graph.replay()
+                self.timer.stop("step_graph")
+            else:  # the eager run before capture, with the captured step's sizes
+                out = self._device_step(self._graph_max_len, graphed_forwards=False)
+                self._graph_warm = True
+        else:
+            out = self._device_step(max(self.host_lengths), graphed_forwards=self.use_graphs)
+        self._bookkeep(out.tolist())  # the step's one host sync
+        self.stats.capture_s = self._capture_total()
+        self.stats.decode_s += time.perf_counter() - t0 - (self.stats.capture_s - c0)
+
+    def _capture_total(self) -> float:
+        return sum(r.capture_s for r in self.runners.values()) + (self._graph.capture_s if self._graph else 0.0)
+
+    def _step_graph_eligible(self) -> bool:
+        """Whether this step replays as one CUDA graph (`StepGraph`): graphs on, a graph-safe policy, and one
+        sampling rule for the whole batch (per-row parameters of serving requests change the captured control
+        flow: such steps run forward by forward). The graph is captured at the second eligible step; the first
+        runs the same code eagerly, which compiles every Triton kernel and creates every lazily built buffer,
+        so capture needs no warm-up runs of its own."""
+        if not (self.use_graphs and self.cfg.step_graph and self.sampler.uniform):
+            return False
+        draws = not self.sampler.greedy or self.cfg.accept_prob is not None  # random numbers inside the step
+        return not draws or StepGraph.can_register_generators()
+
+    @property
+    def _graph_max_len(self) -> int:
+        """Attention sized by the cache capacity (the kernels stop at each row's length, so one graph serves
+        every step); Γ + 1 below it, the most any of the step's forwards adds."""
+        return self.target_cache.capacity - self.gamma - 1
+
+    def _capture_step(self) -> torch.Tensor:
+        """The device step as captured: no phase timers (a graph replays as one unit, timed as "step_graph")."""
+        self.timer, timer = NullTimer(), self.timer
+        try:
+            return self._device_step(self._graph_max_len, graphed_forwards=False)
+        finally:
+            self.timer = timer
+
+    def _device_step(self, max_len: int, graphed_forwards: bool) -> torch.Tensor:
+        """The device part of a step: no host sync, and every piece of state it changes (cache lengths,
+        `pending`, `prev`, policy buffers) is updated in place, so it can be captured once and replayed.
+        Returns [B, 2 + Γ] = (accepted count, next token, drafts) per row."""
         L = self.target_cache.lengths
-        max_len = max(self.host_lengths)
         if self.spec.speculative:
             self.policy.begin_step(self)
-            self.timer.start("draft")
-            drafts, draft_probs = self._draft(L, max_len)
-            self.timer.stop("draft")
+            timer = self.timer
+            timer.start("draft")
+            drafts, draft_probs = self._draft(L, max_len, graphed_forwards)
+            timer.stop("draft")
             inp = torch.cat([self.pending[:, None], drafts], dim=1)
             pos = L.long()[:, None] + torch.arange(self.gamma + 1, device=self.device)
             self.verify_input, self.verify_positions = inp, pos  # what the policy may look at
-            plan = self.policy.plan(self)
+            plan = self.policy.plan(self)  # times its own phases ("estimate", "select") with self.timer
             phase = "verify" if plan is None else "sparse_verify"
-            self.timer.start(phase)
+            timer.start(phase)
             logits = self._forward("target", inp, pos, L, max_len + self.gamma + 1, sparse=plan,
-                                   observers=self.policy.target_observers(self))[..., : self.V]
-            self.timer.stop(phase)
+                                   observers=self.policy.target_observers(self), graphed=graphed_forwards)
+            logits = logits[..., : self.V]
+            timer.stop(phase)
             if self.cfg.accept_prob is not None:
                 n_acc, nxt = accept_controlled(drafts, logits, self.cfg.accept_prob, self.generator)
             else:
@@ -285,9 +351,11 @@ class Session:
             last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
             new_prev = torch.where(n_acc == 0, self.pending, last_draft)
         else:
-            self.timer.start("verify")
-            logits = self._forward("target", self.pending[:, None], L.long()[:, None], L, max_len + 1)[:, 0, : self.V]
-            self.timer.stop("verify")
+            timer = self.timer
+            timer.start("verify")
+            logits = self._forward("target", self.pending[:, None], L.long()[:, None], L, max_len + 1,
+                                   graphed=graphed_forwards)[:, 0, : self.V]
+            timer.stop("verify")
             nxt, _ = self.sampler.choose(logits)
             n_acc = torch.zeros_like(nxt)
             drafts = nxt[:, None][:, :0]
@@ -296,13 +364,11 @@ class Session:
         self.target_cache.lengths.add_(torch.where(self.done, 0, 1 + n_acc).to(torch.int32))
         if self.spec.speculative:
             self.policy.after_verify(self, n_acc)  # sees the advanced lengths
-        self.prev = torch.where(self.done, self.prev, new_prev)
-        self.pending = torch.where(self.done, self.pending, nxt)
-        host = torch.cat([n_acc[:, None], nxt[:, None], drafts], dim=1).tolist()  # the step's one host sync
-        self._bookkeep(host)
-        self.stats.decode_s += time.perf_counter() - t0
+        self.prev.copy_(torch.where(self.done, self.prev, new_prev))
+        self.pending.copy_(torch.where(self.done, self.pending, nxt))
+        return torch.cat([n_acc[:, None], nxt[:, None], drafts], dim=1)
 
-    def _draft(self, L: torch.Tensor, max_len: int):
+    def _draft(self, L: torch.Tensor, max_len: int, graphed: bool):
         """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
         cfg = self.cfg
         sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
@@ -313,7 +379,7 @@ class Session:
         tokens, probs = [], []
         for i in range(self.gamma):
             logits = self._forward("draft", inp, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
-                                   observers=observers)[:, -1, : self.V]
+                                   observers=observers, graphed=graphed)[:, -1, : self.V]
             tok, p = self.sampler.choose(logits)
             tokens.append(tok)
             probs.append(p)

@@ -39,3 +39,17 @@ class PhaseTimer:
                 self._host[phase] += sum(b.elapsed_time(e) for b, e in spans) / 1e3
             self._spans.clear()
         return dict(self._host)
+
+
+class NullTimer:
+    """A timer that records nothing: phases inside a captured CUDA graph cannot be timed apart (the graph
+    replays as one unit; `Session.step` times the replay as the phase "step_graph")."""
+
+    def start(self, phase: str) -> None:
+        pass
+
+    def stop(self, phase: str) -> None:
+        pass
+
+    def totals(self) -> dict[str, float]:
+        return {}

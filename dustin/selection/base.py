@@ -56,6 +56,9 @@ class SelectionPolicy:
     # True if the step forwards may be replayed as CUDA graphs: the plan is one `SparsePlan` (or None) and every
     # observer only writes fixed-address device buffers (no Python-side state per call)
     graph_safe = False
+    # True if every piece of the policy's state is per sequence and built from that sequence's own prefill and
+    # steps: a sequence can then join a running batch (serving slots, `Engine.generate`'s kept session)
+    row_local = False
 
     def draft_observers(self, state: StepState) -> list[QueryObserver]:
         return []
@@ -78,4 +81,4 @@ class SelectionPolicy:
 class FullSelection(SelectionPolicy):
     """Classic verification over the whole cache: lossless."""
 
-    graph_safe = True
+    graph_safe = row_local = True

@@ -187,7 +187,10 @@ class TargetHistoricalScores:
         """The last token cached by this step is the verify row n_accepted (pending or the last accepted draft)."""
         for layer, wq in self._window_q.items():
             idx = n_accepted.long()[:, None, None, None].expand(-1, wq.shape[1], 1, wq.shape[3])
-            self._last_q[layer] = wq.gather(2, idx)
+            if layer in self._last_q:  # in place: a captured step's next replay reads this same buffer
+                self._last_q[layer].copy_(wq.gather(2, idx))
+            else:
+                self._last_q[layer] = wq.gather(2, idx)
 
     @torch.inference_mode()
     def compute(self, k_caches: dict[int, torch.Tensor], lengths: torch.Tensor,

@@ -31,7 +31,7 @@ def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan
 
 class StreamingSelection(SelectionPolicy):
     name = "streaming"
-    graph_safe = True  # no observers; the plan depends on the lengths only
+    graph_safe = row_local = True  # no observers; the plan depends on the lengths only
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
@@ -47,6 +47,7 @@ class DustinSelection(SelectionPolicy):
     """Hybrid draft-lookahead + target-historical selection. variant: "dustin" | "dustin-t" | "dustin-d"."""
 
     graph_safe = True  # both estimators only write fixed-address buffers; one SparsePlan per step
+    row_local = True  # score rows and queries are per sequence; a row's prefill sets its S_target query
 
     def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
         self.cfg, self.name = cfg, variant

@@ -1,0 +1,90 @@
+"""`Engine.generate` on a kept slot session (the GPU default: caches and CUDA graphs reused across calls) gives
+exactly the tokens of a fresh session per call, whatever ran before, and is reused or replaced as documented."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.errors import InputError
+from dustin.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair):
+    target, draft = tiny_pair
+    fresh = Engine(load_model(target), load_model(draft))
+    kept = Engine(fresh.target, fresh.draft)
+    fresh.keep_session, kept.keep_session = False, True
+    return fresh, kept
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+CALLS = [  # (method, prompt lengths, seed of the prompts, generation settings): run in this order
+    ("classic", [5, 40, 23], 0, dict(gamma=3, max_new_tokens=30)),
+    ("classic", [61, 7, 12], 1, dict(gamma=3, max_new_tokens=20)),  # same key: reused, other prompts
+    ("dustin", [90, 33, 70], 2, dict(gamma=4, max_new_tokens=25, budget=24)),  # another method: replaced
+    ("dustin", [15, 80, 44], 3, dict(gamma=4, max_new_tokens=25, budget=24)),
+    ("vanilla", [30, 9], 4, dict(max_new_tokens=18)),
+    ("classic", [12, 60, 3], 5, dict(gamma=3, max_new_tokens=30, temperature=0.9, top_p=0.8, seed=7)),
+    ("classic", [12, 60, 3], 5, dict(gamma=3, max_new_tokens=30, temperature=0.9, top_p=0.8, seed=7)),
+    ("magicdec", [50, 21, 77], 6, dict(gamma=2, max_new_tokens=22, draft_window=16)),
+]
+
+
+def test_kept_session_equals_fresh_sessions(engines):
+    fresh, kept = engines
+    for method, lengths, pseed, kw in CALLS:
+        prompts = _prompts(lengths, pseed)
+        cfg = GenerationConfig(method=method, stop_at_eos=False, **kw)
+        want = fresh.generate(prompts, cfg)
+        got = kept.generate(prompts, cfg)
+        assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences], (method, lengths)
+        assert got.steps == want.steps and got.tau == pytest.approx(want.tau)
+        assert all(len(s.token_ids) == kw["max_new_tokens"] for s in got.sequences)
+
+
+def test_kept_session_reuse_and_replacement(engines, monkeypatch):
+    import dustin.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "KEPT_ROUNDING", 64)  # small slots, so a longer context outgrows them
+    _, kept = engines
+    kept.release_kept_session()
+    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
+    kept.generate(_prompts([20, 30]), cfg)
+    first = kept._kept[1]
+    assert first.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
+    kept.generate(_prompts([25, 11], seed=9), cfg)
+    assert kept._kept[1] is first  # same method, batch and a context that fits: the same caches (and graphs)
+    kept.generate(_prompts([25, 11, 4], seed=9), cfg)
+    assert kept._kept[1] is not first  # another batch size: a new session
+    second = kept._kept[1]
+    kept.generate(_prompts([100, 5, 5]), cfg)
+    assert kept._kept[1] is not second and kept._kept[1].target_cache.capacity == 128  # outgrown: a larger one
+    kept.release_kept_session()
+    assert kept._kept is None
+
+
+def test_kept_session_stops_at_eos_per_call(engines):
+    """Stopping settings belong to the call: a call that stops at EOS after one that did not."""
+    fresh, kept = engines
+    prompts = _prompts([10, 50, 31], seed=11)
+    for stop in (False, True, False):
+        cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=40, stop_at_eos=stop)
+        assert [s.token_ids for s in kept.generate(prompts, cfg).sequences] == \
+            [s.token_ids for s in fresh.generate(prompts, cfg).sequences]
+
+
+def test_kept_session_bad_input_leaves_it_usable(engines):
+    fresh, kept = engines
+    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
+    with pytest.raises(InputError):
+        kept.generate([[1, 2, 3], []], cfg)
+    prompts = _prompts([14, 9])
+    assert [s.token_ids for s in kept.generate(prompts, cfg).sequences] == \
+        [s.token_ids for s in fresh.generate(prompts, cfg).sequences]
