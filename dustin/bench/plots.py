@@ -83,3 +83,50 @@ def e2e_throughput(out: dict, path: str) -> None:
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def e2e_real(out: dict, path: str) -> None:
+    """`dustin bench e2e --real`: tokens/s (top row) and % of the byte roofline (bottom row, when measured) against
+    context, one panel per batch; a colour per method, a line style per prompt kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in out["results"] if "skipped" not in r]
+    batches = sorted({r["batch"] for r in rows})
+    if not batches:
+        return
+    panels = [("tokens_per_s", "tokens/s")]
+    if any("pct_of_byte_roofline" in r for r in rows):
+        panels.append(("pct_of_byte_roofline", "% of byte roofline"))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    kinds = list(dict.fromkeys(r["prompts"] for r in rows))
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(len(panels), len(batches), figsize=(4.6 * len(batches), 3.6 * len(panels)),
+                             squeeze=False)
+    for ax_row, (key, label) in zip(axes, panels):
+        for ax, B in zip(ax_row, batches):
+            for i, method in enumerate(methods):
+                for j, kind in enumerate(kinds):
+                    pts = sorted((r["context"], r[key]) for r in rows
+                                 if (r["batch"], r["method"], r["prompts"]) == (B, method, kind) and key in r)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                                ls=("-", "--", ":", "-.")[j % 4], label=f"{method}, {kind}")
+            if key == "pct_of_byte_roofline":
+                ax.axhline(100, color="k", lw=0.8, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [ctx_label(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_title(f"batch {B}", fontsize=9)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    models = out.get("models", {})
+    fig.suptitle(f"decoding throughput, real weights, greedy verification: {models.get('target')} + "
+                 f"{models.get('draft')} ({out.get('device', 'cpu')}, {out.get('date', '')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_bench(bsub.add_parser("decode", help="vanilla decode and verify step latency vs bandwidth limit"))
     from dustin.bench.e2e import add_arguments as add_e2e_bench
     add_e2e_bench(bsub.add_parser("e2e", help="end-to-end decoding throughput per method (acceptance-controlled, "
-                                             "random weights, torchrun for tensor parallelism)"))
+                                             "random weights, torchrun for tensor parallelism; --real: the real "
+                                             "pair on real prompts, τ measured)"))
     from dustin.bench.serve import add_arguments as add_serve_bench
     add_serve_bench(bsub.add_parser("serve", help="load generator against dustin serve: Poisson arrivals of long "
                                                   "prompts, throughput and TTFT / TPOT / ITL percentiles per method"))
@@ -159,7 +160,8 @@ def cmd_generate(args) -> int:
         print(s.text if s.text is not None else s.token_ids)
     split = ", ".join(f"{k} {v:.2f}s" for k, v in result.time_split_s.items())
     print(f"\n[{result.method}] steps {result.steps}, tau {result.tau:.2f}, {result.tokens_per_s:.1f} tokens/s "
-          f"(prefill {result.prefill_s:.2f}s; decode {result.decode_s:.2f}s: {split})", file=sys.stderr)
+          f"(prefill {result.prefill_s:.2f}s; decode {result.decode_s:.2f}s: {split}"
+          f"{f'; one-time graph capture {result.capture_s:.2f}s' if result.capture_s else ''})", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,171 @@
+"""`dustin bench e2e --real`: the real-weights mode end to end on the tiny pair (CPU), its flag errors, and the
+exactness of the prefill it shares between methods."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dustin.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def text_pair(tiny_pair, tmp_path_factory):
+    """The tiny pair with a character-level tokenizer (96 ids: newline and ASCII 32..123), so that real code and
+    prose tokenize to real token ids (the tiny pair's word-level tokenizer maps text to almost nothing)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 124)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    root = tmp_path_factory.mktemp("text_pair")
+    out = []
+    for src, name in zip(tiny_pair, ("target", "draft")):
+        folder = root / name
+        shutil.copytree(src, folder)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / f).unlink(missing_ok=True)
+        fast.save_pretrained(folder)
+        out.append(folder)
+    return tuple(out)
+
+
+def _kinds() -> list[str]:
+    """code always (Python sources of this machine); prose when the essays data package is at hand."""
+    from dustin.data import corpora
+    from dustin.errors import InputError
+
+    try:
+        corpora.essays("heldout")
+        return ["code", "prose"]
+    except InputError:
+        return ["code"]
+
+
+def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys):
+    target, draft = text_pair
+    kinds = _kinds()
+    out, png = tmp_path / "real.json", tmp_path / "real.png"
+    code = main(["bench", "e2e", "--real", "--device", "cpu", "--target", str(target), "--draft", str(draft),
+                 "--prompts", ",".join(kinds), "--contexts", "64,96", "--batches", "2", "--steps", "2",
+                 "--warmup", "1", "--gamma", "3", "--budget", "32", "--draft-window", "24",
+                 "--json-out", str(out), "--plot-out", str(png)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    data = json.loads(out.read_text())
+    assert data["label"] == "real weights" and data["device"] == "cpu" and data["date"]
+    assert data["models"] == {"target": "target", "draft": "draft"}
+    assert data["settings"]["real"] is True and data["settings"]["steps"] == 2
+    rows = data["results"]
+    methods = ["vanilla", "classic", "magicdec", "streaming", "dustin"]
+    assert [(r["prompts"], r["batch"], r["context"], r["method"]) for r in rows] == [
+        (k, 2, c, m) for k in kinds for c in (64, 96) for m in methods]
+    for r in rows:
+        assert r["prompt_tokens"] == r["context"] and r["steps"] == 2 and r["accept_prob"] is None
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["warmup_s"] > 0
+        assert r["phases_ms_per_step"] and r["speedup_vs_vanilla"] > 0
+        b = r["bytes_per_step"]
+        assert b["total"] == b["target"] + b["draft"] + b["estimate"] > 0 and r["pct_of_byte_roofline"] > 0
+        if r["method"] == "vanilla":
+            assert r["tau"] == 1.0 and r["speedup_vs_vanilla"] == 1.0 and b["draft"] == 0
+        else:
+            assert b["draft"] > 0 and r["tau"] <= 4.0
+        assert (b["estimate"] > 0) == (r["method"] == "dustin")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| code | 2 | 96 | dustin |" in printed.out
+
+
+def test_real_prompts_are_exact_and_distinct(text_pair):
+    from transformers import AutoTokenizer
+
+    from dustin.bench.e2e import real_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(text_pair[0]))
+    four = real_prompts(tok, "code", 80, 4, seed=0)
+    assert [len(p) for p in four] == [80] * 4 and len({tuple(p) for p in four}) == 4
+    assert real_prompts(tok, "code", 80, 2, seed=0) == four[:2]  # a smaller batch is a prefix of a larger one
+
+
+def test_shared_prefill_is_exact(text_pair):
+    """A greedy session through the shared PrefillCache (as the benchmark runs every method) decodes exactly what
+    a session with its own fresh prefill does, also when run twice; lossless methods agree with vanilla."""
+    from transformers import AutoTokenizer
+
+    from dustin.bench.e2e import real_prompts
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.engine import Engine
+    from dustin.engine.session import PrefillCache
+
+    engine = Engine.from_pretrained(text_pair[0], text_pair[1])
+    prompts = real_prompts(AutoTokenizer.from_pretrained(str(text_pair[0])), "code", 72, 3, seed=1)
+
+    def outputs(method, cache):
+        cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=17, stop_at_eos=False, budget=32,
+                               draft_window=24)
+        s = engine.session(prompts, cfg, prefill_cache=cache)
+        for _ in range(4):
+            s.step()
+        return s.outputs
+
+    shared = PrefillCache()
+    methods = ("vanilla", "classic", "magicdec", "dustin")
+    first = {m: outputs(m, shared) for m in methods}
+    assert shared.state is not None and shared.state.draft_kv is not None
+    for m in methods:
+        assert outputs(m, shared) == first[m] == outputs(m, None), m
+    for m in ("classic", "magicdec"):  # greedy speculative decoding is lossless: vanilla's tokens, more per step
+        assert all(len(o) >= len(v) and o[:len(v)] == v for o, v in zip(first[m], first["vanilla"])), m
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--accept-prob", "0.5"], "--accept-prob sets acceptance control"),
+    (["--tau", "2.2"], "--tau sets acceptance control"),
+    (["--pairs", "qwen2.5-7b:qwen2.5-0.5b"], "--pairs names random-weight pairs"),
+    (["--prompts", "code,poetry"], "--prompts wants kinds from code, prose"),
+    (["--contexts", "5000"], "past the model context (4096 positions)"),
+    (["--steps", "0"], "--steps >= 1"),
+])
+def test_bench_e2e_real_bad_flags(text_pair, capsys, argv, needle):
+    target, draft = text_pair
+    code = main(["bench", "e2e", "--real", "--device", "cpu", "--target", str(target), "--draft", str(draft), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--real", "--target", "/nonexistent/model"], "does not exist"),
+    (["--prompts", "code"], "apply to --real"),
+])
+def test_bench_e2e_model_and_mode_errors(capsys, argv, needle):
+    code = main(["bench", "e2e", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_bench_e2e_real_without_the_default_pair(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DUSTIN_HOME", str(tmp_path))
+    code = main(["bench", "e2e", "--real", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "dustin models fetch" in err, err
+
+
+def test_bench_e2e_random_weights_share_the_timing(tiny_pair, tmp_path, capsys):
+    """The acceptance-controlled mode runs through the same per-method timing: its rows carry the same fields."""
+    target, draft = tiny_pair
+    out = tmp_path / "random.json"
+    code = main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "64",
+                 "--batches", "2", "--steps", "2", "--warmup", "1", "--gamma", "3", "--tau", "2.0",
+                 "--json-out", str(out), "--plot-out", str(tmp_path / "random.png")])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    data = json.loads(out.read_text())
+    assert data["label"] == "acceptance-controlled" and "target" not in data["settings"]
+    assert [r["method"] for r in data["results"]] == ["vanilla", "classic", "magicdec", "dustin"]
+    for r in data["results"]:
+        assert {"warmup_s", "bytes_per_step", "pct_of_byte_roofline", "phases_ms_per_step"} <= set(r)
+        assert (r["accept_prob"] is None) == (r["method"] == "vanilla")
+    assert "| 2 | 64 | dustin |" in printed.out and (tmp_path / "random.png").is_file()
