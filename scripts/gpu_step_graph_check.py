@@ -22,7 +22,7 @@ from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
 def main() -> int:
-    eng, prompts, _ = gpu_check_pair(torch.float32)
+    eng, prompts, (target, draft) = gpu_check_pair(torch.float32)
     report, ok = {}, True
 
     def run(**kw):
@@ -49,7 +49,25 @@ def main() -> int:
                                          "forward_graphs": round(fwd.tokens_per_s, 1),
                                          "eager": round(eager.tokens_per_s, 1)}}
         print(name, report[name], flush=True)
+    # the fused kernels (RoPE + cache write, norms, SiLU-mul; fused projections) against the plain PyTorch ops
+    from dustin.attention.backend import AttentionBackend
+    from dustin.engine.engine import Engine
+    from dustin.models.loader import load_model
+
+    be = AttentionBackend("triton")
+    plain = Engine(load_model(target, "cuda", torch.float32, be, fused_ops=False, fuse=False),
+                   load_model(draft, "cuda", torch.float32, be, fused_ops=False, fuse=False))
+    for method in ("vanilla", "dustin"):
+        kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
+        a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
+        b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, cuda_graphs=False, **kw))
+        same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences)]
+        ok &= all(same)
+        report[f"fused-vs-plain-ops-{method}"] = same
+        print(f"fused-vs-plain-ops-{method}", same, flush=True)
+    del plain
     # graphs persist across generate calls: the second identical call captures nothing and gives the same tokens
+    eng.release_kept_session()  # the fused-vs-plain run above kept a session of this very config
     first, second = run(method="dustin", budget=128), run(method="dustin", budget=128)
     same = [a.token_ids == b.token_ids for a, b in zip(first.sequences, second.sequences)]
     ok &= all(same) and second.capture_s == 0.0 and first.capture_s > 0.0

@@ -44,3 +44,42 @@ def test_rope_matches_apply_rope_on_strided_views(hq, hkv, t, d):
     torch.testing.assert_close(qo, apply_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ko, apply_rope(k, cos, sin), atol=1e-5, rtol=1e-5)
     assert qo.is_contiguous() and ko.is_contiguous()
+
+
+@pytest.mark.parametrize("hq,hkv,t,d,k_out", [(8, 2, 5, 64, False), (6, 1, 3, 128, True), (12, 2, 37, 64, True),
+                                              (14, 2, 1, 64, False)])
+def test_rope_writes_the_cache_like_kv_cache_write(hq, hkv, t, d, k_out):
+    """The fused launch's cache write equals apply_rope + KVCache.write: a layer view of a [L, B, H, S, D] cache,
+    ragged positions, the untouched positions unchanged; and a one-row view (a prefill of row 1 of 3)."""
+    from dustin.cache.kv_cache import KVCache
+
+    B, S, layer = 3, 1000, 1
+    g = torch.Generator().manual_seed(hq * t + d)
+    args = ModelArgs(vocab_size=8, dim=hq * d, n_layers=1, n_heads=hq, n_kv_heads=hkv, intermediate_size=8,
+                     rope_theta=10000.0)
+    positions = torch.tensor([[5], [900], [31]]) + torch.arange(t)
+    cos, sin = RotaryEmbedding(args)(positions)
+    q = torch.randn(B, t, hq * d, generator=g).view(B, t, hq, d).transpose(1, 2)
+    kv = torch.randn(B, t, 2 * hkv * d, generator=g)  # k and v as the halves of one projection output
+    k, v = (x.reshape(B, t, hkv, d).transpose(1, 2) for x in kv.split(hkv * d, dim=-1))
+    want, got = (KVCache(2, B, hkv, d, S, torch.float32, "cpu") for _ in range(2))
+    for c in (want, got):
+        c.k.normal_(generator=torch.Generator().manual_seed(1))
+        c.v.normal_(generator=torch.Generator().manual_seed(2))
+    want.write(layer, apply_rope(k, cos, sin), v, positions)
+    qo, ko = rope_qk(q, k, cos, sin, v=v, k_cache=got.k[layer], v_cache=got.v[layer], positions=positions,
+                     k_out=k_out)
+    torch.testing.assert_close(qo, apply_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.k, want.k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.v, want.v)
+    assert (ko is not None) == k_out
+    if k_out:
+        torch.testing.assert_close(ko, apply_rope(k, cos, sin), atol=1e-5, rtol=1e-5)
+    # one row of the batch (a prefill's `rows` slice): only that row's cache changes
+    before = got.k.clone()
+    rows = slice(1, 2)
+    rope_qk(q[rows], k[rows], cos[rows], sin[rows], v=v[rows], k_cache=got.k[layer][rows],
+            v_cache=got.v[layer][rows], positions=positions[rows] + 7)
+    want.write(layer, apply_rope(k[rows], cos[rows], sin[rows]), v[rows], positions[rows] + 7, rows)
+    torch.testing.assert_close(got.k, want.k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.k[:, 0], before[:, 0]) and torch.equal(got.k[:, 2], before[:, 2])

@@ -68,7 +68,8 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
         engine = Engine(load_model(target, shard=parallel), load_model(draft), parallel=parallel)
         a = engine.target.args
         assert (a.n_heads, a.n_kv_heads) == (8 // world, 4 // world)
-        assert engine.target.layers[0].self_attn.k_proj.weight.shape[0] == a.n_kv_heads * a.head_dim
+        fused_rows = engine.target.layers[0].self_attn.qkv_proj.weight.shape[0]  # [q | k | v] of the rank's heads
+        assert fused_rows == (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
         outputs = _generate_all(engine)
         s = engine.session(_prompts(), _cfg(RUNS["classic"]))  # the cache holds only this rank's KV heads
         assert s.target_cache.k.shape[2] == 4 // world

@@ -99,9 +99,14 @@ def compile_all_kernels() -> list[Compiled]:
         fused_ops.add_rms_norm(torch.zeros(B, 5, 896, dtype=bf), torch.ones(896, dtype=bf), 1e-6,
                                residual=torch.zeros(B, 5, 896, dtype=bf))
         for hq, hkv, d in ((40, 8, 128), (14, 2, 64)):
-            fused_ops.rope_qk(torch.zeros(B, 5, hq, d, dtype=bf).transpose(1, 2),
-                              torch.zeros(B, 5, hkv, d, dtype=bf).transpose(1, 2),
-                              torch.zeros(B, 5, d), torch.zeros(B, 5, d))
+            q5, k5 = torch.zeros(B, 5, hq, d, dtype=bf).transpose(1, 2), torch.zeros(B, 5, hkv, d, dtype=bf).transpose(1, 2)
+            cs = torch.zeros(B, 5, d), torch.zeros(B, 5, d)
+            fused_ops.rope_qk(q5, k5, *cs)
+            cache = torch.zeros(2, B, hkv, 64, d, dtype=bf)  # the fused cache write (decode/verify: no k copy)
+            fused_ops.rope_qk(q5, k5, *cs, v=k5, k_cache=cache[0], v_cache=cache[1], k_out=False,
+                              positions=torch.zeros(B, 5, dtype=torch.long))
+        for n in (4864, 8960, 27648 // 2):  # SwiGLU epilogue: 0.5B, 1.5B, 32B over 2 ranks; halves of gate_up
+            fused_ops.silu_mul(*torch.zeros(B, 5, 2 * n, dtype=bf).chunk(2, dim=-1))
         selection.select_streaming(L, 512)
         os.environ["TRITON_INTERPRET"] = "1"  # only the wrappers' routing reads it now: take the Triton paths
         try:

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for decode-sized forwards: residual add + RMSNorm, and RoPE on q and k at once.
+"""Fused elementwise kernels for decode-sized forwards: residual add + RMSNorm, RoPE on q and k at once, and
+the SwiGLU epilogue SiLU(gate) * up.
 
 Why: a decode or verify step has B * (Γ+1) <= 128 rows, so every elementwise op is a tiny kernel whose cost is
 its launch (~3-5 us even inside a CUDA graph), not its bytes. In eager PyTorch an RMSNorm is ~7 kernels and
@@ -51,41 +52,120 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, T, HKV,
-                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t,
-                 HQ: tl.constexpr, HALF: tl.constexpr):
-    """One program per (b * T + t, head of q then of k): rotate one D-vector. T is a runtime value, so prompts
-    of every length share one compiled kernel."""
+def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, pos_ptr, T, HKV,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_t,
+                 sc_row, sc_head, sc_pos, sp_b, sp_t,
+                 HQ: tl.constexpr, HALF: tl.constexpr, K_OUT: tl.constexpr, STORE: tl.constexpr):
+    """One program per (b * T + t, head): q heads [0, HQ) are rotated into qo; k heads [HQ, HQ + HKV) are
+    rotated into ko (K_OUT) and/or written into the K cache at the token's position (STORE); with STORE, heads
+    [HQ + HKV, HQ + 2 HKV) copy v into the V cache. T is a runtime value, so prompts of every length share one
+    compiled kernel."""
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b, t = bt // T, bt % T
     d = tl.arange(0, HALF)
+    pos = bt * 0  # an int64 scalar on every path (the compiler types both branches of the runtime `if`s below)
+    if STORE:
+        pos = tl.load(pos_ptr + b * sp_b + t * sp_t).to(tl.int64)
+    if h >= HQ + HKV:  # STORE only: v goes into the cache unchanged
+        hv = h - HQ - HKV
+        src = v_ptr + b * sv_b + hv * sv_h + t * sv_t
+        dst = vc_ptr + b * sc_row + hv * sc_head + pos * sc_pos
+        tl.store(dst + d, tl.load(src + d).to(vc_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, tl.load(src + HALF + d).to(vc_ptr.dtype.element_ty))
+        return
     c1 = tl.load(cos_ptr + b * sc_b + t * sc_t + d)
     c2 = tl.load(cos_ptr + b * sc_b + t * sc_t + HALF + d)
     s1 = tl.load(sin_ptr + b * sc_b + t * sc_t + d)
     s2 = tl.load(sin_ptr + b * sc_b + t * sc_t + HALF + d)
     if h < HQ:
         src = q_ptr + b * sq_b + h * sq_h + t * sq_t
-        dst = qo_ptr + ((b * HQ + h) * T + t) * (2 * HALF)
     else:
         src = k_ptr + b * sk_b + (h - HQ) * sk_h + t * sk_t
-        dst = ko_ptr + ((b * HKV + (h - HQ)) * T + t) * (2 * HALF)
     x1 = tl.load(src + d).to(tl.float32)
     x2 = tl.load(src + HALF + d).to(tl.float32)
-    tl.store(dst + d, (x1 * c1 - x2 * s1).to(qo_ptr.dtype.element_ty))
-    tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(qo_ptr.dtype.element_ty))
+    y1 = (x1 * c1 - x2 * s1).to(qo_ptr.dtype.element_ty)
+    y2 = (x2 * c2 + x1 * s2).to(qo_ptr.dtype.element_ty)
+    if h < HQ:
+        dst = qo_ptr + ((b * HQ + h) * T + t) * (2 * HALF)
+        tl.store(dst + d, y1)
+        tl.store(dst + HALF + d, y2)
+    else:
+        if K_OUT:
+            dst = ko_ptr + ((b * HKV + (h - HQ)) * T + t) * (2 * HALF)
+            tl.store(dst + d, y1)
+            tl.store(dst + HALF + d, y2)
+        if STORE:
+            dst = kc_ptr + b * sc_row + (h - HQ) * sc_head + pos * sc_pos
+            tl.store(dst + d, y1.to(kc_ptr.dtype.element_ty))
+            tl.store(dst + HALF + d, y2.to(kc_ptr.dtype.element_ty))
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, v: torch.Tensor | None = None,
+            k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None, k_out: bool = True):
     """RoPE of q [B, Hq, T, D] and k [B, Hkv, T, D] (any strides, last dim contiguous) in one launch; returns
-    contiguous rotated copies. cos/sin [B, T, D] fp32 (contiguous last dim)."""
+    contiguous rotated copies (qo, ko). cos/sin [B, T, D] fp32 (contiguous last dim).
+
+    With k_cache / v_cache ([B, Hkv, S, D] views of one layer's cache, same strides), v and positions [B, T]:
+    the same launch also writes the rotated k and v into the caches at `positions` (`KVCache.write`'s job, which
+    otherwise costs two scatter launches per layer). k_out=False then skips the rotated copy of k (ko is None):
+    a decode or verify step reads k from the cache only; a fresh prefill also attends over ko."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, "head_dim / 2 must be a power of two"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+    store = k_cache is not None
     qo = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
-    ko = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device)
-    _rope_kernel[(B * T, Hq + Hkv)](q, k, cos, sin, qo, ko, T, Hkv, q.stride(0), q.stride(1), q.stride(2),
-                                    k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
-                                    HQ=Hq, HALF=D // 2, num_warps=1)
+    ko = torch.empty(B, Hkv, T, D, dtype=k.dtype, device=k.device) if k_out or not store else None
+    if store:
+        assert v is not None and v_cache is not None and positions is not None and positions.shape == (B, T)
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and v.stride(-1) == 1
+        assert k_cache.shape[0] == B and k_cache.shape[1] == Hkv
+        kc, vc, pos, vv = k_cache, v_cache, positions, v
+        cstr, pstr, vstr = k_cache.stride()[:3], positions.stride(), v.stride()[:3]
+    else:
+        kc, vc, pos, vv = q, q, q, q  # unused pointers
+        cstr, pstr, vstr = (0, 0, 0), (0, 0), (0, 0, 0)
+    heads = Hq + Hkv + (Hkv if store else 0)
+    _rope_kernel[(B * T, heads)](q, k, vv, cos, sin, qo, ko if ko is not None else qo, kc, vc, pos, T, Hkv,
+                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                                 *vstr, cos.stride(0), cos.stride(1), *cstr, *pstr,
+                                 HQ=Hq, HALF=D // 2, K_OUT=ko is not None, STORE=store, num_warps=1)
     return qo, ko
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, sg_row, su_row, BLOCK: tl.constexpr):
+    """One program per (row, BLOCK columns): out = silu(g) * u, in fp32, rounded once to out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(g_ptr + row * sg_row + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su_row + cols, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SILU_MUL_BLOCK = 1024
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up in one launch instead of two (the SwiGLU MLP's epilogue); a contiguous result of their dtype.
+
+    gate, up [..., N] of one shape and dtype, last dim contiguous, rows at any stride: the two halves of the fused
+    gate_up projection (`torch.split` views of one [..., 2N] tensor) are read in place, without a copy.
+    Rounding: PyTorch rounds silu(gate) to the activation dtype and then the product; this kernel keeps silu(gate)
+    in fp32 and rounds once. In bf16/fp16 the result can thus differ from `F.silu(gate) * up` by one ulp (it is the
+    one nearer the exact value); in fp32 the rounding points are the same, and only Triton's exp and division
+    may differ from PyTorch's in the last bit."""
+    assert gate.shape == up.shape and gate.dtype == up.dtype, "gate and up of one shape and dtype"
+    N = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, N), up.reshape(-1, N)  # views for split halves of a contiguous tensor
+    assert g2.stride(-1) == 1 and u2.stride(-1) == 1, "the last dim must be contiguous"
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    rows = g2.shape[0]
+    if rows and N:
+        _silu_mul_kernel[(rows, triton.cdiv(N, SILU_MUL_BLOCK))](g2, u2, out, N, g2.stride(0), u2.stride(0),
+                                                                BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    return out.view(gate.shape)

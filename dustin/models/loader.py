@@ -51,10 +51,13 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: AttentionBackend | None = None, shard=None, *, fused_ops: bool = True) -> Transformer:
+               backend: AttentionBackend | None = None, shard=None, *, fused_ops: bool = True,
+               fuse: bool = True) -> Transformer:
     """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
     dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
-    no process ever holds the whole checkpoint. fused_ops: see `Transformer`."""
+    no process ever holds the whole checkpoint. fused_ops: see `Transformer`. fuse: concatenate the q/k/v and
+    gate/up projections once loaded (and sharded), `Transformer.fuse_projections`; False keeps the checkpoint's
+    separate modules (A/B, kernel counts)."""
     folder = Path(folder)
     args = read_args(folder)
     with torch.device("meta"):
@@ -92,7 +95,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     if missing:
         raise CheckpointError(f"{folder} is missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
     model.load_state_dict(state, strict=False, assign=True)
-    return _finish(model, args, device)
+    del state  # the model alone holds the weights now, so fusing frees each separate projection as it goes
+    return _finish(model, args, device, fuse)
 
 
 def _read_shard(sl, full_shape, local_shape, shard) -> torch.Tensor:
@@ -114,18 +118,25 @@ def _to_device(t: torch.Tensor, device, dtype) -> torch.Tensor:
         raise OutOfMemoryError(f"model weights do not fit on {device}") from None
 
 
-def _finish(model: Transformer, args: ModelArgs, device) -> Transformer:
+def _finish(model: Transformer, args: ModelArgs, device, fuse: bool) -> Transformer:
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(args).to(device)  # buffers built on meta must be recomputed
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if fuse:  # after sharding: the fused projections hold the rank's slices, split by the per-rank args
+        model.fuse_projections()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the separate weights' blocks: return them, so mem_get_info sees them free
+    return model
 
 
 def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, backend: AttentionBackend | None = None, shard=None) -> Transformer:
+                 seed: int = 0, backend: AttentionBackend | None = None, shard=None, *,
+                 fuse: bool = True) -> Transformer:
     """Random weights of a real shape, for benchmarks: timing does not depend on the values. `shard(model)`, if
     given, reshapes the model while it is still on the meta device (tensor parallelism: each rank materializes
-    only its own shard, so a 72B target never exists whole on one GPU)."""
+    only its own shard, so a 72B target never exists whole on one GPU). fuse: see `load_model` (the values are
+    drawn before fusing, so they do not depend on it)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     try:
         with torch.device("meta"):
@@ -140,4 +151,4 @@ def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: tor
                 p.data.normal_(0.0, 0.02, generator=gen)
     except torch.OutOfMemoryError:
         raise OutOfMemoryError(f"a random {args.num_params() / 1e9:.1f}B-parameter model does not fit on {device}")
-    return _finish(model, args, device)
+    return _finish(model, args, device, fuse)

@@ -64,8 +64,26 @@ class Linear(nn.Linear):
         return out.contiguous().view(*x.shape[:-1], -1)
 
 
+def fuse_linears(parts: list[nn.Linear]) -> Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs (they share their input): one GEMM instead
+    of len(parts). Its weight (and bias) is a new concatenated copy; the caller drops the parts right after, so
+    only one module's projections exist twice at any time (a model that barely fits still fuses)."""
+    w0 = parts[0].weight
+    with torch.device("meta"):  # no init of a throwaway weight
+        fused = Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+    with torch.no_grad():
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=w0.requires_grad)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=w0.requires_grad)
+    return fused
+
+
 class Attention(nn.Module):
-    """fused_ops: RoPE of q and k in one Triton launch on GPU tensors (see RMSNorm)."""
+    """fused_ops: RoPE of q and k in one Triton launch on GPU tensors (see RMSNorm).
+
+    Built with separate q/k/v_proj (the checkpoint's names, which loading and tensor-parallel sharding address);
+    `fuse()` then replaces them by one `qkv_proj` whose output rows are [q | k | v] (one GEMM, see
+    `Transformer.fuse_projections`)."""
 
     def __init__(self, args: ModelArgs, layer: int, fused_ops: bool = True) -> None:
         super().__init__()
@@ -75,24 +93,41 @@ class Attention(nn.Module):
         self.k_proj = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.v_proj = Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * hd, args.dim, bias=False)
+        self.qkv_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        if self.qkv_proj is None:
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, T, H * D] of x; after fusion, views into the one qkv_proj output (no copies). The split
+        sizes come from `self.args`, the rank's own head counts under tensor parallelism."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        a = self.args
+        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        return self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
                 backend: AttentionBackend) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.args
-        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        if self.fused_ops and q.is_cuda:
-            from dustin.kernels.fused_ops import rope_qk
-            q, k = rope_qk(q, k, cos, sin)
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+        k = k.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         cache = ctx.cache
-        cache.write(self.layer, k, v, ctx.positions, ctx.rows)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         if ctx.rows is not None:
             k_cache, v_cache = k_cache[ctx.rows], v_cache[ctx.rows]
+        if self.fused_ops and q.is_cuda:  # RoPE and the cache write in one launch (k itself only for a prefill)
+            from dustin.kernels.fused_ops import rope_qk
+            q, k = rope_qk(q, k, cos, sin, v=v, k_cache=k_cache, v_cache=v_cache, positions=ctx.positions,
+                           k_out=ctx.fresh)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.write(self.layer, k, v, ctx.positions, ctx.rows)
         for obs in ctx.observers:
             if self.layer in obs.layers:
                 obs(self.layer, q, k_cache, ctx)
@@ -110,21 +145,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """SwiGLU. Built with separate gate/up_proj (checkpoint names); `fuse()` replaces them by one `gate_up_proj`
+    (output rows [gate | up]: one GEMM). fused_ops: SiLU(gate) * up in one Triton launch on GPU tensors instead
+    of two (see RMSNorm)."""
+
+    def __init__(self, args: ModelArgs, fused_ops: bool = True) -> None:
         super().__init__()
+        self.fused_ops = fused_ops
         self.gate_proj = Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj: Linear | None = None
+
+    def fuse(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:  # halves of the one output (views); its width is the rank's intermediate size x 2 under TP
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.fused_ops and gate.is_cuda:
+            from dustin.kernels.fused_ops import silu_mul
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, fused_ops: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer, fused_ops)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, fused_ops)
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, fused_ops)
 
@@ -141,8 +194,9 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head).
-    fused_ops=False: plain PyTorch ops instead of the fused RMSNorm / RoPE Triton kernels on the GPU (A/B)."""
+    """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head) until `fuse_projections`.
+    fused_ops=False: plain PyTorch ops instead of the fused RMSNorm / RoPE / SiLU-mul Triton kernels on the GPU
+    (A/B)."""
 
     def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None, *, fused_ops: bool = True) -> None:
         super().__init__()
@@ -167,3 +221,21 @@ class Transformer(nn.Module):
             rows = torch.arange(h.shape[0], device=h.device)
             h, residual = h[rows, logits_at], residual[rows, logits_at]
         return self.lm_head(self.norm.add_forward(residual, h)[1]).float()
+
+    def fuse_projections(self) -> Transformer:
+        """Concatenate each layer's q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj: two GEMM
+        launches per layer instead of five, the same math (each output element is the same dot product).
+
+        Load time, after the weights are in place (dustin/models/loader.py calls it last): the checkpoints, the
+        loader and tensor-parallel sharding keep the Hugging Face names. Layer by layer, each separate weight is
+        freed as soon as it is copied. Idempotent. The state_dict then names qkv_proj / gate_up_proj; a fused model
+        can still be sharded (`shard_transformer` slices each part of a fused projection)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def projections_fused(self) -> bool:
+        return all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                   for layer in self.layers)

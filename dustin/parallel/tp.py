@@ -8,6 +8,8 @@ Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_tr
   H/world = group * Hkv/world, every local query head's KV head is local too, so attention needs no communication.
   o_proj is row-parallel (the input columns of the rank's heads) and its output is all_reduced (`RowParallelLinear`).
 - MLP: gate/up_proj column-parallel over the intermediate size, down_proj row-parallel + all_reduce.
+- fused projections (`Transformer.fuse_projections`): a qkv_proj / gate_up_proj keeps the rank's rows of each of
+  its parts, which equals fusing the rank's sharded parts. Loading shards the separate modules and fuses last.
 - embed_tokens, norms and lm_head are replicated: the simplest correct choice (no vocabulary gather); every rank
   computes identical logits from the identical all_reduced hidden state, so greedy choices agree on all ranks and
   sampling agrees too because each rank's Session seeds its generator from cfg.seed.
@@ -103,6 +105,15 @@ def rank_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def broadcast_object(obj=None, src: int = 0, group=None, device: torch.device | str | None = None):
+    """`obj` (any picklable object) from rank `src` to every rank of `group` (None: the default group): rank
+    `src` passes it, the others pass None; every rank returns it. The pickled bytes travel as a tensor on `device`
+    (None: the backend's choice; for NCCL the calling thread's current CUDA device, which is set per thread)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=None if device is None else torch.device(device))
+    return box[0]
+
+
 def is_main_process() -> bool:
     """True on rank 0 or when not distributed: only this process prints results."""
     return tp_rank_world()[0] == 0
@@ -130,16 +141,19 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
-    return t.narrow(0, start, size).clone()  # clone: free the full tensor, keep a contiguous shard
+def _rows(t: torch.Tensor, ranges) -> torch.Tensor:
+    # cat copies (even one range): free the full tensor, keep a contiguous shard
+    return torch.cat([t.narrow(0, start, size) for start, size in ranges])
 
 
-def _shard_out(linear: nn.Linear, start: int, size: int) -> None:
-    """Column-parallel: keep output features [start, start + size) (weight rows, bias entries)."""
-    linear.weight = nn.Parameter(_rows(linear.weight.data, start, size), requires_grad=False)
+def _shard_out(linear: nn.Linear, *ranges: tuple[int, int]) -> None:
+    """Column-parallel: keep output features [start, start + size) of each (start, size) range, in order (weight
+    rows, bias entries). Several ranges: a fused projection (qkv_proj, gate_up_proj) keeps the rank's slice of
+    each of its parts, i.e. exactly what fusing the rank's sharded parts gives."""
+    linear.weight = nn.Parameter(_rows(linear.weight.data, ranges), requires_grad=False)
     if linear.bias is not None:
-        linear.bias = nn.Parameter(_rows(linear.bias.data, start, size), requires_grad=False)
-    linear.out_features = size
+        linear.bias = nn.Parameter(_rows(linear.bias.data, ranges), requires_grad=False)
+    linear.out_features = sum(size for _, size in ranges)
 
 
 def _shard_in(linear: nn.Linear, start: int, size: int) -> None:
@@ -167,16 +181,24 @@ def shard_transformer(model, rank: int, world: int, group=None):
     hd = full.head_dim
     hq, hkv, inter = full.n_heads // world, full.n_kv_heads // world, full.intermediate_size // world
     local = replace(full, n_heads=hq, n_kv_heads=hkv, head_dim=hd, intermediate_size=inter)
+    q, kv = (rank * hq * hd, hq * hd), (rank * hkv * hd, hkv * hd)  # (start, size) of the rank's rows
     for layer in model.layers:
         att, mlp = layer.self_attn, layer.mlp
-        _shard_out(att.q_proj, rank * hq * hd, hq * hd)
-        _shard_out(att.k_proj, rank * hkv * hd, hkv * hd)
-        _shard_out(att.v_proj, rank * hkv * hd, hkv * hd)
+        if att.qkv_proj is None:
+            _shard_out(att.q_proj, q)
+            _shard_out(att.k_proj, kv)
+            _shard_out(att.v_proj, kv)
+        else:  # fused [q | k | v] rows of the full model (Transformer.fuse_projections)
+            k0, v0 = full.n_heads * hd, (full.n_heads + full.n_kv_heads) * hd
+            _shard_out(att.qkv_proj, q, (k0 + kv[0], kv[1]), (v0 + kv[0], kv[1]))
         _shard_in(att.o_proj, rank * hq * hd, hq * hd)
         att.o_proj = RowParallelLinear(att.o_proj, group)
         att.args = local
-        _shard_out(mlp.gate_proj, rank * inter, inter)
-        _shard_out(mlp.up_proj, rank * inter, inter)
+        if mlp.gate_up_proj is None:
+            _shard_out(mlp.gate_proj, (rank * inter, inter))
+            _shard_out(mlp.up_proj, (rank * inter, inter))
+        else:  # fused [gate | up] rows
+            _shard_out(mlp.gate_up_proj, (rank * inter, inter), (full.intermediate_size + rank * inter, inter))
         _shard_in(mlp.down_proj, rank * inter, inter)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     model.args = local

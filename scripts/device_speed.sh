@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The H200 speed runs on the real default pair behind docs/benchmarks.md and docs/serving.md (issues 10, 11),
+# made right after the weight staging (../shared/tools/device-weights; /root survives only while warm):
+#   bash scripts/device_speed.sh code    # assemble + convert the pair, the step-graph check (tiny fp32 pair),
+#                                        # then `dustin bench e2e --real` on code prompts
+#   bash scripts/device_speed.sh serve   # `dustin bench serve` (16 slots, 16k-32k prompts) + one-shot generate
+#   bash scripts/device_speed.sh prose   # `dustin bench e2e --real` on prose prompts + the step anatomy
+#                                        # (random weights of the pair's shapes: kernels/step, GPU busy time)
+# Each mode fits the device's 600 s per call; results and logs land in $OUT.
+set -uo pipefail
+mode=${1:-code}
+if [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
+  for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
+    [ -f $a ] && { python3 $a || exit 1; break; }
+  done
+fi
+. scripts/device_env.sh
+log="$OUT/speed_$mode.log"
+run() {  # run <seconds> <command...>: logged, cut at the deadline
+  echo "== $(date -u +%H:%M:%S) [$SECONDS s] ${*:2}" | tee -a "$log"
+  timeout "$1" "${@:2}" >> "$log" 2>&1
+  echo "== rc $? [$SECONDS s]" | tee -a "$log"
+}
+if [ "$mode" = code ] || [ "$mode" = prose ]; then
+  if [ "$mode" = code ]; then
+    python3 scripts/gpu_step_graph_check.py > "$OUT/step_graph_check.log" 2>&1 || { echo "step graph check failed"; exit 1; }
+  fi
+  run $((570 - SECONDS)) python3 -m dustin bench e2e --real --device cuda --prompts $mode \
+    --contexts 32768,16384,8192 --batches 16,8 --methods vanilla,classic,magicdec,streaming,dustin \
+    --warmup 3 --steps 12 --json-out "$OUT/bench_e2e_real_$mode.json" --plot-out "$OUT/bench_e2e_real_$mode.png"
+  if [ "$mode" = prose ]; then
+    run $((580 - SECONDS)) python3 scripts/gpu_step_anatomy.py --pair qwen2.5-1.5b:qwen2.5-0.5b --batch 16 \
+      --context 32768 --methods vanilla,magicdec,streaming,dustin --tau 3.8 --steps 10 \
+      --config dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
+  fi
+else
+  run 330 python3 -m dustin bench serve --device cuda --methods vanilla,dustin --prompt-tokens 16384,32768 \
+    --num-requests 32 --rate inf --max-tokens 128 --max-slots 16 --json-out "$OUT/bench_serve_h200.json"
+  # one-shot `dustin generate`: a fresh process per method, 16 real code prompts of ~29.5k tokens, 128 tokens
+  python3 - <<'EOF' >> "$log" 2>&1
+import json
+from transformers import AutoTokenizer
+from dustin.bench.serve import make_prompts
+from dustin.models.fetch import resolve_model_path
+tok = AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
+ids = make_prompts(tok, "code", (29500, 29500), 16, 0, len(tok))
+with open("/root/oneshot.jsonl", "w") as f:
+    for p in ids:
+        f.write(json.dumps({"prompt": tok.decode(p)}) + "\n")
+EOF
+  for m in vanilla dustin; do  # stdout is the result JSON (token ids, tokens/s, capture_s); the wall time beside it
+    echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x 29.5k, 128 tokens)" | tee -a "$log"
+    t0=$(date +%s.%N)
+    timeout 120 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot.jsonl \
+      --max-new-tokens 128 --ignore-eos --json > "$OUT/oneshot_$m.json" 2>> "$log"
+    echo "== rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$log"
+  done
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$log" 2>/dev/null || true
