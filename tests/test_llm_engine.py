@@ -3,6 +3,7 @@ exactly the tokens an offline `Engine.generate` of that prompt alone gives (fp32
 beside it, however its prompt is chunked, and however often its slot was used before."""
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -149,3 +150,55 @@ def test_slot_memory_error_names_the_flags(engine):
     with pytest.raises(OutOfMemoryError, match="--max-slots"):
         LLMEngine(engine, huge)
     torch.zeros(1)  # the failed allocation left nothing behind that breaks the next one
+
+
+def _lockstep_step(leader: LLMEngine, follower: LLMEngine):
+    """One `leader.step()` whose plan `follower` executes too, after a pickle round trip (what the broadcast to a
+    tensor-parallel follower does)."""
+    plan = leader._schedule()
+    leader._execute(plan)
+    follower._execute(pickle.loads(pickle.dumps(plan)))
+    return leader._collect()
+
+
+def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
+    """The follower property of tensor-parallel serving, without processes: a second engine that only executes
+    the first one's step plans (never scheduling or collecting) holds the same session after every step: the same
+    tokens per row (greedy, seeded and unseeded sampling), lengths and finished rows, through chunked prefill,
+    requests that join late, an abort mid-prefill and one mid-decode, a one-token request and slot reuse."""
+    cfg = ServeConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, **SPARSE)
+    leader, follower = LLMEngine(engine, cfg), LLMEngine(engine, cfg)
+    prompts = _prompts(8, seed=5, low=20, high=110)
+    params = [RequestParams(max_tokens=18, ignore_eos=True),
+              RequestParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+              RequestParams(max_tokens=1),
+              RequestParams(max_tokens=15, temperature=1.0, top_k=30, ignore_eos=True),  # the engine's generator
+              RequestParams(max_tokens=40, ignore_eos=True),  # aborted mid-decode
+              RequestParams(max_tokens=10, ignore_eos=True),  # aborted while prefilling
+              RequestParams(max_tokens=16),
+              RequestParams(max_tokens=9, temperature=0.7, seed=11, ignore_eos=True)]
+    got: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    added, steps = 0, 0
+    while added < len(prompts) or leader.has_unfinished():
+        while added < len(prompts) and added <= 2 * steps + 3:  # a few at once, then more while others run
+            leader.add_request(Request(str(added), prompts[added], params[added]))
+            added += 1
+        if steps == 6:
+            leader.abort_request("4")
+        if "5" in leader._by_id and leader._by_id["5"].row is not None and leader._by_id["5"].prefilling:
+            leader.abort_request("5")
+        for o in _lockstep_step(leader, follower):
+            got.setdefault(int(o.request_id), []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[int(o.request_id)] = o.finish_reason
+        a, b = leader.session, follower.session
+        assert b.outputs == a.outputs and b.finished == a.finished and b.host_lengths == a.host_lengths
+        assert torch.equal(b.target_cache.lengths, a.target_cache.lengths) and torch.equal(b.pending, a.pending)
+        steps += 1
+    assert reasons[4] == reasons[5] == "abort" and len(reasons) == len(prompts)
+    assert len(got[2]) == 1 and reasons[2] in ("stop", "length")
+    assert len(got[1]) == 12 and len(got[3]) == 15 and len(got[7]) == 9
+    assert got[0] == _offline(engine, [prompts[0]], "dustin", 18, **SPARSE)[0]
+    for key in ("prompt_tokens_total", "steps_total"):
+        assert follower.counters[key] == leader.counters[key]

@@ -20,6 +20,16 @@ Design (nano-vllm's shape, on our speculative step):
   -> postprocess (new tokens per request, finished requests free their rows).
 - Greedy output does not depend on the batch: rows never mix, and each row's first tokens come from its own
   prefill. A request with its own `seed` samples from its own generator.
+
+Tensor parallelism (`dustin serve` under torchrun): a step is split into `_schedule()`, which returns a `StepPlan`
+(rows to release, admissions, prefill chunks of decided sizes, whether to decode: every call the step makes on the
+Session, as plain picklable data), and `_execute(plan)`, which makes those calls. Rank 0 schedules, broadcasts the
+plan and executes it; every other rank runs `follow()`: receive a plan, execute it, until a stop plan. All ranks
+thus make the same Session calls in the same order, so the collectives inside the forwards match, and since every
+rank seeds its sampling generators alike (dustin/parallel/tp.py), the sampled tokens agree too. Postprocessing
+(new tokens per request, finished requests) is rank 0's alone: the rows it frees are released by the next plan.
+While rank 0 is idle its followers wait inside the plan broadcast; `heartbeat()` sends them an empty plan at least
+every `heartbeat_s` seconds (see there why), and `stop_followers()` ends their `follow()`.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ import torch
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, check_prompts
 from dustin.engine.request import Request, RequestOutput, RequestParams
+from dustin.engine.sampling import SamplingParams
 from dustin.engine.session import Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
 
@@ -82,8 +93,13 @@ class _Sequence:
     request: Request
     arrival: float
     row: int | None = None
+    prefilled: int = 0  # prompt tokens given to prefill chunks of scheduled plans
     emitted: int = 0  # tokens already returned by step()
     aborted: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_ids)
 
 
 class Scheduler:
@@ -111,6 +127,20 @@ class Scheduler:
             out.append(seq)
         return out
 
+    def prefill_chunks(self) -> list[tuple[int, int]]:
+        """This step's prefill: (row, prompt tokens) for running requests with prompt left, oldest first, at most
+        `prefill_chunk` tokens in all; counted as prefilled at once (the plan's execution prefills exactly them)."""
+        budget, out = self.prefill_chunk, []
+        for seq in sorted(self.running.values(), key=lambda q: q.arrival):
+            if budget <= 0:
+                break
+            if seq.prefilling:
+                n = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
+                seq.prefilled += n
+                budget -= n
+                out.append((seq.row, n))
+        return out
+
     def finish(self, row: int) -> _Sequence:
         seq = self.running.pop(row)
         self.free.append(row)
@@ -118,7 +148,36 @@ class Scheduler:
         return seq
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A waiting request given an idle row: the arguments of `Session.admit`, and whether it ignores EOS."""
+
+    row: int
+    prompt_ids: tuple[int, ...]
+    limit: int
+    sampling: SamplingParams
+    seed: int | None
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every call one engine step makes on the Session, in order: release rows (finished last step, or aborted),
+    admit requests to rows, prefill chunks of exactly the given sizes, then one decode step over all rows if
+    `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a follower that executes the same
+    plans on the same Session state makes the same calls. An empty plan does nothing (the idle heartbeat);
+    `stop` ends `LLMEngine.follow()`."""
+
+    release: tuple[int, ...] = ()
+    admit: tuple[Admission, ...] = ()
+    prefill: tuple[tuple[int, int], ...] = ()  # (row, prompt tokens)
+    decode: bool = False
+    stop: bool = False
+
+
 class LLMEngine:
+    heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
+
     def __init__(self, engine: Engine, config: ServeConfig) -> None:
         if engine.draft is None and METHODS[config.method].speculative:
             raise InputError(f"method {config.method!r} needs a draft model (--draft)")
@@ -146,9 +205,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk)
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: list[str] = []
+        self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
+        self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by _collect
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
         self.counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0, "steps_total": 0,
                          "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
+        # tensor parallelism: rank and world of the target's shards; on rank 0 the followers' state: "waiting"
+        # (for the next plan), "busy" (a plan was sent and is not finished here: after an error there, the
+        # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped"
+        parallel = engine.parallel
+        self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
+        self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
+        self._last_sent = time.monotonic()
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
@@ -165,6 +233,13 @@ class LLMEngine:
         obj = cls(engine, config)
         obj.model_name = Path(resolve_model_path(str(target), "target")).name
         return obj
+
+    def bind_thread(self) -> None:
+        """Make the engine's GPU the calling thread's current CUDA device. `torch.cuda.set_device` holds per
+        thread, and a new thread starts on GPU 0: the thread that runs `step()` (the server's engine thread) calls
+        this first, so kernels, CUDA graphs and (tensor parallelism) NCCL's plan broadcast use the engine's GPU."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
@@ -196,29 +271,110 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """schedule -> (tensor parallelism: broadcast the plan) -> execute -> postprocess."""
+        if self.rank != 0:
+            raise RuntimeError("under tensor parallelism only rank 0 steps; the other ranks call follow()")
         t0 = time.perf_counter()
-        outputs = self._apply_aborts()
-        s, sched = self.session, self.scheduler
-        for seq in sched.admissions():
-            p = seq.request.params
-            s.admit(seq.row, seq.request.prompt_ids, p.max_tokens, p.sampling, p.seed)
-            if p.ignore_eos:
-                s.ignore_eos_rows.add(seq.row)
-        budget = sched.prefill_chunk
-        for row in sorted(s.prefilling_rows, key=lambda r: sched.running[r].arrival):
-            if budget <= 0:
-                break
-            n = s.prefill_chunk(row, budget)
-            budget -= n
-            self.counters["prompt_tokens_total"] += n
-        if s.active_rows:
-            s.step()
-            self.counters["steps_total"] += 1
-        outputs += self._collect()
+        plan = self._schedule()
+        if self._followers is None:
+            self._execute(plan)
+        else:
+            self._send(plan, then_execute=True)
+        outputs = self._collect()
+        s = self.session
         if outputs or s.active_rows or s.prefilling_rows:
             self.counters["busy_s"] += time.perf_counter() - t0
         return outputs
 
+    def _schedule(self) -> StepPlan:
+        """Rank 0's decisions for one step (aborts, releases, admissions, prefill chunk sizes, whether to decode),
+        as a StepPlan; the bookkeeping here is the scheduler's, the Session is only read by `_execute`."""
+        self._outputs += self._apply_aborts()
+        sched = self.scheduler
+        admit = tuple(Admission(seq.row, tuple(seq.request.prompt_ids), seq.request.params.max_tokens,
+                                seq.request.params.sampling, seq.request.params.seed, seq.request.params.ignore_eos)
+                      for seq in sched.admissions())
+        prefill = tuple(sched.prefill_chunks())
+        completing = {row for row, _ in prefill if not sched.running[row].prefilling}
+        # decode when a row will be active: decoding, or its prefill completes now and its first token cannot end
+        # it (max_tokens 1 always does; a first token that is EOS is only known after the prefill, and then the
+        # step runs over finished rows, which changes nothing but costs one step)
+        decode = any(not seq.prefilling and not (row in completing and seq.request.params.max_tokens == 1)
+                     for row, seq in sched.running.items())
+        release, self._to_release = tuple(self._to_release), []
+        return StepPlan(release, admit, prefill, decode)
+
+    def _execute(self, plan: StepPlan) -> None:
+        """Make the plan's Session calls (every rank, the same plans in the same order)."""
+        s = self.session
+        for row in plan.release:
+            s.release(row)
+        for a in plan.admit:
+            s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed)
+            if a.ignore_eos:
+                s.ignore_eos_rows.add(a.row)
+        for row, n in plan.prefill:
+            done = s.prefill_chunk(row, n)
+            if done != n:
+                raise RuntimeError(f"step plan out of step with the session: row {row} prefilled {done} of {n}")
+            self.counters["prompt_tokens_total"] += n
+        if plan.decode:
+            s.step()
+            self.counters["steps_total"] += 1
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _send(self, plan: StepPlan, then_execute: bool = False) -> None:
+        """Rank 0: broadcast a plan to the followers (and execute it here). The followers' state is "busy" from
+        the broadcast until this rank finished the plan too, so an error in between leaves it "busy"."""
+        from dustin.parallel.tp import broadcast_object
+
+        if self._followers != "waiting":
+            raise DustinError(f"the tensor-parallel ranks no longer follow this engine ({self._followers})")
+        self._followers = "busy"
+        broadcast_object(plan, device=self.engine.device)
+        self._last_sent = time.monotonic()
+        if then_execute:
+            self._execute(plan)
+        self._followers = "stopped" if plan.stop else "waiting"
+
+    def follow(self) -> int:
+        """Ranks > 0 of a tensor-parallel engine: receive rank 0's plans and execute them until the stop plan;
+        the number of plans received (heartbeats included)."""
+        from dustin.parallel.tp import broadcast_object
+
+        if self.rank == 0 or self.world == 1:
+            raise RuntimeError("follow() is for ranks > 0 of a tensor-parallel engine")
+        received = 0
+        while True:
+            plan = broadcast_object(None, device=self.engine.device)
+            received += 1
+            if plan.stop:
+                return received
+            self._execute(plan)
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: send the followers an empty plan when none went out for `heartbeat_s` seconds (a no-op
+        when not tensor-parallel or when the followers do not wait for a plan).
+
+        Why: while rank 0 has no work its followers wait inside the plan broadcast, and a collective that waits
+        longer than the process group's timeout fails (NCCL's watchdog then ends the process; the default timeout
+        is 10 minutes for NCCL and 30 for gloo), which would end an idle server. A very long timeout instead would
+        also keep a rank that is really stuck (a peer died mid-step) waiting that long, so the timeout keeps its
+        default and an idle server sends one small broadcast per `heartbeat_s` (the server's engine thread calls
+        this whenever it wakes up idle, at least once a second)."""
+        if self._followers == "waiting" and time.monotonic() - self._last_sent >= self.heartbeat_s:
+            self._send(StepPlan())
+
+    def stop_followers(self) -> bool:
+        """Rank 0: send the stop plan, so the followers return from `follow()` (idempotent). True when they were
+        told to stop (or there are none); False when they cannot be: a plan failed on this rank after it was
+        sent, so the followers are inside a step this rank left and end only at the process group's timeout
+        (or when this process ends)."""
+        if self._followers == "waiting":
+            self._send(StepPlan(stop=True))
+        return self._followers in (None, "stopped")
+
+    # ------------------------------------------------------------------ postprocess (rank 0)
     def _apply_aborts(self) -> list[RequestOutput]:
         out = []
         for rid in self._aborts:
@@ -228,7 +384,7 @@ class LLMEngine:
             if seq.row is None:
                 self.scheduler.waiting.remove(seq)
             else:
-                self.session.release(seq.row)
+                self._to_release.append(seq.row)
                 self.scheduler.finish(seq.row)
             self.counters["requests_aborted"] += 1
             out.append(RequestOutput(rid, [], True, "abort", len(seq.request.prompt_ids), seq.emitted))
@@ -236,10 +392,10 @@ class LLMEngine:
         return out
 
     def _collect(self) -> list[RequestOutput]:
-        out = []
+        out, self._outputs = self._outputs, []
         s = self.session
         for row, seq in list(self.scheduler.running.items()):
-            if row in s.prefilling_rows:
+            if seq.prefilling:
                 continue
             toks = s.outputs[row]
             new = toks[seq.emitted:]
@@ -251,7 +407,7 @@ class LLMEngine:
             reason = None
             if done:
                 reason = "stop" if toks and toks[-1] in s.eos_ids else "length"
-                s.release(row)
+                self._to_release.append(row)
                 self.scheduler.finish(row)
                 del self._by_id[seq.request.request_id]
                 self.counters["requests_finished"] += 1

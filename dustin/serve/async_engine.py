@@ -13,6 +13,11 @@ engine thread is busy with a long step; it only reads settings fixed at start (c
 
 If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
 stops taking requests, and `error` keeps the message for /health (503). The process stays up.
+
+Tensor parallelism (rank 0 of `dustin serve` under torchrun; the other ranks run `LLMEngine.follow()`): the engine
+thread is the only one that talks to the followers. It first makes the engine's GPU its current device
+(`bind_thread`), calls `heartbeat()` whenever it wakes up idle (so the followers' wait for the next plan never
+reaches the process group's timeout), and when it ends, whether shut down or failed, calls `stop_followers()`.
 """
 from __future__ import annotations
 
@@ -176,8 +181,10 @@ class AsyncLLMEngine:
             snap["error"] = self._error
         return snap
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; in-flight requests fail with EngineDeadError."""
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread after its current step; in-flight requests fail with EngineDeadError. Waits up to
+        `timeout` seconds for the thread (None: until it ended, which under tensor parallelism includes stopping the
+        followers)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -186,12 +193,14 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
+            self.engine.bind_thread()
             while not self._stop.is_set():
                 self._wake.clear()  # before reading commands: a command put after this sets it again
                 self._apply_commands()
                 if self._error is None and self.engine.has_unfinished():
                     self._step()
                 else:
+                    self.engine.heartbeat()  # tensor parallelism: the followers wait for a plan meanwhile
                     self._wake.wait(self._idle_poll_s)
         except BaseException as e:  # noqa: BLE001 - a bug here must not leave clients hanging
             self._die(f"engine loop failed: {type(e).__name__}: {e}")
@@ -201,6 +210,15 @@ class AsyncLLMEngine:
                 if self._error is None:
                     self._error = _SHUTDOWN_MESSAGE
             self._fail_all(EngineDeadError(_SHUTDOWN_MESSAGE))
+            self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        try:
+            if not self.engine.stop_followers():
+                log.error("dustin serve: the tensor-parallel ranks cannot be stopped (a step failed after its plan "
+                          "was sent): they end at the process group's timeout or when this process ends")
+        except Exception:  # noqa: BLE001 - a follower already gone: the broadcast fails
+            log.error("dustin serve: stopping the tensor-parallel ranks failed\n%s", traceback.format_exc())
 
     def _apply_commands(self) -> None:
         while True:

@@ -1,12 +1,20 @@
 """`dustin serve`: the OpenAI-compatible HTTP server on one `LLMEngine` (continuous batching).
 
     dustin serve --device cuda --method dustin --max-slots 16 --port 8000
+    torchrun --nproc-per-node 2 -m dustin serve --device cuda --method dustin --port 8000   # tensor parallel
+
+Under torchrun, rank 0 checks the port, loads its shard and serves HTTP; every other rank loads its shard and
+follows rank 0's engine steps (`LLMEngine.follow`) until rank 0's server stops and sends the stop plan; then all
+ranks leave the process group together (dustin/cli/main.py) and exit 0.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
+import threading
 
 from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import InputError
@@ -55,13 +63,26 @@ def _check_port(host: str, port: int) -> None:
             raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def _check_not_distributed() -> None:
-    """Tensor parallelism: rank 0 would serve and every other rank would have to replay rank 0's engine steps
-    (same admissions, same batch) in lockstep for the collectives to match. LLMEngine has no such follower mode
-    yet, so a torchrun launch is refused before anything loads."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise InputError("dustin serve under torchrun is not supported yet (tensor parallelism needs every rank "
-                         "to follow rank 0's engine steps); run it as a single process")
+def _launch(method: str) -> tuple[int, int]:
+    """(rank, world) of this launch, from torchrun's environment before anything loads ((0, 1) without torchrun).
+    Under torchrun rank 0 serves HTTP and every other rank follows its engine steps (tensor parallelism); a method
+    without a tensor-parallel form, or a half-set environment, is one InputError line before any load."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise InputError(f"WORLD_SIZE is {world} but {', '.join(missing)} {verb} not set: launch tensor-parallel "
+                         f"serving with torchrun --nproc-per-node N -m dustin serve ...")
+    from dustin.engine.config import METHODS
+    from dustin.engine.llm_engine import SERVABLE
+    from dustin.parallel.tp_selection import TP_POLICIES
+
+    if method in SERVABLE and METHODS[method].policy not in TP_POLICIES:
+        tp = [m for m in SERVABLE if METHODS[m].policy in TP_POLICIES]
+        raise InputError(f"--method {method} has no tensor-parallel form; under torchrun serve one of {', '.join(tp)}")
+    return int(os.environ["RANK"]), world
 
 
 def build_engine(args):
@@ -77,27 +98,50 @@ def build_engine(args):
 
 
 def run(args) -> int:
-    import uvicorn
-
-    from dustin.serve.app import create_app
-    from dustin.serve.async_engine import AsyncLLMEngine
-
-    _check_not_distributed()
-    _check_port(args.host, args.port)
+    rank, world = _launch(args.method)
+    if rank == 0:
+        _check_port(args.host, args.port)
     if args.config is not None and args.config != "builtin":
         from dustin.cli.args import check_sparse_config
         check_sparse_config(args.config, [args.budget] if args.budget is not None else [])
-    engine = build_engine(args)
+    engine = build_engine(args)  # under torchrun: joins the process group and loads this rank's shard
+    if rank > 0:
+        return _follow(engine)
+    return _serve(args, engine, world)
+
+
+def _follow(engine) -> int:
+    """A rank > 0: execute rank 0's step plans until its stop plan. Ctrl-C and SIGTERM are ignored meanwhile:
+    torchrun passes a signal it gets to every rank, and rank 0 alone decides when the ranks stop (it sends the stop
+    plan once its server shut down); a follower that ended at once would leave rank 0's last broadcasts and the
+    final barrier without a peer. (torchrun kills a rank that ignores its signal for 30 s, e.g. after rank 0
+    died.)"""
+    with _signals({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}):
+        engine.follow()
+    return 0
+
+
+def _serve(args, engine, world: int) -> int:
+    import uvicorn
+
+    from dustin.errors import DustinError
+    from dustin.serve.app import create_app
+    from dustin.serve.async_engine import AsyncLLMEngine
+
     name = args.served_model_name or engine.model_name
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, name)
     host = f"[{args.host}]" if ":" in args.host else args.host
+    tp = f", tensor parallel over {world} ranks" if world > 1 else ""
     print(f"dustin serve: http://{host}:{args.port} (model {name}, method {args.method}, "
-          f"{engine.max_context} context x {getattr(engine, 'max_slots', '?')} slots)", flush=True)
+          f"{engine.max_context} context x {getattr(engine, 'max_slots', '?')} slots{tp})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     try:
-        server.run()
+        # SIGTERM (also what torchrun sends every rank when it is stopped) shuts down like Ctrl-C: uvicorn handles
+        # both gracefully and then raises the signal again, which this handler turns into KeyboardInterrupt
+        with _signals({signal.SIGTERM: _interrupt}):
+            server.run()
     except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal
         pass
     except SystemExit:  # uvicorn exits when it cannot bind (it logs why): one line of ours instead
@@ -105,5 +149,27 @@ def run(args) -> int:
             raise
         raise InputError(f"could not start the HTTP server on {args.host}:{args.port}") from None
     finally:
-        async_engine.shutdown()
+        # under tensor parallelism the engine thread stops the followers as it ends: wait for that (one step at most)
+        async_engine.shutdown(timeout=None if world > 1 else 30.0)
+    if not engine.stop_followers():  # idempotent: True once the engine thread stopped them
+        raise DustinError("the tensor-parallel ranks could not be stopped cleanly (an engine step failed after its "
+                          "plan was sent); they end at the process group's timeout")
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _signals(handlers: dict):
+    """Install signal handlers for the block (main thread only: elsewhere Python cannot), then restore."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, h) for sig, h in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
