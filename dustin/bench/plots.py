@@ -125,7 +125,7 @@ def e2e_real(out: dict, path: str) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     models = out.get("models", {})
-    fig.suptitle(f"decoding throughput, real weights, greedy verification: {models.get('target')} + "
+    fig.suptitle(f"decoding throughput, real weights, greedy verification\n{models.get('target')} + "
                  f"{models.get('draft')} ({out.get('device', 'cpu')}, {out.get('date', '')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
