@@ -149,6 +149,6 @@ def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: tor
                 p.data.fill_(1.0)
             else:  # std 0.02 like HF init, drawn on the device (fast for 70B-class shapes)
                 p.data.normal_(0.0, 0.02, generator=gen)
+        return _finish(model, args, device, fuse)  # inside: fusing copies one layer's projections at a time
     except torch.OutOfMemoryError:
         raise OutOfMemoryError(f"a random {args.num_params() / 1e9:.1f}B-parameter model does not fit on {device}")
-    return _finish(model, args, device, fuse)
