@@ -2,7 +2,8 @@
 
 Tiny random Qwen2 pair in fp32 on the GPU (Triton backend): for every graph-safe method, greedy and sampled, the
 whole-step CUDA graph (`GenerationConfig.step_graph`, the default) must give exactly the tokens of one graph per
-forward (same kernels, same sizes) and of eager forwards; acceptance control likewise; the serving engine
+forward (same kernels, same sizes) and of eager forwards, and the overlapped loop (`Session.decode`, a step ahead)
+those of the step-by-step one; acceptance control likewise; the serving engine
 (slot mode, step graph) must equal offline generation. fp32 so that equality is exact, not near-tie-limited.
 Writes $OUT/step_graph_check.json.
 """
@@ -40,10 +41,14 @@ def main() -> int:
         step = run(**kw)
         fwd = run(step_graph=False, **kw)
         eager = run(cuda_graphs=False, **kw)
+        stepwise = run(overlap=False, **kw)  # each step read back before the next is queued
+        same_stepwise = [a.token_ids == b.token_ids for a, b in zip(step.sequences, stepwise.sequences)]
+        ok &= all(same_stepwise)
         same_fwd = [a.token_ids == b.token_ids for a, b in zip(step.sequences, fwd.sequences)]
         same_eager = [a.token_ids == b.token_ids for a, b in zip(step.sequences, eager.sequences)]
         ok &= all(same_fwd)
         report[name] = {"step_graph_equals_forward_graphs": same_fwd, "step_graph_equals_eager": same_eager,
+                        "overlapped_equals_stepwise": same_stepwise,
                         "tau": round(step.tau, 3), "capture_s": round(step.capture_s, 3),
                         "tokens_per_s": {"step_graph": round(step.tokens_per_s, 1),
                                          "forward_graphs": round(fwd.tokens_per_s, 1),

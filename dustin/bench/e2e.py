@@ -84,6 +84,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-graphs", action="store_true", help="eager forwards instead of CUDA graphs")
     p.add_argument("--no-step-graph", action="store_true",
                    help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each step back before queueing the next (A/B of Session.decode's one-step lookahead)")
     p.add_argument("--json-out", default=None,
                    help="results JSON (default $OUT/bench_e2e.json, with --real $OUT/bench_e2e_real.json)")
     p.add_argument("--plot-out", default=None, help="PNG of tokens/s (and, --real, % of byte roofline) against context")
@@ -135,6 +137,7 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
     return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (a.gamma + 1) + 1,
                             stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
                             step_graph=not getattr(a, "no_step_graph", False),
+                            overlap=not getattr(a, "no_overlap", False),
                             budget=a.budget if sparse else None, sparse_config=a.config if sparse else None,
                             accept_prob=accept_prob)
 
@@ -163,8 +166,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
         s = engine.session(prompts, cfg, prefill_cache=prefill_cache)
     _sync(s.device)
     t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        s.step()
+    s.decode(a.warmup)
     _sync(s.device)
     warmup_s = time.perf_counter() - t0
     s.timer.totals()
@@ -172,8 +174,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     steps0, tokens0, seq_steps0 = s.stats.steps, s.stats.step_tokens, s.stats.active_seq_steps
     _sync(s.device)
     t0 = time.perf_counter()
-    for _ in range(a.steps):
-        s.step()
+    s.decode(a.steps)  # the device a step ahead of the host, as in `Engine.generate`
     _sync(s.device)
     elapsed = time.perf_counter() - t0
     tokens = s.stats.step_tokens - tokens0

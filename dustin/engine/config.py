@@ -49,6 +49,9 @@ class GenerationConfig:
     # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
     # verify, acceptance, cache bookkeeping) as ONE graph; False: one graph per forward, Python in between
     step_graph: bool = True
+    # decode with the device one step ahead of the host (`Session.decode`): the host's stopping and output work
+    # overlaps the next step; a sequence that stops runs one extra step whose tokens are dropped
+    overlap: bool = True
     budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it

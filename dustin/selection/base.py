@@ -53,8 +53,10 @@ class SelectionPolicy:
     # True if the policy must observe the whole prompt's prefill forward (SnapKV's observation window): the
     # Engine then never hands it a reused prefill, which re-runs only the last prompt token
     needs_own_prefill = False
-    # True if the step forwards may be replayed as CUDA graphs: the plan is one `SparsePlan` (or None) and every
-    # observer only writes fixed-address device buffers (no Python-side state per call)
+    # True if the policy's per-step work (observers, plan or per-layer plans, after_verify) makes no host syncs
+    # and keeps its state in fixed-address device buffers: the whole step may then be captured as one CUDA graph
+    # (`StepGraph`), forwards given one `SparsePlan` may replay as per-forward graphs (a `LayerPlanner`'s verify
+    # forward then runs eagerly), and `Session.decode` may run a step ahead of the host
     graph_safe = False
     # True if every piece of the policy's state is per sequence and built from that sequence's own prefill and
     # steps: a sequence can then join a running batch (serving slots, `Engine.generate`'s kept session)

@@ -4,7 +4,10 @@
   layer's current (verify) queries; the top pages fill k; layers 0-1 stay dense (Quest's practice).
 - `specattn`: per target layer, the positions the draft's corresponding layer attends to most (all of its heads,
   the Γ lookahead queries), with sinks + recent window protected.
-Both act as a `LayerPlanner`: the verify forward asks them for each layer's set.
+Both act as a `LayerPlanner`: the verify forward asks them for each layer's set. Both are graph-safe: their
+per-step work makes no host syncs and writes fixed-address buffers (Quest's page statistics are built at the
+first step, which runs eagerly before capture), so the whole step, per-layer planning included, replays as one
+CUDA graph (`StepGraph`); with one graph per forward instead, their verify forward runs eagerly.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ QUEST_DENSE_LAYERS = 2
 
 class QuestSelection(SelectionPolicy):
     name = "quest"
+    graph_safe = True
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
@@ -56,6 +60,7 @@ class QuestSelection(SelectionPolicy):
 
 class SpecAttnSelection(SelectionPolicy):
     name = "specattn"
+    graph_safe = True
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg

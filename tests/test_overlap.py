@@ -1,0 +1,84 @@
+"""`Session.decode` keeps the device one step ahead of the host: a sequence that stops at step n still runs
+step n + 1, whose tokens must be dropped. Its output must equal the one-step-at-a-time loop exactly, for every
+method, greedy and sampled, with sequences stopping at different steps (limits and EOS)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    e = Engine(load_model(target), load_model(draft))
+    e.keep_session = False
+    return e
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(engine, prompts, cfg, limits, eos):
+    s = engine.session(prompts, cfg, limits=limits)
+    s.eos_ids = eos
+    s.run()
+    return s
+
+
+CASES = [
+    ("vanilla", dict()),
+    ("classic", dict(gamma=3)),
+    ("classic", dict(gamma=4, temperature=0.9, top_p=0.8, seed=3)),
+    ("dustin", dict(gamma=4, budget=24)),
+    ("magicdec", dict(gamma=2, draft_window=16)),
+    ("streaming", dict(gamma=3, budget=24)),
+    ("quest", dict(gamma=3, budget=32)),
+    ("specattn", dict(gamma=3, budget=24)),
+]
+
+
+@pytest.mark.parametrize("method,kw", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_overlapped_decode_equals_step_by_step(engine, method, kw):
+    prompts = _prompts([37, 5, 70, 21])
+    limits = [25, 3, 17, 30]  # rows stop at different steps; row 1 after one or two steps
+    base = GenerationConfig(method=method, max_new_tokens=30, **kw)
+    # an EOS the first row emits mid-way, so that one row stops early by EOS rather than by its limit
+    probe = _run(engine, prompts, GenerationConfig(**{**base.__dict__, "overlap": False}), limits, set())
+    eos = {probe.outputs[0][len(probe.outputs[0]) // 2]}
+    want = _run(engine, prompts, GenerationConfig(**{**base.__dict__, "overlap": False}), limits, eos)
+    got = _run(engine, prompts, base, limits, eos)
+    assert got.policy.graph_safe  # so `decode` really ran one step ahead
+    assert got.outputs == want.outputs
+    assert len(got.outputs[0]) < limits[0] and got.outputs[0][-1] in eos
+    assert [len(o) for o in got.outputs[1:]] != [0, 0, 0]
+    assert got.stats.steps == want.stats.steps and got.stats.tau == pytest.approx(want.stats.tau)
+    assert got.stats.produced == want.stats.produced
+    # the stopped rows really ran extra steps (the device learnt of the stop a step late), inside the cache
+    assert bool((got.target_cache.lengths > want.target_cache.lengths).any())
+    assert int(got.target_cache.lengths.max()) <= got.target_cache.capacity
+
+
+def test_decode_max_steps_and_mixing_with_step(engine):
+    """decode(n) launches and reads back exactly n steps when nobody stops; step() continues from there."""
+    prompts = _prompts([40, 12, 33], seed=1)
+    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=60, stop_at_eos=False)
+    ref = engine.session(prompts, GenerationConfig(**{**cfg.__dict__, "overlap": False}))
+    for _ in range(7):
+        ref.step()
+    s = engine.session(prompts, cfg)
+    s.decode(4)
+    assert s.stats.steps == 4
+    s.step()
+    s.decode(2)
+    assert s.stats.steps == 7
+    assert s.outputs == ref.outputs and s.host_lengths == ref.host_lengths
+    assert torch.equal(s.target_cache.lengths, ref.target_cache.lengths)
+    s.run()
+    ref.run()
+    assert s.outputs == ref.outputs and all(len(o) == 60 for o in s.outputs)
