@@ -88,6 +88,19 @@ def test_split_and_tile_overrides(num_splits, block_n):
     torch.testing.assert_close(got, want, **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("lengths,Hq,Hkv,T,D", [([517, 3, 260], 14, 2, 2, 64), ([700, 129], 28, 4, 5, 128)])
+def test_direct_single_split_equals_split_and_reference(lengths, Hq, Hkv, T, D, streaming):
+    """One split writes the output in place (no combine): same result as several splits and the reference,
+    over ragged lengths, GQA 7, the draft's two-token first forward and a streaming window."""
+    q, k, v, L = _inputs(lengths, Hq, Hkv, T, D, dtype=torch.bfloat16, seed=3)
+    kw = dict(sinks=4, window=300) if streaming else {}
+    want = verify_attention_reference(q, k, v, L, **kw)
+    direct = verify_attention(q, k, v, L, num_splits=1, **kw)
+    torch.testing.assert_close(direct, want, **_tol(torch.bfloat16))
+    torch.testing.assert_close(verify_attention(q, k, v, L, num_splits=3, **kw), want, **_tol(torch.bfloat16))
+
+
 def test_max_len_bounds_the_grid():
     """A tight max_len is exact; a grid sized from a much larger capacity gives the same result."""
     q, k, v, L = _inputs([50, 130], 4, 2, 4, 64, slack=400)
@@ -149,6 +162,9 @@ def test_rejects_unsupported_inputs():
 
 
 def test_num_splits_heuristic():
+    # a short range is one split written in place: the streaming 0.5B draft's window at D 64 in bf16
+    assert default_num_splits(32, 4 + 508 + 2, 64, key_bytes=2 * 64 * 2) == 1
+    assert default_num_splits(32, 2048, 64, key_bytes=2 * 64 * 2) == 8  # longer: split as before
     assert default_num_splits(64, 8197, 64) == 4  # fills one wave of 2 programs x 132 SMs
     assert default_num_splits(128, 32773, 64) == 2
     assert default_num_splits(512, 32773, 64) == 1  # more (sequence, head) pairs than slots: no split

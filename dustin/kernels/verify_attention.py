@@ -12,6 +12,11 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
   (acc, running max m, running sum l) in fp32; a second small kernel merges the splits by log-sum-exp.
   Measured on the H200, the best grid is one wave of resident programs (see PROGRAMS_PER_SM): at
   B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at 77-105% of the device copy bandwidth.
+- A single split (a short key range: the streaming draft's ~512-position window, short contexts) normalises
+  its result and writes the output itself (DIRECT): no partials, no combine launch. Both kernels of a split
+  launch take the ~4 us floor of a tiny kernel in a CUDA graph (H200: the 0.5B draft's split and combine
+  kernels 4.4 us each per layer at 16 x 32k), so a key range that one program per (sequence, KV head)
+  reads in about that time is cheaper as one launch (DIRECT_MAX_BYTES).
 - The grid is sized on the host from an upper bound (max_len or the cache capacity) with no device sync;
   splits past a sequence's own range return at once, so ragged batches cost only what they read and the
   launch is CUDA-graph friendly.
@@ -34,6 +39,9 @@ H200_NUM_SMS = 132
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
 # a grid just past a whole wave (e.g. 1.2-1.5 waves) is the worst case.
 PROGRAMS_PER_SM = 2
+# K+V bytes per (sequence, KV head) up to which one split with the output written in place (no combine
+# launch) is the default: the streaming 0.5B draft's 516 keys x D 64 x 2 x 2 B = 132 KB fit.
+DIRECT_MAX_BYTES = 192 * 1024
 
 
 @triton.jit
@@ -51,11 +59,11 @@ def _visible_key_range(length, T: tl.constexpr, sinks, window, STREAMING: tl.con
 
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_split_kernel(
-        Q, K, V, Lengths, PartAcc, PartM, PartL,
-        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+        Q, K, V, Lengths, PartAcc, PartM, PartL, Out,
+        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
         n_kv_heads, split_size, num_splits, sinks, window, qk_scale_log2,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr):
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // n_kv_heads).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
@@ -110,10 +118,16 @@ def _verify_attention_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    part = (bh * num_splits + split) * (G * T) + rows
-    tl.store(PartM + part, m_i, mask=row_valid)
-    tl.store(PartL + part, l_i, mask=row_valid)
-    tl.store(PartAcc + part[:, None] * D + dims[None, :], acc, mask=row_valid[:, None])
+    if DIRECT:  # the only split: normalise and write the output here (no combine launch)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on padding rows (not stored)
+        o_ptrs = (Out + b * so_b + (kv_head * G + group_head)[:, None] * so_h + (rows % T)[:, None] * so_t
+                  + dims[None, :] * so_d)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part = (bh * num_splits + split) * (G * T) + rows
+        tl.store(PartM + part, m_i, mask=row_valid)
+        tl.store(PartL + part, l_i, mask=row_valid)
+        tl.store(PartAcc + part[:, None] * D + dims[None, :], acc, mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["sinks", "window"])
@@ -171,10 +185,14 @@ def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 
 
 
 def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, num_sms: int = H200_NUM_SMS,
-                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs.
+                       programs_per_sm: int = PROGRAMS_PER_SM, key_bytes: int = 0) -> int:
+    """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs,
+    or one (written in place, no combine launch) when the range is at most DIRECT_MAX_BYTES of K+V.
 
-    n_kv_programs = B * Hkv; n_keys is the per-sequence key bound; a split never holds less than one tile."""
+    n_kv_programs = B * Hkv; n_keys is the per-sequence key bound; key_bytes the K+V bytes of one key of
+    one head (0: never direct); a split never holds less than one tile."""
+    if n_keys * key_bytes <= DIRECT_MAX_BYTES and key_bytes > 0:
+        return 1
     n_tiles = max(1, triton.cdiv(n_keys, block_n))
     return max(1, min(n_tiles, programs_per_sm * num_sms // max(1, n_kv_programs)))
 
@@ -230,7 +248,8 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seq_bound = min(max_len, k_cache.shape[2]) if max_len is not None else k_cache.shape[2]
     n_keys = max(1, key_upper_bound(seq_bound, T, sinks, window))
     if num_splits is None:
-        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device))
+        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device),
+                                        key_bytes=2 * D * k_cache.element_size())
     # Each split is a whole number of tiles; recompute the count so no split is empty by construction.
     n_tiles = triton.cdiv(n_keys, block_n)
     split_tiles = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
@@ -241,21 +260,25 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     elif out.shape != q.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    direct = num_splits == 1
     # One scratch allocation (fewer host calls per layer): partial acc, then running max m, then sum l.
-    n_parts = B * Hkv * num_splits * rows
-    scratch = torch.empty(n_parts * (D + 2), dtype=torch.float32, device=q.device)
-    part_acc, part_m, part_l = scratch[:n_parts * D], scratch[n_parts * D:-n_parts], scratch[-n_parts:]
+    n_parts = 0 if direct else B * Hkv * num_splits * rows
+    scratch = torch.empty(max(1, n_parts * (D + 2)), dtype=torch.float32, device=q.device)  # (1: unused)
+    part_acc, part_m, part_l = (scratch[:n_parts * D], scratch[n_parts * D:n_parts * (D + 1)],
+                                scratch[n_parts * (D + 1):])
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     upcast_dot = _interpreting() and q.dtype == torch.bfloat16
     # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
     dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
 
     _verify_attention_split_kernel[(num_splits, B * Hkv)](
-        q, k_cache, v_cache, lengths, part_acc, part_m, part_l,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         Hkv, split_size, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot, num_warps=num_warps, num_stages=num_stages)
+        UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
     combine_rows = min(16, triton.next_power_of_2(rows))
     _verify_attention_combine_kernel[(B * Hkv, triton.cdiv(rows, combine_rows))](
         part_acc, part_m, part_l, lengths, out, *out.stride(),
