@@ -6,10 +6,12 @@
 #   bash scripts/device_speed.sh serve   # `dustin bench serve` (16 slots, 16k-32k prompts) + one-shot generate
 #   bash scripts/device_speed.sh prose   # `dustin bench e2e --real` on prose prompts + the step anatomy
 #                                        # (random weights of the pair's shapes: kernels/step, GPU busy time)
+#   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
+#                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-if [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
+if [ "$mode" != random ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
   done
@@ -21,7 +23,20 @@ run() {  # run <seconds> <command...>: logged, cut at the deadline
   timeout "$1" "${@:2}" >> "$log" 2>&1
   echo "== rc $? [$SECONDS s]" | tee -a "$log"
 }
-if [ "$mode" = code ] || [ "$mode" = prose ]; then
+if [ "$mode" = random ]; then
+  cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
+  run 150 python3 scripts/gpu_step_graph_check.py
+  run 60 python3 scripts/gpu_draft_attention.py
+  run 170 python3 scripts/gpu_step_anatomy.py --pair qwen2.5-1.5b:qwen2.5-0.5b --batch 16 --context 32768 \
+    --methods vanilla,dustin,streaming,magicdec,quest,specattn --tau 3.56 --steps 12 --config $cfg
+  run 60 python3 scripts/gpu_step_anatomy.py --pair qwen2.5-1.5b:qwen2.5-0.5b --batch 16 --context 32768 \
+    --methods vanilla,dustin --tau 3.56 --steps 12 --config $cfg --no-overlap
+  run $((560 - SECONDS)) python3 -m dustin bench e2e --device cuda --pairs llama-3.1-8b:llama-3.2-1b \
+    --contexts 32768 --batches 16 --methods vanilla,magicdec,dustin --warmup 3 --steps 12 \
+    --json-out "$OUT/bench_e2e_llama8b.json" --plot-out "$OUT/bench_e2e_llama8b.png"
+  run $((590 - SECONDS)) python3 -m dustin bench attention --models qwen2.5-32b --contexts 32768 --batches 16 \
+    --json-out "$OUT/bench_attention_32b.json"
+elif [ "$mode" = code ] || [ "$mode" = prose ]; then
   if [ "$mode" = code ]; then
     python3 scripts/gpu_step_graph_check.py > "$OUT/step_graph_check.log" 2>&1 || { echo "step graph check failed"; exit 1; }
   fi

@@ -96,7 +96,7 @@ def main() -> int:
         for k in row["top_kernels"]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"anatomy_{t_name}.json").write_text(json.dumps(
+        Path(os.environ["OUT"], f"anatomy_{t_name}{'_no_overlap' if a.no_overlap else ''}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,
              "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0

@@ -51,3 +51,20 @@ def test_step_bytes_by_method():
     assert step_bytes("streaming", t, d, B, ctx, gamma, draft_window=window, sparse_cfg=cfg).estimate == 0
     # a context below k reads the whole context
     assert step_bytes("dustin", t, d, B, 50, gamma, sparse_cfg=cfg).target == wt + B * (50 + gamma + 1) * t_kv
+
+
+def test_step_bytes_of_the_per_layer_baselines():
+    """quest: layers 0-1 dense, the other layer's k rows per KV head plus its pages' min/max keys (2 x D per
+    16 positions per KV head); specattn: k rows plus every draft layer's keys over the whole context."""
+    t, d = _pair()  # target: 3 layers, 2 KV heads, D 32; draft: 2 layers, 1 KV head
+    B, ctx, gamma, window = 3, 1000, 4, 64
+    cfg = SparseConfig(target=(), draft=(), budget=128, draft_topm=32)
+    wt, wd = weight_bytes(t), weight_bytes(d)
+    per_layer = 2 * 2 * 32 * 2  # K + V of one layer, one token, bf16
+    q = step_bytes("quest", t, d, B, ctx, gamma, draft_window=window, sparse_cfg=cfg)
+    assert q.target == wt + B * (2 * ctx + 1 * (128 + gamma + 1)) * per_layer
+    assert q.estimate == B * 1 * 2 * (2 * 32 * 2) * 63  # 63 pages of 16 cover 1000 positions
+    assert q.draft == gamma * (wd + B * window * d.args.kv_bytes_per_token(2))
+    s = step_bytes("specattn", t, d, B, ctx, gamma, draft_window=window, sparse_cfg=cfg)
+    assert s.target == wt + B * (128 + gamma + 1) * 3 * per_layer
+    assert s.estimate == B * ctx * 2 * 1 * 32 * 2

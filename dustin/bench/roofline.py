@@ -9,7 +9,12 @@ bandwidth). The benchmarks report measured time against this floor ("% of byte r
 - magicdec:  the same, with each draft forward reading only its streaming window (sinks + recent);
 - streaming, dustin*: streaming draft + a verify forward over k selected positions per sequence, plus for
              dustin the estimation: the keys of every (layer, KV head) that holds a score head, over the whole
-             context, for the target's and the draft's score heads (one pass each per step).
+             context, for the target's and the draft's score heads (one pass each per step);
+- quest:     streaming draft + a verify forward over k positions per KV head in each layer but the first two
+             (dense, Quest's practice), plus the page statistics those layers' scoring reads (min and max
+             keys of every 16-position page: 1/16 of the K+V bytes);
+- specattn:  streaming draft + a verify forward over k positions, plus the keys of every draft layer and KV
+             head over the whole context (its per-layer estimate reads them all).
 
 Weights count every parameter a forward reads: the input embedding is a gather of a few rows, so it counts only
 when tied to the LM head (which reads all of it). Activations, logits and score buffers are left out: at
@@ -67,11 +72,21 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
     else:
         t_rows = min(context, sparse_cfg.budget) + gamma + 1
     tgt = weight_bytes(target) + batch * t_rows * t_kv
+    est = 0
+    if spec.policy == "quest":  # the dense first layers read everything; the others' pages are scored
+        from dustin.kernels.quest import PAGE_SIZE
+        from dustin.selection.layerwise import QUEST_DENSE_LAYERS
+
+        dense = min(QUEST_DENSE_LAYERS, target.args.n_layers)
+        per_layer = t_kv // target.args.n_layers
+        tgt += batch * dense * per_layer * (context - t_rows)
+        est += batch * (target.args.n_layers - dense) * per_layer * -(-context // PAGE_SIZE)
     if not spec.speculative:
         return StepBytes(tgt, 0, 0)
     d_rows = context if spec.draft_kv == "full" else min(context, draft_window)
     drf = gamma * (weight_bytes(draft) + batch * d_rows * draft.args.kv_bytes_per_token(elem))
-    est = 0
+    if spec.policy == "specattn":  # every draft layer's keys (half its K+V), whole context
+        est += batch * context * draft.args.kv_bytes_per_token(elem) // 2
     if spec.policy.startswith("dustin") and sparse_cfg is not None:
         t_args = target_args or target.args
         world = t_args.n_kv_heads // target.args.n_kv_heads  # rank's share of the target's score-head keys
