@@ -6,6 +6,8 @@
 #   bash scripts/device_speed.sh serve   # `dustin bench serve` (16 slots, 16k-32k prompts) + one-shot generate
 #   bash scripts/device_speed.sh prose   # `dustin bench e2e --real` on prose prompts + the step anatomy
 #                                        # (random weights of the pair's shapes: kernels/step, GPU busy time)
+#   bash scripts/device_speed.sh real    # after staging: the step-graph check of quest/specattn, `bench e2e --real`
+#                                        # code 32k x 16 for every method, one-shot generate (vanilla, dustin)
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
 #                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -23,7 +25,34 @@ run() {  # run <seconds> <command...>: logged, cut at the deadline
   timeout "$1" "${@:2}" >> "$log" 2>&1
   echo "== rc $? [$SECONDS s]" | tee -a "$log"
 }
-if [ "$mode" = random ]; then
+oneshot() {
+  # one-shot `dustin generate`: a fresh process per method, 16 real code prompts of ~29.5k tokens, 128 tokens
+  python3 - <<'EOF' >> "$log" 2>&1
+import json
+from transformers import AutoTokenizer
+from dustin.bench.serve import make_prompts
+from dustin.models.fetch import resolve_model_path
+tok = AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
+ids = make_prompts(tok, "code", (29500, 29500), 16, 0, len(tok))
+with open("/root/oneshot.jsonl", "w") as f:
+    for p in ids:
+        f.write(json.dumps({"prompt": tok.decode(p)}) + "\n")
+EOF
+  for m in vanilla dustin; do  # stdout is the result JSON (token ids, tokens/s, capture_s); the wall time beside it
+    echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x 29.5k, 128 tokens)" | tee -a "$log"
+    t0=$(date +%s.%N)
+    timeout 120 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot.jsonl \
+      --max-new-tokens 128 --ignore-eos --json > "$OUT/oneshot_$m.json" 2>> "$log"
+    echo "== rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$log"
+  done
+}
+if [ "$mode" = real ]; then
+  run 90 python3 scripts/gpu_step_graph_check.py quest,specattn
+  run 240 python3 -m dustin bench e2e --real --device cuda --prompts code --contexts 32768 --batches 16 \
+    --methods vanilla,classic,magicdec,streaming,dustin,quest,specattn --warmup 3 --steps 12 \
+    --json-out "$OUT/bench_e2e_real_code_32k.json" --plot-out "$OUT/bench_e2e_real_code_32k.png"
+  oneshot
+elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py
   run 60 python3 scripts/gpu_draft_attention.py
@@ -51,24 +80,6 @@ elif [ "$mode" = code ] || [ "$mode" = prose ]; then
 else
   run 330 python3 -m dustin bench serve --device cuda --methods vanilla,dustin --prompt-tokens 16384,32768 \
     --num-requests 32 --rate inf --max-tokens 128 --max-slots 16 --json-out "$OUT/bench_serve_h200.json"
-  # one-shot `dustin generate`: a fresh process per method, 16 real code prompts of ~29.5k tokens, 128 tokens
-  python3 - <<'EOF' >> "$log" 2>&1
-import json
-from transformers import AutoTokenizer
-from dustin.bench.serve import make_prompts
-from dustin.models.fetch import resolve_model_path
-tok = AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
-ids = make_prompts(tok, "code", (29500, 29500), 16, 0, len(tok))
-with open("/root/oneshot.jsonl", "w") as f:
-    for p in ids:
-        f.write(json.dumps({"prompt": tok.decode(p)}) + "\n")
-EOF
-  for m in vanilla dustin; do  # stdout is the result JSON (token ids, tokens/s, capture_s); the wall time beside it
-    echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x 29.5k, 128 tokens)" | tee -a "$log"
-    t0=$(date +%s.%N)
-    timeout 120 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot.jsonl \
-      --max-new-tokens 128 --ignore-eos --json > "$OUT/oneshot_$m.json" 2>> "$log"
-    echo "== rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$log"
-  done
+  oneshot
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$log" 2>/dev/null || true

@@ -5,7 +5,7 @@ whole-step CUDA graph (`GenerationConfig.step_graph`, the default) must give exa
 forward (same kernels, same sizes) and of eager forwards, and the overlapped loop (`Session.decode`, a step ahead)
 those of the step-by-step one; acceptance control likewise; the serving engine
 (slot mode, step graph) must equal offline generation. fp32 so that equality is exact, not near-tie-limited.
-Writes $OUT/step_graph_check.json.
+Writes $OUT/step_graph_check.json. An argument (e.g. `quest,specattn`) runs those cases only.
 """
 from __future__ import annotations
 
@@ -34,9 +34,12 @@ def main() -> int:
              "magicdec": dict(method="magicdec", draft_window=256),
              "streaming": dict(method="streaming", budget=128), "dustin": dict(method="dustin", budget=128),
              "dustin-t": dict(method="dustin-t", budget=128), "dustin-d": dict(method="dustin-d", budget=128),
+             "quest": dict(method="quest", budget=128), "specattn": dict(method="specattn", budget=128),
              "classic-sampled": dict(method="classic", temperature=0.8, top_p=0.9, seed=3),
              "dustin-sampled": dict(method="dustin", budget=128, temperature=0.7, top_k=50, seed=4),
              "dustin-accept-controlled": dict(method="dustin", budget=128, accept_prob=0.7)}
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # e.g. "quest,specattn": those cases only
+    cases = {k: v for k, v in cases.items() if only is None or k in only}
     for name, kw in cases.items():
         step = run(**kw)
         fwd = run(step_graph=False, **kw)
@@ -54,6 +57,8 @@ def main() -> int:
                                          "forward_graphs": round(fwd.tokens_per_s, 1),
                                          "eager": round(eager.tokens_per_s, 1)}}
         print(name, report[name], flush=True)
+    if only is not None:
+        return _finish(report, ok)
     # the fused kernels (RoPE + cache write, norms, SiLU-mul; fused projections) against the plain PyTorch ops
     from dustin.attention.backend import AttentionBackend
     from dustin.engine.engine import Engine
@@ -93,6 +98,10 @@ def main() -> int:
         report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": llm.session._graph is not None}
         print(f"serve-{method}", report[f"serve-{method}"], flush=True)
         del llm
+    return _finish(report, ok)
+
+
+def _finish(report: dict, ok: bool) -> int:
     report["all_step_graph_equal"] = bool(ok)
     print(json.dumps({"all_step_graph_equal": bool(ok)}))
     if os.environ.get("OUT"):
