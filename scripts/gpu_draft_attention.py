@@ -1,6 +1,5 @@
 """GPU check and timing of the streaming draft's attention: one split written in place (DIRECT, no combine
-launch; the default for short key ranges), with its query heads spread over several programs per KV head
-(the default) or one program per KV head, against the split + combine launches the heuristic chose before.
+launch; the default for short key ranges) against the split + combine launches the heuristic chose before.
 
 Run on the device: PYTHONPATH=. python3 scripts/gpu_draft_attention.py. Shapes: the drafts' layers (Qwen2.5-0.5B:
 14 query heads on 2 KV heads; Llama-3.2-1B: 32 on 8; D 64, bf16) at 16 x 32k, sinks 4 + window 508, the first
@@ -17,8 +16,7 @@ import torch
 
 from dustin.attention.reference import verify_attention_reference
 from dustin.bench.attention import _GraphTimer
-from dustin.kernels.verify_attention import (default_head_groups, default_num_splits, key_upper_bound,
-                                             verify_attention)
+from dustin.kernels.verify_attention import default_num_splits, key_upper_bound, verify_attention
 
 SHAPES = {"qwen2.5-0.5b": (14, 2), "llama-3.2-1b": (32, 8)}
 
@@ -37,12 +35,9 @@ def main() -> int:
             split = default_num_splits(B * hkv, key_upper_bound(cap, T, sinks, window), 64)  # the old choice
             want = verify_attention_reference(q.float(), k.float(), v.float(), L, sinks=sinks, window=window)
             row = {"draft": name, "B": B, "ctx": ctx, "T": T, "old_splits": split}
-            groups = default_head_groups(B * hkv, hq // hkv)
-            row["head_groups"] = groups
-            for label, n, hg in (("direct", 1, groups), ("direct_one_program_per_kv_head", 1, 1),
-                                 ("split", split, 1)):
-                fn = lambda n=n, hg=hg: verify_attention(q, k, v, L, sinks=sinks, window=window,  # noqa: E731
-                                                         max_len=cap, num_splits=n, head_groups=hg)
+            for label, n in (("direct", 1), ("split", split)):
+                fn = lambda n=n: verify_attention(q, k, v, L, sinks=sinks, window=window, max_len=cap,  # noqa: E731
+                                                  num_splits=n)
                 err = ((fn().float() - want).norm() / want.norm()).item()
                 ok &= err < 1e-2
                 row[f"{label}_rel_err"] = err

@@ -12,12 +12,7 @@ pytest.importorskip("triton")
 
 from dustin.attention.reference import verify_attention_reference  # noqa: E402
 from dustin.attention.sdpa import verify_attention_sdpa  # noqa: E402
-from dustin.kernels.verify_attention import (  # noqa: E402
-    default_head_groups,
-    default_num_splits,
-    key_upper_bound,
-    verify_attention,
-)
+from dustin.kernels.verify_attention import default_num_splits, key_upper_bound, verify_attention  # noqa: E402
 
 
 def _tol(dtype):
@@ -103,12 +98,6 @@ def test_direct_single_split_equals_split_and_reference(lengths, Hq, Hkv, T, D, 
     want = verify_attention_reference(q, k, v, L, **kw)
     direct = verify_attention(q, k, v, L, num_splits=1, **kw)
     torch.testing.assert_close(direct, want, **_tol(torch.bfloat16))
-    G = Hq // Hkv
-    for groups in sorted({1, 2 if G % 2 == 0 else 1, G}):  # query heads spread over programs per KV head
-        got = verify_attention(q, k, v, L, num_splits=1, head_groups=groups, **kw)
-        torch.testing.assert_close(got, want, **_tol(torch.bfloat16))
-    with pytest.raises(ValueError, match="head_groups"):
-        verify_attention(q, k, v, L, num_splits=3, head_groups=G, **kw)
     torch.testing.assert_close(verify_attention(q, k, v, L, num_splits=3, **kw), want, **_tol(torch.bfloat16))
 
 
@@ -176,9 +165,6 @@ def test_num_splits_heuristic():
     # a short range is one split written in place: the streaming 0.5B draft's window at D 64 in bf16
     assert default_num_splits(32, 4 + 508 + 2, 64, key_bytes=2 * 64 * 2) == 1
     assert default_num_splits(32, 2048, 64, key_bytes=2 * 64 * 2) == 8  # longer: split as before
-    # ... spread over query-head groups: 0.5B draft (G 7) at B 16 -> 7 programs per KV head; 1B (G 4) -> 2
-    assert default_head_groups(16 * 2, 7) == 7 and default_head_groups(16 * 8, 4) == 2
-    assert default_head_groups(512, 6) == 1
     assert default_num_splits(64, 8197, 64) == 4  # fills one wave of 2 programs x 132 SMs
     assert default_num_splits(128, 32773, 64) == 2
     assert default_num_splits(512, 32773, 64) == 1  # more (sequence, head) pairs than slots: no split

@@ -16,8 +16,7 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
   its result and writes the output itself (DIRECT): no partials, no combine launch. Both kernels of a split
   launch take the ~4 us floor of a tiny kernel in a CUDA graph (H200: the 0.5B draft's split and combine
   kernels 4.4 us each per layer at 16 x 32k), so a key range that one program per (sequence, KV head)
-  reads in about that time is cheaper as one launch (DIRECT_MAX_BYTES). Too few (sequence, KV head) pairs
-  for the GPU are then spread over query-head groups (`default_head_groups`).
+  reads in about that time is cheaper as one launch (DIRECT_MAX_BYTES).
 - The grid is sized on the host from an upper bound (max_len or the cache capacity) with no device sync;
   splits past a sequence's own range return at once, so ragged batches cost only what they read and the
   launch is CUDA-graph friendly.
@@ -64,14 +63,9 @@ def _verify_attention_split_kernel(
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
         n_kv_heads, split_size, num_splits, sinks, window, qk_scale_log2,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
-        HG: tl.constexpr):
-    # grid axis 1: (sequence, KV head, query-head group); HG > 1 (several programs per KV head, each G // HG of
-    # its query heads, re-reading its K/V mostly from L2) only with DIRECT
+        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr):
     split = tl.program_id(0)
-    bh = tl.program_id(1) // HG
-    GP: tl.constexpr = G // HG
-    head0 = (tl.program_id(1) % HG) * GP
+    bh = tl.program_id(1)
     b = (bh // n_kv_heads).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
     kv_head = (bh % n_kv_heads).to(tl.int64)
     length = tl.load(Lengths + b).to(tl.int32)
@@ -82,8 +76,8 @@ def _verify_attention_split_kernel(
     stop = tl.minimum(start + split_size, n_keys)
 
     rows = tl.arange(0, BLOCK_M)
-    row_valid = rows < GP * T
-    group_head = head0 + rows // T
+    row_valid = rows < G * T
+    group_head = rows // T
     pos = length + rows % T  # each row's query position
     dims = tl.arange(0, D)
     q_ptrs = (Q + b * sq_b + (kv_head * G + group_head)[:, None] * sq_h + (rows % T)[:, None] * sq_t
@@ -203,17 +197,6 @@ def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, num_sms: i
     return max(1, min(n_tiles, programs_per_sm * num_sms // max(1, n_kv_programs)))
 
 
-def default_head_groups(n_kv_programs: int, G: int, num_sms: int = H200_NUM_SMS,
-                        programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Programs per (sequence, KV head) for a single-split launch, each taking G / groups of the query heads:
-    the largest divisor of G that keeps the grid within one wave of resident programs. Why: a direct launch
-    has only B * Hkv programs (32 for the 0.5B draft at B 16), each reading its whole range through one SM;
-    query-head groups re-read the same K/V rows, from L2 after the first program, so more SMs pull in
-    parallel (the HBM bytes stay the same)."""
-    want = max(1, programs_per_sm * num_sms // max(1, n_kv_programs))
-    return max(d for d in range(1, G + 1) if G % d == 0 and d <= want)
-
-
 def default_launch_config(rows: int, head_dim: int) -> dict:
     """BLOCK_N / num_warps / num_stages for Hopper; bigger folded query blocks get more warps (registers)."""
     big = rows * head_dim > 64 * 128
@@ -239,13 +222,11 @@ def _check_inputs(q, k_cache, v_cache, lengths):
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, *,
                      sinks: int = 0, window: int = 0, scale: float | None = None, max_len: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None,
-                     head_groups: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Split-K Triton verify attention; see the module docstring. Returns out ([B, Hq, T, D], q.dtype).
 
     max_len: optional host bound on max(lengths) + T, used only to size the grid (default: cache capacity);
-    keys past it are not read. block_n / num_warps / num_stages / num_splits / head_groups (programs per KV
-    head with a single split, each taking G / head_groups query heads) override the tuned defaults."""
+    keys past it are not read. block_n / num_warps / num_stages / num_splits override the tuned defaults."""
     B, Hq, Hkv, T, D = _check_inputs(q, k_cache, v_cache, lengths)
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"verify_attention supports power-of-two head dims 16..256, got D={D}")
@@ -253,12 +234,16 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     G = Hq // Hkv
     rows = G * T
-    if max(16, triton.next_power_of_2(rows)) > 256:
+    block_m = max(16, triton.next_power_of_2(rows))  # tl.dot needs >= 16 rows
+    if block_m > 256:
         raise ValueError(f"G*T = {G}*{T} = {rows} folded query rows exceed 256; split the verify step")
+    config = default_launch_config(rows, D)
+    block_n = block_n or config["block_n"]
+    num_warps = num_warps or config["num_warps"]
+    num_stages = num_stages or config["num_stages"]
     if sinks < 0 or window < 0:
         raise ValueError(f"sinks and window must be >= 0, got {sinks}, {window}")
     streaming = sinks > 0 or window > 0
-    block_n = block_n or default_launch_config(rows, D)["block_n"]
 
     seq_bound = min(max_len, k_cache.shape[2]) if max_len is not None else k_cache.shape[2]
     n_keys = max(1, key_upper_bound(seq_bound, T, sinks, window))
@@ -270,21 +255,12 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_tiles = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
     split_size = split_tiles * block_n
     num_splits = triton.cdiv(n_tiles, split_tiles)
-    direct = num_splits == 1
-    if head_groups is None:
-        head_groups = default_head_groups(B * Hkv, G, _num_sms(q.device)) if direct else 1
-    if G % head_groups or (head_groups > 1 and not direct):
-        raise ValueError(f"head_groups must divide G = {G} and needs a single split, got {head_groups}")
-    rows_per_program = G // head_groups * T
-    block_m = max(16, triton.next_power_of_2(rows_per_program))  # tl.dot needs >= 16 rows
-    config = default_launch_config(rows_per_program, D)
-    num_warps = num_warps or config["num_warps"]
-    num_stages = num_stages or config["num_stages"]
 
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    direct = num_splits == 1
     # One scratch allocation (fewer host calls per layer): partial acc, then running max m, then sum l.
     n_parts = 0 if direct else B * Hkv * num_splits * rows
     scratch = torch.empty(max(1, n_parts * (D + 2)), dtype=torch.float32, device=q.device)  # (1: unused)
@@ -295,12 +271,12 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
     dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
 
-    _verify_attention_split_kernel[(num_splits, B * Hkv * head_groups)](
+    _verify_attention_split_kernel[(num_splits, B * Hkv)](
         q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         Hkv, split_size, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot, DIRECT=direct, HG=head_groups, num_warps=num_warps, num_stages=num_stages)
+        UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     combine_rows = min(16, triton.next_power_of_2(rows))
