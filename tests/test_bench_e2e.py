@@ -139,6 +139,7 @@ def test_bench_e2e_real_bad_flags(text_pair, capsys, argv, needle):
 @pytest.mark.parametrize("argv, needle", [
     (["--real", "--target", "/nonexistent/model"], "does not exist"),
     (["--prompts", "code"], "apply to --real"),
+    (["--methods", "vanilla,snapkv"], "unknown methods ['snapkv']"),
 ])
 def test_bench_e2e_model_and_mode_errors(capsys, argv, needle):
     code = main(["bench", "e2e", "--device", "cpu", *argv])
@@ -169,3 +170,19 @@ def test_bench_e2e_random_weights_share_the_timing(tiny_pair, tmp_path, capsys):
         assert {"warmup_s", "bytes_per_step", "pct_of_byte_roofline", "phases_ms_per_step"} <= set(r)
         assert (r["accept_prob"] is None) == (r["method"] == "vanilla")
     assert "| 2 | 64 | dustin |" in printed.out and (tmp_path / "random.png").is_file()
+
+
+def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys):
+    """quest and specattn (graph-safe now: their steps replay as one CUDA graph on a GPU) have speed rows, with
+    their estimation bytes counted (page statistics; every draft layer's keys)."""
+    target, draft = tiny_pair
+    out = tmp_path / "baselines.json"
+    code = main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "96",
+                 "--batches", "2", "--steps", "2", "--warmup", "1", "--gamma", "3", "--tau", "2.0", "--budget", "32",
+                 "--methods", "vanilla,quest,specattn", "--json-out", str(out), "--plot-out", str(tmp_path / "b.png")])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"vanilla", "quest", "specattn"}
+    assert rows["quest"]["bytes_per_step"]["estimate"] > 0 and rows["specattn"]["bytes_per_step"]["estimate"] > 0
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())

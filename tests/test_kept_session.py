@@ -88,3 +88,15 @@ def test_kept_session_bad_input_leaves_it_usable(engines):
     prompts = _prompts([14, 9])
     assert [s.token_ids for s in kept.generate(prompts, cfg).sequences] == \
         [s.token_ids for s in fresh.generate(prompts, cfg).sequences]
+
+
+@pytest.mark.parametrize("method", ["quest", "specattn"])
+def test_whole_batch_policies_run_fresh_sessions(engines, method):
+    """A policy with whole-batch state cannot use the kept slot session: `generate` runs it on a fresh session
+    (it used to stop with an InputError on a GPU, where sessions are kept by default)."""
+    fresh, kept = engines
+    prompts = _prompts([70, 33, 51], 9)
+    cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=12, budget=32, stop_at_eos=False)
+    want = fresh.generate(prompts, cfg)
+    got = kept.generate(prompts, cfg)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]

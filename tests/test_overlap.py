@@ -82,3 +82,23 @@ def test_decode_max_steps_and_mixing_with_step(engine):
     s.run()
     ref.run()
     assert s.outputs == ref.outputs and all(len(o) == 60 for o in s.outputs)
+
+
+@pytest.mark.parametrize("method", ["classic", "dustin"])
+def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pair, method):
+    """Worst case of `cache_capacity`: the draft is the target itself (every draft accepted), the row with the
+    longest prompt + limit overshoots its limit by Γ in its last step, runs one more step before the device
+    learns it stopped, then keeps running frozen while another row decodes on: no write may leave the cache."""
+    target, _ = tiny_pair
+    model = load_model(target)
+    e = Engine(model, model)
+    e.keep_session = False
+    prompts = _prompts([60, 10], seed=4)
+    limits = [12, 40]  # 1 + 5 + 5 = 11 tokens after two steps: the third ends at 16, 4 past the limit
+    for overlap in (False, True):
+        s = e.session(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=40, budget=24,
+                                                stop_at_eos=False, overlap=overlap), limits=limits)
+        s.run()
+        assert [len(o) for o in s.outputs] == limits
+        assert int(s.target_cache.lengths[0]) <= 60 + 12 + 2 * 4  # frozen at n + m + 2Γ at most
+    assert s.stats.tau > 4.5 if method == "classic" else s.stats.tau > 1.0

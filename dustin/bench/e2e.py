@@ -50,6 +50,9 @@ from dustin.errors import InputError
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
 REAL_METHODS = ("vanilla", "classic", "magicdec", "streaming", "dustin")
+# also accepted: the ablations and the per-layer baselines (graph-safe: each step one CUDA graph like dustin's).
+# Not snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
+EXTRA_METHODS = ("dustin-t", "dustin-d", "streaming", "quest", "specattn")
 DEFAULT_TAU = 2.2
 PROMPT_KINDS = {"code": "code", "prose": "essays"}  # --prompts kind -> `dustin.data.corpora` text kind
 
@@ -239,7 +242,9 @@ def _fits(engine, batch: int, context: int, a) -> bool:
     --real also the saved prefill (`PrefillCache`: a copy of the prompt caches)."""
     if engine.device.type != "cuda":
         return True
-    cap = context + (a.warmup + a.steps + 2) * (a.gamma + 1) + 2 * (a.gamma + 2)
+    from dustin.engine.session import cache_capacity
+
+    cap = cache_capacity([context], [(a.warmup + a.steps) * (a.gamma + 1) + 1], a.gamma)  # as `_config` asks
     saved = engine.kv_cache_bytes(batch, context) if a.real else 0
     return engine.kv_cache_bytes(batch, cap) + saved + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
 
@@ -279,10 +284,10 @@ def _plan(a) -> dict:
         elif not 0.0 <= a.accept_prob <= 1.0:
             raise InputError(f"--accept-prob must be in [0, 1], got {a.accept_prob}")
     methods = (",".join(REAL_METHODS) if a.real and isinstance(a.methods, _Default) else a.methods).split(",")
-    unknown = set(methods) - set(METHODS) - {"dustin-t", "dustin-d", "streaming"}
+    unknown = set(methods) - set(METHODS + EXTRA_METHODS)
     if unknown:
         raise InputError(f"bench e2e: unknown methods {sorted(unknown)}; choose from "
-                         f"{', '.join(METHODS + ('dustin-t', 'dustin-d', 'streaming'))}")
+                         f"{', '.join(METHODS + EXTRA_METHODS)}")
     plan["methods"] = methods
     a.methods = ",".join(methods)  # the settings written with the results name what ran
     if a.device.startswith("cuda") and not torch.cuda.is_available():

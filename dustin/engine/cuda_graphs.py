@@ -27,7 +27,7 @@ class GraphedForward:
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(batch, num_new, dtype=torch.long, device=dev)
         # Warm-up and capture really write K/V: point them at the cache's last slots, which the engine keeps
-        # free (its capacity has gamma + 2 spare positions past the longest sequence).
+        # free at capture (`session.cache_capacity` leaves spare positions past the longest sequence).
         tail = cache.capacity - num_new
         self.positions = (tail + torch.arange(num_new, device=dev)).expand(batch, num_new).contiguous()
         self.lengths = torch.full((batch,), tail, dtype=torch.int32, device=dev)

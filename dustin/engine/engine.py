@@ -176,7 +176,9 @@ class Engine:
         """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask)."""
         ids = [self.encode(p, chat) for p in prompts]
         try:
-            if policy is None and prefill_cache is None and self.keep_session:
+            # a kept session serves row-local policies only (quest, specattn, snapkv keep whole-batch state)
+            if (policy is None and prefill_cache is None and self.keep_session
+                    and self.make_policy(cfg).row_local):
                 s = self._run_kept(ids, cfg, limits)
                 policy = s.policy
             else:

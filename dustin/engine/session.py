@@ -43,12 +43,16 @@ class SessionStats:
 
 
 def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int:
-    """KV positions per sequence a generation allocates: the longest prompt + its new tokens, plus room for one
-    step past the limit (Γ + 1 rows written before acceptance is known) and the CUDA-graph warm-up scratch at
-    the cache's tail (GraphedForward writes up to Γ + 1 rows there, at capture only). A stopped sequence's
-    extra step in `Session.decode` (Γ + 1 more junk rows) may reach into that scratch: both are junk, and no
-    live row comes near it. The one place this arithmetic lives."""
-    return max(n + m for n, m in zip(prompt_lens, limits)) + 2 * (gamma + 2)
+    """KV positions per sequence a generation allocates: the longest prompt + its new tokens + 3Γ + 4. The one
+    place this arithmetic lives. Why 3Γ + 4, for a prompt of n tokens and a limit of m: a sequence still running
+    has at most n + m - 2 cached positions (its newest token, `pending`, is not cached yet); its last step adds
+    up to Γ + 1 (drafts accepted past the limit are dropped from the output, not from the cache); in
+    `Session.decode` the device learns of the stop one step late, so one more step adds up to Γ + 1 again: the
+    length freezes at <= n + m + 2Γ. A frozen row still runs every step's forwards, which write Γ + 1 junk rows
+    from its length on: up to position n + m + 3Γ, so n + m + 3Γ + 1 positions; + 3 spare. (The CUDA-graph
+    warm-up scratch of `GraphedForward`, Γ + 1 rows at the tail, is only written at capture, when no row is
+    anywhere near the tail; junk of frozen rows may land there later, which is harmless.)"""
+    return max(n + m for n, m in zip(prompt_lens, limits)) + 3 * gamma + 4
 
 
 @dataclass
@@ -193,7 +197,7 @@ class Session:
             raise ValueError(f"row {row} is not idle")
         if not 1 <= limit <= self.cfg.max_new_tokens:
             raise ValueError(f"limit must be in [1, {self.cfg.max_new_tokens}], got {limit}")
-        if len(prompt) + limit + 2 * (self.gamma + 2) > self.target_cache.capacity:
+        if cache_capacity([len(prompt)], [limit], self.gamma) > self.target_cache.capacity:
             raise ValueError(f"prompt {len(prompt)} + {limit} new tokens do not fit a slot of "
                              f"{self.target_cache.capacity} positions")
         self._prompt_rows[row], self._prefilled[row] = list(prompt), 0
