@@ -22,6 +22,10 @@ radix select (~75 us for both rows) plus the launches around it. CPU tensors out
 take the pure torch path (`_select_dustin_torch`).
 A three-launch variant without torch.topk (scripts/experiments/select_radix.py) gives the same sets but
 measured slower on an H200 (103-225 us against 79-99 us, docs/results/gpu_tune_h200.json).
+Compile time counts too: a fresh process compiles these kernels in its first decode step. `in_list` loops over its
+32-wide slices instead of unrolling them: compiling the tuned config's selection (k 512, m 352) for sm_90 took
+1.65 s instead of 2.67 s (this repo's 2-core CPU, Triton 3.9, empty cache; the one-shot H200 run spent 4.2 s in
+that step's selection phase). Its run time on the GPU was not re-measured (one program per sequence, ~20 us).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ _NEG_INF = float("-inf")
 def in_list(values, list_ptr, M: tl.constexpr, M_PAD: tl.constexpr):
     """Which of `values` occur among list_ptr[:M] (non-negative positions)."""
     found = tl.zeros(values.shape, dtype=tl.int32)
-    for c0 in tl.static_range(0, M_PAD, 32):  # membership in 32-wide slices keeps registers small
+    for c0 in range(0, M_PAD, 32):  # 32-wide slices keep registers small; a loop, not unrolled: compiles fast
         c = c0 + tl.arange(0, 32)
         listed = tl.load(list_ptr + c, mask=c < M, other=-1).to(tl.int32)
         found = tl.maximum(found, tl.max((values[:, None] == listed[None, :]).to(tl.int32), 1))
