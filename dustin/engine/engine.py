@@ -177,12 +177,12 @@ class Engine:
         ids = [self.encode(p, chat) for p in prompts]
         try:
             # a kept session serves row-local policies only (quest, specattn, snapkv keep whole-batch state)
-            if (policy is None and prefill_cache is None and self.keep_session
-                    and self.make_policy(cfg).row_local):
-                s = self._run_kept(ids, cfg, limits)
+            kept = policy is None and prefill_cache is None and self.keep_session
+            policy = policy or self.make_policy(cfg)
+            if kept and policy.row_local:
+                s = self._run_kept(ids, cfg, limits, policy)
                 policy = s.policy
             else:
-                policy = policy or self.make_policy(cfg)
                 s = self.session(ids, cfg, policy, prefill_cache, limits=limits).run()
         except torch.OutOfMemoryError:
             self._kept = None
@@ -197,12 +197,14 @@ class Engine:
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split, used, st.capture_s)
 
-    def _run_kept(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None) -> Session:
+    def _run_kept(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
+                  policy: SelectionPolicy) -> Session:
         """Generate on the kept slot session: its KV caches, policy buffers and CUDA graphs outlive the call, so
         a second `generate` of the same method and batch size (and a context that fits) pays neither the
         allocation nor the graph capture again. One session is kept; another method, batch size or a longer
         context replaces it. Capacity is rounded up to a multiple of `KEPT_ROUNDING` positions so that calls
-        of similar lengths share it. Each sequence is one slot: admitted, prefilled in one chunk (the same
+        of similar lengths share it. `policy` (fresh, row-local) serves a new session; a reused one keeps its own.
+        Each sequence is one slot: admitted, prefilled in one chunk (the same
         forward as a fresh session's prefill), decoded, released; the generator is reseeded per call, so the
         tokens equal a fresh session's."""
         self._validate(ids, cfg, limits, memory=False)  # memory: below, only if a session is allocated
@@ -218,7 +220,6 @@ class Engine:
                 torch.cuda.empty_cache()
             cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING
             self._check_memory(ids, cfg, limits, capacity=cap)
-            policy = self.make_policy(cfg)
             if not policy.row_local:
                 raise InputError(f"method {cfg.method!r} keeps whole-batch state: it cannot run on a kept session")
             s = Session(self.target, self.draft if cfg.spec.speculative else None, [],
