@@ -61,7 +61,15 @@ def compile_all_kernels() -> list[Compiled]:
     running. Must run with TRITON_INTERPRET unset (the kernels must be JITFunctions)."""
     import os
 
-    from dustin.kernels import fused_ops, quest, score_estimation, selection, sparse_verify, verify_attention
+    from dustin.kernels import (
+        fused_ops,
+        prefill_attention,
+        quest,
+        score_estimation,
+        selection,
+        sparse_verify,
+        verify_attention,
+    )
 
     bf, i32 = torch.bfloat16, torch.int32
     compiled: list[Compiled] = []
@@ -108,6 +116,11 @@ def compile_all_kernels() -> list[Compiled]:
         for n in (4864, 8960, 27648 // 2):  # SwiGLU epilogue: 0.5B, 1.5B, 32B over 2 ranks; halves of gate_up
             fused_ops.silu_mul(*torch.zeros(B, 5, 2 * n, dtype=bf).chunk(2, dim=-1))
         selection.select_streaming(L, 512)
+        # packed chunked prefill: the 1.5B target (12 heads on 2, D 128), the 0.5B draft (14 on 2, D 64)
+        plan = prefill_attention.PrefillPlan.build([(0, 0, 100), (1, 300, 64)], "cpu")
+        for hq, hkv, d in ((12, 2, 128), (14, 2, 64)):
+            kc = torch.zeros(B, hkv, S, d, dtype=bf)
+            prefill_attention.prefill_attention(torch.zeros(hq, 200, d, dtype=bf), kc, kc, plan)
         os.environ["TRITON_INTERPRET"] = "1"  # only the wrappers' routing reads it now: take the Triton paths
         try:
             st = torch.rand(B, 4096)

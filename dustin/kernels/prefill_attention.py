@@ -1,0 +1,227 @@
+"""Chunked, batched prefill attention in Triton: several sequences' prompt chunks in one launch, each chunk
+attending causally over its own row's cached prefix and itself.
+
+Layout (FlashInfer-style: the host plans once per forward, the kernel runs over explicit index metadata):
+- q: [Hq, N, D], the N packed new tokens of every chunk (chunk c holds tokens q_start[c] .. q_start[c] + len[c]);
+- k_cache, v_cache: one layer's [B, Hkv, S_cap, D]; chunk c's keys and values are row[c]'s positions
+  0 .. pos0[c] + len[c] - 1 (the chunk's own K/V already written there);
+- the query at packed index q_start[c] + i sits at position pos0[c] + i and sees keys j <= pos0[c] + i.
+`PrefillPlan` holds the per-chunk arrays and a tile list (chunk, query block) that sizes the grid exactly, so
+ragged chunks cost only their own tiles and no [N, S] mask is ever built.
+
+Why this design:
+- Prefill is compute-bound (a query block reuses each K/V tile BLOCK_M times), so it is a FlashAttention-2
+  forward: one program per (query block of one chunk, query head), online softmax over key blocks of BLOCK_N.
+- Batch invariance: the key blocks are anchored at absolute position 0 and the block sizes are fixed (no
+  autotuning), so a query's result depends only on its own row's keys and values, never on where its chunk
+  starts, how long it is or what else shares the launch. Key blocks that lie wholly past a query are fully
+  masked, and an online-softmax update with an all-masked block leaves (m, l, acc) bit-for-bit unchanged
+  (alpha = 1, p = 0). So a prompt prefilled in one piece or in chunks, alone or beside other requests, gets
+  the same K/V cache and the same first token: the basis of the server's batch-invariant greedy output.
+- GQA: query head h reads KV head h // G; the G programs of one KV head re-read its tiles from L2.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # query rows per program
+BLOCK_N = 64  # keys per inner step (also the anchor of the batch-invariant key blocking)
+
+
+@dataclass
+class PrefillPlan:
+    """Index metadata of one packed prefill forward (built once, shared by every layer).
+
+    rows/q_start/lengths/pos0: int32 [C] per chunk (cache row, offset in the packed tokens, tokens, cached
+    positions before it); tile_chunk/tile_block: int32 [NT], the (chunk, query block) of each program;
+    n_tokens: real packed tokens (the forward may carry padding past them); token_rows/token_pos: int64 [n_tokens],
+    the cache row and position of each real token (the cache write); last: int64 [C], the packed index of each
+    chunk's last token; host: (row, pos0, len) per chunk, for the CPU path and for callers."""
+
+    rows: torch.Tensor
+    q_start: torch.Tensor
+    lengths: torch.Tensor
+    pos0: torch.Tensor
+    tile_chunk: torch.Tensor
+    tile_block: torch.Tensor
+    n_tokens: int
+    token_rows: torch.Tensor
+    token_pos: torch.Tensor
+    last: torch.Tensor
+    host: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, int]], device, block_m: int = BLOCK_M) -> "PrefillPlan":
+        """chunks: (cache row, cached positions before the chunk, chunk tokens), packed in this order."""
+        if not chunks or any(n < 1 or p < 0 for _, p, n in chunks):
+            raise ValueError(f"a prefill plan needs chunks of >= 1 token at positions >= 0, got {chunks}")
+        rows, starts, lens, pos0, tc, tb, trow, tpos, last = [], [], [], [], [], [], [], [], []
+        off = 0
+        for c, (row, p, n) in enumerate(chunks):
+            rows.append(row)
+            starts.append(off)
+            lens.append(n)
+            pos0.append(p)
+            nb = -(-n // block_m)
+            tc += [c] * nb
+            tb += list(range(nb))
+            trow += [row] * n
+            tpos += range(p, p + n)
+            off += n
+            last.append(off - 1)
+
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
+        def i64(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(i32(rows), i32(starts), i32(lens), i32(pos0), i32(tc), i32(tb), off, i64(trow), i64(tpos),
+                   i64(last), tuple(chunks))
+
+
+@triton.jit
+def _prefill_attention_kernel(
+        Q, K, V, Out, Rows, QStart, Lens, Pos0, TileChunk, TileBlock,
+        sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_h, so_t, so_d,
+        qk_scale_log2,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    chunk = tl.load(TileChunk + tile)
+    block = tl.load(TileBlock + tile)
+    row = tl.load(Rows + chunk).to(tl.int64)
+    q0 = tl.load(QStart + chunk).to(tl.int64)
+    n = tl.load(Lens + chunk)
+    p0 = tl.load(Pos0 + chunk)
+    kv_head = head // G
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n
+    qpos = p0 + offs_m  # absolute query positions
+    dims = tl.arange(0, D)
+    q = tl.load(Q + head * sq_h + (q0 + offs_m)[:, None] * sq_t + dims[None, :] * sq_d, mask=row_ok[:, None],
+                other=0.0)
+    if UPCAST_DOT:  # Triton's CPU interpreter multiplies bf16 bit patterns as integers: use fp32 there
+        q = q.to(tl.float32)
+    p_dtype: tl.constexpr = V.dtype.element_ty
+    k_base = K + row * sk_b + kv_head * sk_h
+    v_base = V + row * sv_b + kv_head * sv_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    first_q = p0 + block * BLOCK_M
+    last_q = p0 + tl.minimum(block * BLOCK_M + BLOCK_M, n) - 1
+    # key blocks wholly visible to every query of the tile: no mask
+    full_end = (first_q + 1) // BLOCK_N * BLOCK_N
+    for k0 in range(0, full_end, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + kpos[:, None] * sk_s + dims[None, :] * sk_d)
+        v = tl.load(v_base + kpos[:, None] * sv_s + dims[None, :] * sv_d)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    # the diagonal blocks: causal mask (keys past a query are -inf; a block past all of a row's keys leaves
+    # that row's state unchanged, which keeps the result independent of the tile's other rows)
+    for k0 in range(full_end, last_q + 1, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos <= last_q
+        k = tl.load(k_base + kpos[:, None] * sk_s + dims[None, :] * sk_d, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_base + kpos[:, None] * sv_s + dims[None, :] * sv_d, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + head * so_h + (q0 + offs_m)[:, None] * so_t + dims[None, :] * so_d,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
+                      scale: float | None = None) -> torch.Tensor:
+    """q [Hq, Np, D] (Np >= plan.n_tokens; rows past it are padding and come out zero) -> [Hq, Np, D]."""
+    Hq, Np, D = q.shape
+    Hkv = k_cache.shape[1]
+    if Hq % Hkv or D & (D - 1) or D < 16:
+        raise ValueError(f"prefill attention needs Hq % Hkv == 0 and a power-of-two head_dim >= 16, got "
+                         f"Hq={Hq}, Hkv={Hkv}, D={D}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros_like(q)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    fp32 = q.dtype == torch.float32
+    grid = (plan.tile_chunk.numel(), Hq)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, plan.rows, plan.q_start, plan.lengths, plan.pos0, plan.tile_chunk,
+        plan.tile_block, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        scale * 1.4426950408889634,
+        G=Hq // Hkv, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_PRECISION="ieee" if fp32 else "tf32", UPCAST_DOT=interpret and not fp32,
+        num_warps=4 if D <= 64 else 8, num_stages=2 if interpret else 3)
+    return out
+
+
+def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                plan: PrefillPlan, scale: float | None = None) -> torch.Tensor:
+    """fp32 PyTorch semantics of `prefill_attention`, one chunk at a time (slow on purpose)."""
+    Hq, Np, D = q.shape
+    G = Hq // k_cache.shape[1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros_like(q)
+    start = 0
+    for row, p0, n in plan.host:
+        qs = q[:, start:start + n].float()
+        k = k_cache[row, :, :p0 + n].float().repeat_interleave(G, dim=0)
+        v = v_cache[row, :, :p0 + n].float().repeat_interleave(G, dim=0)
+        s = torch.einsum("htd,hsd->hts", qs, k) * scale
+        qpos = torch.arange(p0, p0 + n, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(p0 + n, device=q.device)[None, :] > qpos, float("-inf"))
+        out[:, start:start + n] = torch.einsum("hts,hsd->htd", s.softmax(-1), v).to(q.dtype)
+        start += n
+    return out
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: PrefillPlan) -> torch.Tensor:
+    """The CPU path: PyTorch SDPA per chunk, GQA folded without repeating K/V. A chunk with no cached prefix
+    uses SDPA's own causal mask; a later chunk gets a [len, pos0 + len] boolean mask (host memory, a few MB)."""
+    import torch.nn.functional as F
+
+    Hq, Np, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    out = torch.zeros_like(q)
+    start = 0
+    for row, p0, n in plan.host:
+        qs = q[:, start:start + n].reshape(Hkv, G, n, D)
+        k, v = k_cache[row, :, :p0 + n][:, None], v_cache[row, :, :p0 + n][:, None]
+        if p0 == 0:
+            o = F.scaled_dot_product_attention(qs, k.expand(Hkv, G, n, D), v.expand(Hkv, G, n, D), is_causal=True)
+        else:
+            j = torch.arange(p0 + n, device=q.device)
+            mask = j[None, :] <= torch.arange(p0, p0 + n, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask)
+        out[:, start:start + n] = o.reshape(Hq, n, D)
+        start += n
+    return out
