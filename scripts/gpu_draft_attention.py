@@ -36,8 +36,8 @@ def main() -> int:
             want = verify_attention_reference(q.float(), k.float(), v.float(), L, sinks=sinks, window=window)
             row = {"draft": name, "B": B, "ctx": ctx, "T": T, "old_splits": split}
             for label, n in (("direct", 1), ("split", split)):
-                fn = lambda n=n: verify_attention(q, k, v, L, sinks=sinks, window=window, max_len=cap,  # noqa: E731
-                                                  num_splits=n)
+                def fn(n=n, q=q, k=k, v=v, L=L, cap=cap):  # binds this iteration's inputs
+                    return verify_attention(q, k, v, L, sinks=sinks, window=window, max_len=cap, num_splits=n)
                 err = ((fn().float() - want).norm() / want.norm()).item()
                 ok &= err < 1e-2
                 row[f"{label}_rel_err"] = err

@@ -54,9 +54,9 @@ def main() -> int:
                       ("dustin-k4096", run(method="dustin", gamma=4, budget=4096, draft_kv="full")),
                       ("dustin-k128", run(method="dustin", gamma=4, budget=128)),
                       ("streaming-k128", run(method="streaming", gamma=4, budget=128))]:
-        div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, res.sequences)]
+        div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, res.sequences, strict=True)]
         gaps = [None if d is None else gap_at(p, a.token_ids, d)
-                for p, d, a in zip(prompts, div, van.sequences)]
+                for p, d, a in zip(prompts, div, van.sequences, strict=True)]
         report[name] = {"first_divergence": div, "top2_gap_there": gaps, "tau": round(res.tau, 3),
                         "steps": res.steps, "tokens_per_s": round(res.tokens_per_s, 1),
                         "time_split_s": {k: round(v, 4) for k, v in res.time_split_s.items()}}
@@ -65,22 +65,22 @@ def main() -> int:
         kw = dict(method=method, gamma=4, budget=128)
         g, e = run(**kw), run(cuda_graphs=False, **kw)
         report[f"{method}-k128 graphs vs eager"] = {
-            "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences)],
+            "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences, strict=True)],
             "tokens_per_s_graphs": round(g.tokens_per_s, 1), "tokens_per_s_eager": round(e.tokens_per_s, 1)}
     # the fused norm / RoPE kernels against the plain PyTorch ops (bf16: equal up to rare near-ties)
     plain_eng = Engine(load_model(target, "cuda", torch.bfloat16, be, fused_ops=False, fuse=False),
                        load_model(draft, "cuda", torch.bfloat16, be, fused_ops=False, fuse=False))
     plain = plain_eng.generate(prompts, GenerationConfig(max_new_tokens=64, stop_at_eos=False, method="vanilla"))
     del plain_eng
-    div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, plain.sequences)]
+    div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, plain.sequences, strict=True)]
     report["fused_vs_plain_ops"] = {"first_divergence": div, "top2_gap_there": [
-        None if d is None else gap_at(p, a.token_ids, d) for p, d, a in zip(prompts, div, van.sequences)],
+        None if d is None else gap_at(p, a.token_ids, d) for p, d, a in zip(prompts, div, van.sequences, strict=True)],
         "tokens_per_s_fused": round(van.tokens_per_s, 1), "tokens_per_s_plain": round(plain.tokens_per_s, 1)}
     single = [eng.generate([p], GenerationConfig(method="classic", gamma=4, max_new_tokens=64, stop_at_eos=False))
               .sequences[0].token_ids for p in prompts]
-    div = [first_divergence(s.token_ids, a) for a, s in zip(single, van.sequences)]
+    div = [first_divergence(s.token_ids, a) for a, s in zip(single, van.sequences, strict=True)]
     report["batch_vs_single"] = {"first_divergence": div, "top2_gap_there": [
-        None if d is None else gap_at(p, s.token_ids, d) for p, d, s in zip(prompts, div, van.sequences)]}
+        None if d is None else gap_at(p, s.token_ids, d) for p, d, s in zip(prompts, div, van.sequences, strict=True)]}
     print(json.dumps(report, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "engine_check.json").write_text(json.dumps(report, indent=1))

@@ -44,8 +44,9 @@ def main() -> None:
         out = llm.generate(prompts, RequestParams(max_tokens=new, ignore_eos=True))
         torch.cuda.synchronize()
         t_llm = time.perf_counter() - t0
-        same = sum(o == r for o, r in zip(out, ref))
-        prefix = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), len(r)) for o, r in zip(out, ref)]
+        same = sum(o == r for o, r in zip(out, ref, strict=True))
+        prefix = [next((i for i, (x, y) in enumerate(zip(o, r, strict=False)) if x != y), len(r))
+                  for o, r in zip(out, ref, strict=True)]
         st = llm.stats()
         print(f"{method:9s} same {same}/{len(prompts)} first-diff {prefix}  tau {st['tau']:.2f}  "
               f"llm {t_llm:.2f}s ({len(prompts) * new / t_llm:.0f} tok/s)  one-by-one offline {t_ref:.2f}s", flush=True)

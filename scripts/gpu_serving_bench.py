@@ -92,7 +92,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 walls.append(round(time.perf_counter() - t0, 3))
             row["llm_engine"] = {"wall_s": walls, "prefill_chunk": llm.config.prefill_chunk,
-                                 "equal_to_offline": sum(o == f for o, f in zip(out, offline)),
+                                 "equal_to_offline": sum(o == f for o, f in zip(out, offline, strict=True)),
                                  "tokens_digest": _digest(out), "steps": llm.stats()["steps_total"]}
             print(method, "llm_engine", row["llm_engine"], flush=True)
             if a.http:

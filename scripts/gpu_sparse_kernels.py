@@ -198,7 +198,10 @@ def main():
            f"{'gather+sdpa':>11} | {'scoreT':>11} {'scoreD':>11} | {'select':>11}")
     print("us as eager/graph (see the module docstring)")
     print(hdr)
-    fmt = lambda pair: f"{pair[0]:5.1f}/{pair[1]:5.1f}"
+
+    def fmt(pair):
+        return f"{pair[0]:5.1f}/{pair[1]:5.1f}"
+
     ctxs = (8192, 32768) if args.quick else (8192, 16384, 32768)
     for model in MODELS:
         for ctx in ctxs:

@@ -89,8 +89,9 @@ def main() -> int:
                                "ms_per_step": round(e.device_time_total / 1e3 / steps, 3)}
                               for e in avg if e.device_time_total > 0][:14]
         rows.append(row)
-        print(f"\n## {method}: {row['ms_per_step']:.2f} ms/step, tau {row['tau']}, roofline {row['roofline_ms']:.2f} ms "
-              f"({row['pct_of_roofline']}%), GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step, "
+        print(f"\n## {method}: {row['ms_per_step']:.2f} ms/step, tau {row['tau']}, "
+              f"roofline {row['roofline_ms']:.2f} ms ({row['pct_of_roofline']}%), "
+              f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step, "
               f"{row['kernels_per_step']} kernels/step; phases {row['phases_ms_per_step']}; bytes "
               f"{ {k: round(v / 1e9, 3) for k, v in row['bytes_per_step'].items()} } GB", flush=True)
         for k in row["top_kernels"]:

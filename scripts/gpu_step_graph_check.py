@@ -1,4 +1,6 @@
-"""GPU check of the one-graph-per-step decode loop (run on the device: PYTHONPATH=. python3 scripts/gpu_step_graph_check.py).
+"""GPU check of the one-graph-per-step decode loop.
+
+Run on a GPU machine: PYTHONPATH=. python3 scripts/gpu_step_graph_check.py
 
 Tiny random Qwen2 pair in fp32 on the GPU (Triton backend): for every graph-safe method, greedy and sampled, the
 whole-step CUDA graph (`GenerationConfig.step_graph`, the default) must give exactly the tokens of one graph per
@@ -45,10 +47,10 @@ def main() -> int:
         fwd = run(step_graph=False, **kw)
         eager = run(cuda_graphs=False, **kw)
         stepwise = run(overlap=False, **kw)  # each step read back before the next is queued
-        same_stepwise = [a.token_ids == b.token_ids for a, b in zip(step.sequences, stepwise.sequences)]
+        same_stepwise = [a.token_ids == b.token_ids for a, b in zip(step.sequences, stepwise.sequences, strict=True)]
         ok &= all(same_stepwise)
-        same_fwd = [a.token_ids == b.token_ids for a, b in zip(step.sequences, fwd.sequences)]
-        same_eager = [a.token_ids == b.token_ids for a, b in zip(step.sequences, eager.sequences)]
+        same_fwd = [a.token_ids == b.token_ids for a, b in zip(step.sequences, fwd.sequences, strict=True)]
+        same_eager = [a.token_ids == b.token_ids for a, b in zip(step.sequences, eager.sequences, strict=True)]
         ok &= all(same_fwd)
         report[name] = {"step_graph_equals_forward_graphs": same_fwd, "step_graph_equals_eager": same_eager,
                         "overlapped_equals_stepwise": same_stepwise,
@@ -71,7 +73,7 @@ def main() -> int:
         kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
         a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
         b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, cuda_graphs=False, **kw))
-        same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences)]
+        same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences, strict=True)]
         ok &= all(same)
         report[f"fused-vs-plain-ops-{method}"] = same
         print(f"fused-vs-plain-ops-{method}", same, flush=True)
@@ -79,7 +81,7 @@ def main() -> int:
     # graphs persist across generate calls: the second identical call captures nothing and gives the same tokens
     eng.release_kept_session()  # the fused-vs-plain run above kept a session of this very config
     first, second = run(method="dustin", budget=128), run(method="dustin", budget=128)
-    same = [a.token_ids == b.token_ids for a, b in zip(first.sequences, second.sequences)]
+    same = [a.token_ids == b.token_ids for a, b in zip(first.sequences, second.sequences, strict=True)]
     ok &= all(same) and second.capture_s == 0.0 and first.capture_s > 0.0
     report["generate-twice"] = {"same_tokens": same, "capture_s": [round(first.capture_s, 3), second.capture_s],
                                 "tokens_per_s": [round(first.tokens_per_s, 1), round(second.tokens_per_s, 1)]}
@@ -93,7 +95,7 @@ def main() -> int:
                                          max_context=4096, prefill_chunk=1024))
         served = llm.generate(prompts, RequestParams(max_tokens=48, ignore_eos=True))
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
-        same = [a == b.token_ids for a, b in zip(served, offline.sequences)]
+        same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]
         ok &= all(same)
         report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": llm.session._graph is not None}
         print(f"serve-{method}", report[f"serve-{method}"], flush=True)

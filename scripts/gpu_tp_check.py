@@ -43,7 +43,8 @@ def _generate(folder: Path) -> dict:
     for name, kw in RUNS.items():
         for graphs in (True, False):
             cfg = GenerationConfig(max_new_tokens=48, stop_at_eos=False, cuda_graphs=graphs, **kw)
-            out[f"{name}{'' if graphs else ' (eager)'}"] = [s.token_ids for s in eng.generate(_prompts(), cfg).sequences]
+            key = f"{name}{'' if graphs else ' (eager)'}"
+            out[key] = [s.token_ids for s in eng.generate(_prompts(), cfg).sequences]
     return out
 
 

@@ -70,7 +70,7 @@ def main() -> int:
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(complete, prompts))
-        report["equal_to_one_gpu_generate"] = [g == w for g, w in zip(got, want)]
+        report["equal_to_one_gpu_generate"] = [g == w for g, w in zip(got, want, strict=True)]
         bad = httpx.post(url + "/v1/completions", timeout=30, content=b"{not json")
         report["malformed_status"] = bad.status_code
         report["health_after"] = httpx.get(url + "/health", timeout=10).status_code

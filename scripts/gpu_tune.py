@@ -126,7 +126,7 @@ def time_selection(timer):
         L = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
         r = {"B": B, "ctx": ctx}
         for impl, fn in SELECT_IMPLS.items():
-            r[impl] = timer(lambda fn=fn: fn(st, sd, L, k=512, m=128))
+            r[impl] = timer(lambda fn=fn, st=st, sd=sd, L=L: fn(st, sd, L, k=512, m=128))
         rows.append(r)
         log("select", r)
     RES["selection_us"] = rows
@@ -150,13 +150,15 @@ def sweep_sparse(timer):
         for ctx, B in SWEEP_SETTINGS:
             q, k, v, L, idx, cnt = _cache(Hq, Hkv, D, ctx, B)
             want = sv.sparse_verify_attention(q, k, v, L, idx, cnt).float()
-            rows = [{"default": True, "us": timer(lambda: sv.sparse_verify_attention(q, k, v, L, idx, cnt))}]
+            rows = [{"default": True, "us": timer(lambda q=q, k=k, v=v, L=L, idx=idx, cnt=cnt:
+                                                   sv.sparse_verify_attention(q, k, v, L, idx, cnt))}]
             for cfg in SPARSE_CONFIGS:
                 row = dict(cfg)
                 try:
                     got = sparse_config(q, k, v, L, idx, cnt, **cfg).float()
                     row["rel_err"] = ((got - want).norm() / want.norm()).item()
-                    row["us"] = timer(lambda cfg=cfg: sparse_config(q, k, v, L, idx, cnt, **cfg))
+                    row["us"] = timer(lambda cfg=cfg, q=q, k=k, v=v, L=L, idx=idx, cnt=cnt:
+                                      sparse_config(q, k, v, L, idx, cnt, **cfg))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:200]
                 rows.append(row)
@@ -192,7 +194,7 @@ def sweep_scores(timer):
             row = dict(cfg)
             try:
                 row["rel_err"] = ((call(**cfg) - want).norm() / want.norm()).item()
-                row["us"] = timer(lambda cfg=cfg: call(**cfg))
+                row["us"] = timer(lambda cfg=cfg, call=call: call(**cfg))
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
             rows.append(row)

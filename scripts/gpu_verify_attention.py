@@ -24,8 +24,7 @@ from triton.testing import do_bench
 
 from dustin.attention.reference import verify_attention_reference, verify_mask
 from dustin.attention.sdpa import verify_attention_sdpa
-from dustin.kernels.verify_attention import (default_launch_config, default_num_splits, key_upper_bound,
-                                             verify_attention)
+from dustin.kernels.verify_attention import default_launch_config, default_num_splits, key_upper_bound, verify_attention
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -169,7 +168,7 @@ def sweep(B, ctx, T=5, model="llama3.1-8b", configs=None):
         for splits in sorted({max(1, base // 2), base, base * 2}):
             kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits, max_len=ctx + T)
             try:  # graph replay: the sweep compares kernels, not Python launch overhead
-                ms = do_bench(graph_replay(lambda: verify_attention(q, k, v, lengths, **kw)), warmup=5, rep=20)
+                ms = do_bench(graph_replay(lambda kw=kw: verify_attention(q, k, v, lengths, **kw)), warmup=5, rep=20)
             except Exception as e:  # e.g. shared memory exhausted for big tiles x many stages
                 print(f"  sweep skip {kw}: {type(e).__name__}")
                 break

@@ -8,7 +8,7 @@ NEAR_TIE_EPS = {torch.float32: 1e-4, torch.bfloat16: 0.1}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))

@@ -24,7 +24,7 @@ def text_pair(tiny_pair, tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     root = tmp_path_factory.mktemp("text_pair")
     out = []
-    for src, name in zip(tiny_pair, ("target", "draft")):
+    for src, name in zip(tiny_pair, ("target", "draft"), strict=True):
         folder = root / name
         shutil.copytree(src, folder)
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -118,7 +118,7 @@ def test_shared_prefill_is_exact(text_pair):
     for m in methods:
         assert outputs(m, shared) == first[m] == outputs(m, None), m
     for m in ("classic", "magicdec"):  # greedy speculative decoding is lossless: vanilla's tokens, more per step
-        assert all(len(o) >= len(v) and o[:len(v)] == v for o, v in zip(first[m], first["vanilla"])), m
+        assert all(len(o) >= len(v) and o[:len(v)] == v for o, v in zip(first[m], first["vanilla"], strict=True)), m
 
 
 @pytest.mark.parametrize("argv, needle", [

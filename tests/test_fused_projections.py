@@ -36,7 +36,7 @@ def _assert_same_logits(plain, fused) -> None:
     for T in (1, 5):
         want, got = _prefill_then_decode(plain, tokens, decode[:, :T]), _prefill_then_decode(fused, tokens,
                                                                                            decode[:, :T])
-        for w, o in zip(want, got):
+        for w, o in zip(want, got, strict=True):
             torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5)
 
 
@@ -57,7 +57,7 @@ def test_fused_model_computes_the_unfused_logits(checkpoint, request):
 
 def test_qkv_bias_is_concatenated_in_order(tiny_qwen2):
     plain, fused = load_model(tiny_qwen2, fuse=False), load_model(tiny_qwen2)
-    for p, f in zip(plain.layers, fused.layers):
+    for p, f in zip(plain.layers, fused.layers, strict=True):
         ref = p.self_attn
         assert torch.equal(f.self_attn.qkv_proj.bias, torch.cat([ref.q_proj.bias, ref.k_proj.bias, ref.v_proj.bias]))
         assert torch.equal(f.self_attn.qkv_proj.weight,

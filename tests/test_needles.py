@@ -72,7 +72,7 @@ def test_multikey_spans_ordered_disjoint(tok):
     needles = HELDOUT_NEEDLES[:4]
     p = make_needle_prompt(tok, HAY, 2000, needles, [0.1, 0.4, 0.4, 0.9], asked=2)
     assert [_decoded_fact(tok, p, i) for i in range(4)] == [n.fact for n in needles]
-    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:]))
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:], strict=False))
     assert all(s < e for s, e in p.spans)
     assert p.asked == 2 and p.answer == needles[2].answer and p.depth == 0.4
     # unsorted depths: spans come in prompt order and `asked` follows its needle

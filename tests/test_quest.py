@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from dustin.attention.reference import sparse_verify_attention_reference
-from dustin.kernels.quest import (QuestPages, page_minmax, page_minmax_reference, page_scores,
-                                  page_scores_reference, quest_select, quest_select_reference, select_pages)
+from dustin.kernels.quest import (
+    QuestPages,
+    page_minmax,
+    page_minmax_reference,
+    page_scores,
+    page_scores_reference,
+    quest_select,
+    quest_select_reference,
+    select_pages,
+)
 from dustin.kernels.sparse_verify import sparse_verify_attention
 
 P = 16

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from dustin.eval.inputs import long_code_prompt
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import CheckpointError
+from dustin.eval.inputs import long_code_prompt
 from tests.exactness import NEAR_TIE_EPS, assert_same_or_near_tie
 
 pytestmark = [pytest.mark.realmodels, pytest.mark.slow]
@@ -73,7 +73,7 @@ def test_tokenizers_are_shared(engine):
 def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, shared, method):
     out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=48), prefill_cache=shared)
     assert all(len(p) > N_TOKENS // 2 for p in prompts)  # cut after the last `def` of the second half
-    for p, ref, got in zip(prompts, vanilla.sequences, out.sequences):
+    for p, ref, got in zip(prompts, vanilla.sequences, out.sequences, strict=True):
         assert_same_or_near_tie(ref.token_ids, got.token_ids, p, _score_fn(engine), NEAR_TIE_EPS[torch.float32])
     assert out.tau > 1.5  # the real draft agrees with the real target on code
 

@@ -63,7 +63,7 @@ def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tok):
         assert len(p.spans) == 4 and p.answer == HELDOUT_NEEDLES[i].answer
         facts = [tok.decode(p.ids[s:e]).strip() for s, e in p.spans]
         assert facts[p.asked] == HELDOUT_NEEDLES[i].fact and len(set(facts)) == 4
-        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:]))
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(p.spans, p.spans[1:], strict=False))
     single = build_prompts(tok, "single", 1500, 3, HELDOUT_NEEDLES, seed=0)
     assert [len(p.spans) for p in single] == [1, 1, 1] and [p.depth for p in single] == [0.0, 0.5, 1.0]
 

@@ -86,7 +86,8 @@ def test_generated_tokens_follow_target_distribution(tiny_pair):
     assert chi2_test(toks[:, 0], p1) > 1e-3
     assert chi2_test(toks[:, 1], p2) > 1e-3
     # third token: enumerate the (t1, t2) pairs with probability mass
-    pairs = [(i, j) for i in cand1.tolist() for j in torch.nonzero(p2_given[cand1.tolist().index(i)]).flatten().tolist()]
+    pairs = [(i, j) for i in cand1.tolist()
+             for j in torch.nonzero(p2_given[cand1.tolist().index(i)]).flatten().tolist()]
     pref = torch.tensor([prompt + [i, j] for i, j in pairs])
     w = torch.tensor([float(p1[i] * p2_given[cand1.tolist().index(i), j]) for i, j in pairs])
     p3 = (w[:, None] * next_probs(pref)).sum(0)

@@ -135,8 +135,9 @@ def test_target_scores_use_the_last_cached_query(engine):
     n = len(committed)
     cache = KVCache(a.n_layers, 1, a.n_kv_heads, a.head_dim, n, torch.float32, "cpu")
     with torch.inference_mode():
-        target(torch.tensor([committed]), ForwardContext(cache, torch.arange(n)[None], torch.zeros(1, dtype=torch.int32),
-                                                          n, fresh=True, observers=[grab]))
+        ctx = ForwardContext(cache, torch.arange(n)[None], torch.zeros(1, dtype=torch.int32), n, fresh=True,
+                             observers=[grab])
+        target(torch.tensor([committed]), ctx)
     ref = torch.einsum("hd,hsd->hs", captured["q"].float(), captured["k"][:, :n].float()) / a.head_dim ** 0.5
     torch.testing.assert_close(got, ref.softmax(-1).sum(0), rtol=1e-4, atol=1e-5)
 
@@ -228,7 +229,7 @@ def _recorded_plans(engine, policy, prompts):
 
 def _same_plans(a, b):
     assert len(a[0]) == len(b[0]) > 0 and a[1] == b[1]
-    for (ia, ca), (ib, cb) in zip(a[0], b[0]):
+    for (ia, ca), (ib, cb) in zip(a[0], b[0], strict=True):
         assert torch.equal(ca, cb) and torch.equal(ia, ib)
 
 

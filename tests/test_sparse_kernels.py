@@ -31,7 +31,7 @@ def _random_indices(lengths, counts_wanted, k_max, gen):
     B = len(lengths)
     indices = torch.randint(0, min(lengths), (B, k_max), generator=gen, dtype=torch.int32)
     counts = torch.zeros(B, dtype=torch.int32)
-    for b, (L, c) in enumerate(zip(lengths, counts_wanted)):
+    for b, (L, c) in enumerate(zip(lengths, counts_wanted, strict=True)):
         c = min(c, L, k_max)
         indices[b, :c] = torch.randperm(L, generator=gen)[:c].sort().values.to(torch.int32)
         counts[b] = c

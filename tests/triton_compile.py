@@ -107,7 +107,8 @@ def compile_all_kernels() -> list[Compiled]:
         fused_ops.add_rms_norm(torch.zeros(B, 5, 896, dtype=bf), torch.ones(896, dtype=bf), 1e-6,
                                residual=torch.zeros(B, 5, 896, dtype=bf))
         for hq, hkv, d in ((40, 8, 128), (14, 2, 64)):
-            q5, k5 = torch.zeros(B, 5, hq, d, dtype=bf).transpose(1, 2), torch.zeros(B, 5, hkv, d, dtype=bf).transpose(1, 2)
+            q5 = torch.zeros(B, 5, hq, d, dtype=bf).transpose(1, 2)
+            k5 = torch.zeros(B, 5, hkv, d, dtype=bf).transpose(1, 2)
             cs = torch.zeros(B, 5, d), torch.zeros(B, 5, d)
             fused_ops.rope_qk(q5, k5, *cs)
             cache = torch.zeros(2, B, hkv, 64, d, dtype=bf)  # the fused cache write (decode/verify: no k copy)

@@ -91,10 +91,12 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
                 pos = lengths.long()[:, None] + torch.arange(T, device="cuda")
                 if graphs:
                     fwd = GraphedForward(model, cache, B, T)
-                    step = lambda: fwd(toks, pos, lengths)  # noqa: E731
+                    def step(fwd=fwd, toks=toks, pos=pos, lengths=lengths):  # binds this iteration's inputs
+                        return fwd(toks, pos, lengths)
                 else:
                     ctx = ForwardContext(cache, pos, lengths, ctx_len + 1)
-                    step = lambda: model(toks, ctx)  # noqa: E731
+                    def step(toks=toks, ctx=ctx):  # binds this iteration's inputs
+                        return model(toks, ctx)
                 with torch.inference_mode():
                     t = _time(step, iters)
                 bytes_read = weight_bytes + B * (ctx_len - gamma - 1 + T) * args.kv_bytes_per_token(2)

@@ -430,7 +430,8 @@ def _header(engine, base: dict, a) -> None:
 
 def _print_row(r: dict, real: bool) -> None:
     n = r.get("prompt_tokens", r["context"])
-    cells = ([r["prompts"]] if real else []) + [r["batch"], r["context"] if n == r["context"] else f"{r['context']} ({n})"]
+    context = r["context"] if n == r["context"] else f"{r['context']} ({n})"
+    cells = ([r["prompts"]] if real else []) + [r["batch"], context]
     if "skipped" in r:
         cells += [f"skipped: {r['skipped']}"] + [""] * 7
     else:

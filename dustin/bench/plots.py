@@ -19,7 +19,7 @@ def attention_breakdown(res, path) -> bool:
         return False
     models = list(dict.fromkeys(r["model"] for r in res["rows"]))
     fig, axes = plt.subplots(len(models), 2, figsize=(15, 4.5 * len(models)), squeeze=False)
-    for ax_lat, ax_est, model in ((a[0], a[1], m) for a, m in zip(axes, models)):
+    for ax_lat, ax_est, model in ((a[0], a[1], m) for a, m in zip(axes, models, strict=True)):
         rows = [r for r in res["rows"] if r["model"] == model]
         x = list(range(len(rows)))
         labels = [f"{ctx_label(r['context'])} x B{r['batch']}" for r in rows]
@@ -69,7 +69,7 @@ def e2e_throughput(out: dict, path: str) -> None:
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (t, d, B) in zip(axes[0], panels):
+    for ax, (t, d, B) in zip(axes[0], panels, strict=True):
         mine = [r for r in rows if (r["target"], r["draft"], r["batch"]) == (t, d, B)]
         for method in dict.fromkeys(r["method"] for r in mine):
             pts = sorted((r["context"], r["tokens_per_s"]) for r in mine if r["method"] == method)
@@ -105,8 +105,8 @@ def e2e_real(out: dict, path: str) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(len(panels), len(batches), figsize=(4.6 * len(batches), 3.6 * len(panels)),
                              squeeze=False)
-    for ax_row, (key, label) in zip(axes, panels):
-        for ax, B in zip(ax_row, batches):
+    for ax_row, (key, label) in zip(axes, panels, strict=True):
+        for ax, B in zip(ax_row, batches, strict=True):
             for i, method in enumerate(methods):
                 for j, kind in enumerate(kinds):
                     pts = sorted((r["context"], r[key]) for r in rows

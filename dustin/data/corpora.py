@@ -91,7 +91,8 @@ def long_texts(kind: str, split: str, n_tokens: int, tokenizer, count: int, seed
             doc = item.read_text(encoding="utf-8", errors="replace") if isinstance(item, Path) else item
             parts.append(doc)
             have += len(tokenizer.encode(doc, add_special_tokens=False, verbose=False)) + 1
-        ids = tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False)  # longer than the model: cut below
+        # longer than the model: cut below
+        ids = tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False)
         text = tokenizer.decode(ids[:n_tokens])
         cut = max(text.rfind(" "), text.rfind("\n"))
         texts.append(text[:cut] if len(ids) > n_tokens and cut > len(text) // 2 else text)
@@ -129,7 +130,7 @@ def _essay_sets() -> tuple[list[str], list[str]]:
     starts = [m.start() for m in _HEADER.finditer(text)] or [0]
     seen = {_key(e) for e in own}
     extra = []
-    for a, b in zip(starts, starts[1:] + [len(text)]):
+    for a, b in zip(starts, starts[1:] + [len(text)], strict=True):
         essay = clean_essay(text[a:b])
         if len(essay) > 200 and _key(essay) not in seen:
             seen.add(_key(essay))
@@ -172,7 +173,7 @@ def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise InputError(f"could not read {path} ({e}); delete its folder under $DUSTIN_HOME/data and retry")
+        raise InputError(f"could not read {path} ({e}); delete its folder under $DUSTIN_HOME/data and retry") from e
 
 
 def _check_split(split: str) -> None:

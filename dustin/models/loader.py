@@ -104,7 +104,7 @@ def _read_shard(sl, full_shape, local_shape, shard) -> torch.Tensor:
     contiguous chunk of that dimension (the layout `shard_transformer` gives every sharded tensor)."""
     if tuple(full_shape) == tuple(local_shape):
         return sl[:]
-    dim = next(i for i, (a, b) in enumerate(zip(full_shape, local_shape)) if a != b)
+    dim = next(i for i, (a, b) in enumerate(zip(full_shape, local_shape, strict=True)) if a != b)
     rank = getattr(shard, "rank", 0)
     n = local_shape[dim]
     index = tuple(slice(None) for _ in range(dim)) + (slice(rank * n, (rank + 1) * n),)
@@ -150,5 +150,6 @@ def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: tor
             else:  # std 0.02 like HF init, drawn on the device (fast for 70B-class shapes)
                 p.data.normal_(0.0, 0.02, generator=gen)
         return _finish(model, args, device, fuse)  # inside: fusing copies one layer's projections at a time
-    except torch.OutOfMemoryError:
-        raise OutOfMemoryError(f"a random {args.num_params() / 1e9:.1f}B-parameter model does not fit on {device}")
+    except torch.OutOfMemoryError as e:
+        size = f"{args.num_params() / 1e9:.1f}B-parameter"
+        raise OutOfMemoryError(f"a random {size} model does not fit on {device}") from e

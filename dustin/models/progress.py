@@ -26,8 +26,15 @@ def bar(enabled: bool, description: str, total: int, as_bytes: bool = False) -> 
         yield lambda n=1: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
     columns: Sequence = ((DownloadColumn(), TransferSpeedColumn()) if as_bytes else (MofNCompleteColumn(),))
     with Progress(TextColumn("{task.description}"), BarColumn(), *columns, TimeRemainingColumn(),
                   console=Console(stderr=True)) as bar:

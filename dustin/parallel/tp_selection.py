@@ -20,11 +20,10 @@ import torch.distributed as dist
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
-from dustin.selection.config import ScoreHeads
 from dustin.selection.base import StepState
+from dustin.selection.config import ScoreHeads
 from dustin.selection.estimators import TargetHistoricalScores
 from dustin.selection.policies import DustinSelection
-
 
 TP_POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d")
 

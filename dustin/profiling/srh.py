@@ -50,7 +50,7 @@ def run_needle_batch(model, prompts, max_new_tokens: int, eos_ids: set[int], voc
     cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, max(lengths) + max_new_tokens + 1, dtype, dev)
     spans = torch.tensor([p.spans[p.asked] for p in prompts], device=dev)
     obs = SpanMass(a.n_layers, a.n_heads, spans)
-    needle_tokens = [set(p.ids[s:e]) for p, (s, e) in zip(prompts, spans.tolist())]
+    needle_tokens = [set(p.ids[s:e]) for p, (s, e) in zip(prompts, spans.tolist(), strict=True)]
     total = torch.zeros(B, a.n_layers, a.n_heads, dtype=torch.float32, device=dev)
     hits, out, done = [0] * B, [[] for _ in prompts], [False] * B
     first = []

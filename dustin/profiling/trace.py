@@ -68,7 +68,10 @@ def trace_text(target, draft, ids: list[int], srh_target: dict[int, list[int]], 
     Ls = step_positions(n, steps, stride, max(w, gamma + 1))
     L = torch.tensor(Ls, device=dev)
     toks = torch.tensor(ids, device=dev)
-    ahead = lambda t: L[:, None] + torch.arange(t, device=dev)[None]
+
+    def ahead(t: int) -> torch.Tensor:  # [steps, t]: the t positions from each step's length on
+        return L[:, None] + torch.arange(t, device=dev)[None]
+
     h_t = _heads(srh_target, dev)
     groups = {"oracle": (ahead(w), h_t, L), "oracle_all": (ahead(w), None, L)}
     groups.update({f"hist{d}": ((L - d)[:, None], h_t, L) for d in DELTAS})
@@ -133,7 +136,10 @@ def load_traces(paths: list[Path], device="cpu") -> dict[str, torch.Tensor]:
         raise InputError("no traces found: run `dustin profile trace` first")
     parts = [load_file(str(p), device=str(device)) for p in paths]
     S = max(p["oracle"].shape[-1] for p in parts)
-    pad = lambda t: torch.nn.functional.pad(t, (0, S - t.shape[-1]))
+
+    def pad(t: torch.Tensor) -> torch.Tensor:  # right-pad the key axis to the longest trace's S
+        return torch.nn.functional.pad(t, (0, S - t.shape[-1]))
+
     out = {k: torch.cat([pad(p[k]) if k != "lengths" else p[k] for p in parts]) for k in parts[0]}
     out["text"] = torch.cat([torch.full_like(p["lengths"], i) for i, p in enumerate(parts)])
     return out

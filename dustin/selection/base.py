@@ -11,9 +11,9 @@ selection package never imports the engine (the engine imports the policies).
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Protocol
+
+import torch
 
 from dustin.attention.context import LayerPlanner, QueryObserver, SparsePlan
 from dustin.cache.kv_cache import KVCache

@@ -18,7 +18,6 @@ from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores
 
-
 QUEST_DENSE_LAYERS = 2
 
 

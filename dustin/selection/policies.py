@@ -21,7 +21,6 @@ from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
 
 
-
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
     from dustin.kernels.selection import select_dustin
 

@@ -41,6 +41,7 @@ equals a run without reuse. A Session built directly with a reused (or random) p
 from __future__ import annotations
 
 import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -49,7 +50,6 @@ from dustin.errors import InputError
 from dustin.profiling.observe import causal_probs
 from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.config import SparseConfig
-
 
 SNAPKV_WINDOW = 32  # observation window: the prompt's last W queries score the rest, and are always kept
 SNAPKV_KERNEL = 7  # max-pool kernel (stride 1, same padding) smoothing the scores before the top-k

@@ -2,9 +2,10 @@
 
 `dustin profile` writes a config whose "models" field records each model's identity: its architecture and a
 fingerprint of its weights (sha256 of every RMSNorm weight, rounded to bf16 so that the same checkpoint loaded
-in fp32 on a CPU, bf16 on a GPU or fp16 hashes the same, and of the signs of the first 256 embedding rows). `Engine.make_policy` looks the loaded pair up among
-the files in dustin/configs/; a folder moved or renamed still matches, a different checkpoint of the same
-architecture does not. Pairs without a tuned file fall back to `selection.config.default_config`.
+in fp32 on a CPU, bf16 on a GPU or fp16 hashes the same, and of the signs of the first 256 embedding rows).
+`Engine.make_policy` looks the loaded pair up among the files in dustin/configs/; a folder moved or renamed
+still matches, a different checkpoint of the same architecture does not. Pairs without a tuned file fall back
+to `selection.config.default_config`.
 """
 from __future__ import annotations
 
