@@ -44,8 +44,8 @@ from dataclasses import replace
 import torch
 
 from dustin.bench.plots import e2e_real, e2e_throughput
-from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import InputError
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
 
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")

@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import DustinError, InputError
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:

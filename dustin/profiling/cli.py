@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, add_speculation_args, int_list
 from dustin.errors import InputError
+from dustin.flags import add_model_args, add_speculation_args, int_list
 
 STAGES = ("srh", "trace", "search", "all")
 
