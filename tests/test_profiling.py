@@ -24,7 +24,8 @@ from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.eval.arr import recovery
 from dustin.models.loader import load_model, read_args
-from dustin.profiling.observe import RowRecorder, SpanMass, causal_probs
+from dustin.profiling.observe import RowRecorder, SpanMass
+from dustin.scoring import causal_probs
 from dustin.selection.oracle import ARR_WINDOW, WindowAttention, oracle_set, topk_set
 from tests.conftest import real_pair_or_skip
 

@@ -12,7 +12,7 @@ from dustin.engine.engine import Engine
 from dustin.engine.session import PrefillCache, Session
 from dustin.errors import InputError
 from dustin.models.loader import load_model
-from dustin.profiling.observe import causal_probs
+from dustin.scoring import causal_probs
 from dustin.selection.config import SparseConfig
 from dustin.selection.policies import POLICIES, make_policy
 from dustin.selection.snapkv import SNAPKV_KERNEL, SNAPKV_WINDOW, SnapKVSelection

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.errors import InputError
-from dustin.profiling.observe import causal_probs
+from dustin.scoring import causal_probs
 from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.config import SparseConfig
 
