@@ -1,0 +1,180 @@
+"""The import graph of the dustin package: layering and cycles, read from the source (nothing is imported).
+
+Two rules:
+- Only the command line (dustin/cli/, dustin/__main__.py) imports `dustin.cli`. Command modules take their shared
+  flag groups from `dustin.flags`, which sits below them; a module importing the command line that imports it
+  back only works as long as nobody changes the order in which the two start up.
+- No cycles among module-level imports. A cycle makes a module's contents depend on which module of the circle
+  was imported first (one of them sees the other half-initialized). Imports inside functions run after every
+  module is loaded and do not count; neither do `if TYPE_CHECKING:` blocks, which never run.
+An import names its module and, through Python's import system, the packages above it; a package's
+`__init__.py` runs first, so `from a.b import c` is an edge to `a.b` (and to `a.b.c` when that is a module).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dustin"
+
+# Modules still importing `dustin.cli.args` (the temporary compatibility import of dustin/cli/args.py). Each
+# should import `dustin.flags` instead; remove a module from this set once it does (the test fails on stale
+# entries so that the list only shrinks), then delete dustin/cli/args.py.
+KNOWN_CLI_IMPORTERS = frozenset({
+    "dustin.bench.serve",
+    "dustin.eval.arr_kl",
+    "dustin.eval.fidelity",
+    "dustin.eval.retrieval",
+    "dustin.eval.tasks",
+    "dustin.serve.cli",
+})
+
+# Module-level import cycles known today, each as the sorted tuple of its modules. Empty: none is tolerated.
+KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool, module_level: bool) -> list[tuple[str, int]]:
+    """(imported name, line) of every import, absolute; module_level: skip function bodies and TYPE_CHECKING."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if module_level and isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:  # the else branch does run
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            found.extend((f"{target}.{alias.name}", node.lineno) for alias in node.names if alias.name != "*")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph(module_level: bool) -> dict[str, dict[str, int]]:
+    """module -> {dustin module it imports (the named module and the packages above it): first line}."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        edges: dict[str, int] = {}
+        for target, line in _imports(tree, name, path.name == "__init__.py", module_level):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name and not name.startswith(dep + "."):
+                    edges.setdefault(dep, line)  # a module's own parent packages are already running
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[tuple[str, ...]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[tuple[str, ...]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(tuple(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(out)
+
+
+def _describe(cycle: tuple[str, ...], graph: dict[str, dict[str, int]]) -> str:
+    members = set(cycle)
+    return "; ".join(f"{m} -> {d} (line {line})" for m in cycle for d, line in sorted(graph[m].items())
+                     if d in members)
+
+
+def test_the_walk_sees_the_whole_package():
+    graph = _graph(module_level=True)
+    assert {"dustin", "dustin.cli.main", "dustin.flags", "dustin.runtime", "dustin.scoring"} <= set(graph)
+    assert "dustin.flags" in graph["dustin.cli.main"]
+    assert "dustin.engine.engine" in _graph(module_level=False)["dustin.cli.main"]  # imported inside main()
+
+
+def test_only_the_command_line_imports_dustin_cli():
+    graph = _graph(module_level=False)  # an import inside a function still points up into the command line
+    importers = {m for m, deps in graph.items()
+                 if any(d == "dustin.cli" or d.startswith("dustin.cli.") for d in deps)
+                 and not (m == "dustin.cli" or m.startswith("dustin.cli.") or m == "dustin.__main__")}
+    unexpected = sorted(importers - KNOWN_CLI_IMPORTERS)
+    assert not unexpected, (f"these modules import dustin.cli; take shared flag groups from dustin.flags instead: "
+                            f"{unexpected}")
+    stale = sorted(KNOWN_CLI_IMPORTERS - importers)
+    assert not stale, f"no longer import dustin.cli: remove them from KNOWN_CLI_IMPORTERS: {stale}"
+
+
+def test_no_module_level_import_cycles():
+    graph = _graph(module_level=True)
+    cycles = set(_cycles(graph))
+    unexpected = sorted(cycles - KNOWN_CYCLES)
+    assert not unexpected, "module-level import cycles:\n" + "\n".join(_describe(c, graph) for c in unexpected)
+    stale = sorted(KNOWN_CYCLES - cycles)
+    assert not stale, f"these cycles are gone: remove them from KNOWN_CYCLES: {stale}"
+
+
+def test_the_cycle_finder_finds_a_cycle_and_skips_what_does_not_run():
+    src = ("from typing import TYPE_CHECKING\nimport dustin.b\nif TYPE_CHECKING:\n    import dustin.c\n"
+           "else:\n    import dustin.d\ndef f():\n    import dustin.e\n")
+    found = {name for name, _ in _imports(ast.parse(src), "dustin.a", False, module_level=True)}
+    assert {"dustin.b", "dustin.d"} <= found and not {"dustin.c", "dustin.e"} & found
+    found = {name for name, _ in _imports(ast.parse(src), "dustin.a", False, module_level=False)}
+    assert {"dustin.c", "dustin.e"} <= found
+    rel = {name for name, _ in _imports(ast.parse("from .x import y\nfrom .. import z\n"), "dustin.p.q", False,
+                                          module_level=True)}
+    assert {"dustin.p.x", "dustin.p.x.y", "dustin", "dustin.z"} <= rel
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}, "e": {}}
+    assert _cycles(graph) == [("a", "b", "c")]
