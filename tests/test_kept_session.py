@@ -49,6 +49,20 @@ def test_kept_session_equals_fresh_sessions(engines):
         assert all(len(s.token_ids) == kw["max_new_tokens"] for s in got.sequences)
 
 
+@pytest.mark.parametrize("method,kw", [("classic", dict(gamma=3)), ("dustin", dict(gamma=4, budget=24)),
+                                       ("vanilla", {}), ("magicdec", dict(gamma=2, draft_window=16))])
+def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, method, kw):
+    """`Engine.generate` runs on the serving engine's loop (packed chunked prefill, padded forwards, the first token
+    read back with the first step); greedy, its tokens equal a whole-batch `Session`'s (one prefill forward per
+    prompt, then `decode`) token for token in fp32."""
+    fresh, _ = engines
+    prompts = _prompts([70, 5, 133, 41], 12)
+    cfg = GenerationConfig(method=method, max_new_tokens=24, stop_at_eos=False, **kw)
+    got = fresh.generate(prompts, cfg)
+    want = fresh.session(prompts, cfg).run()
+    assert [s.token_ids for s in got.sequences] == want.outputs
+
+
 def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     import dustin.engine.engine as engine_module
 
@@ -58,14 +72,14 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
     kept.generate(_prompts([20, 30]), cfg)
     first = kept._kept[1]
-    assert first.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
+    assert first.session.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
     kept.generate(_prompts([25, 11], seed=9), cfg)
     assert kept._kept[1] is first  # same method, batch and a context that fits: the same caches (and graphs)
     kept.generate(_prompts([25, 11, 4], seed=9), cfg)
     assert kept._kept[1] is not first  # another batch size: a new session
     second = kept._kept[1]
     kept.generate(_prompts([100, 5, 5]), cfg)
-    assert kept._kept[1] is not second and kept._kept[1].target_cache.capacity == 128  # outgrown: a larger one
+    assert kept._kept[1] is not second and kept._kept[1].session.target_cache.capacity == 128  # outgrown: a larger one
     kept.release_kept_session()
     assert kept._kept is None
 

@@ -54,7 +54,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
     request finishes with exactly its own tokens, and freed slots are reused."""
     prompts = _prompts(6, seed=1)
     limits = [3, 17, 9, 25, 1, 12]
-    ref = [_offline(engine, [p], "classic", m)[0] for p, m in zip(prompts, limits)]
+    ref = [_offline(engine, [p], "classic", m)[0] for p, m in zip(prompts, limits, strict=False)]
     llm = LLMEngine(engine, ServeConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
     got: dict[str, list[int]] = {}
     finished = {}
@@ -166,7 +166,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     the first one's step plans (never scheduling or collecting) holds the same session after every step: the same
     tokens per row (greedy, seeded and unseeded sampling), lengths and finished rows, through chunked prefill,
     requests that join late, an abort mid-prefill and one mid-decode, a one-token request and slot reuse."""
-    cfg = ServeConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, **SPARSE)
+    cfg = ServeConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=40, **SPARSE)
     leader, follower = LLMEngine(engine, cfg), LLMEngine(engine, cfg)
     prompts = _prompts(8, seed=5, low=20, high=110)
     params = [RequestParams(max_tokens=18, ignore_eos=True),

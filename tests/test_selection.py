@@ -243,7 +243,8 @@ def test_dustin_with_only_target_heads_is_dustin_t(engine):
     plans = _recorded_plans(engine, policy, prompts)
     assert policy.draft_observers(None) == []
     _same_plans(plans, _recorded_plans(engine, DustinSelection(cfg, "dustin-t"), prompts))
-    assert all(c.tolist() == [32, 32] for _, c in plans[0])
+    # both rows run for at least 16 / (Γ + 1) = 4 steps (a finished row leaves the batch: its slot is idle)
+    assert all(c.tolist() == [32, 32] for _, c in plans[0][:4])
 
 
 def test_dustin_with_only_draft_heads_is_dustin_d(engine):

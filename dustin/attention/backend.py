@@ -4,7 +4,8 @@
   into the query-length dimension so K/V are never repeated. Runs everywhere; the CPU default.
 - `triton`: our split-K (flash-decoding) GQA kernels for the verify / decode step and for sparse
   verification over an index list. The GPU default (see docs/benchmarks.md for the measurements).
-Prefill of a fresh sequence always uses SDPA's causal kernel over the prompt itself.
+Prefill of one fresh sequence uses SDPA's causal kernel over the prompt itself; a packed prefill (prompt chunks of
+several rows in one forward, the engine loop's path) takes `prefill_packed`.
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ class AttentionBackend:
             k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def prefill_packed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+        """Prompt chunks of several rows (q [Hq, N, D], packed), each causal over its row's cached prefix: our
+        Triton kernel (dustin/kernels/prefill_attention.py) on the GPU, SDPA per chunk elsewhere."""
+        from dustin.kernels import prefill_attention as pa
+
+        if self.name == "triton" and (q.is_cuda or _interpreting()):
+            return pa.prefill_attention(q, k_cache, v_cache, plan)
+        return pa.prefill_attention_sdpa(q, k_cache, v_cache, plan)
+
     def verify(self, q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int):
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.verify_attention import verify_attention
@@ -67,6 +77,12 @@ class AttentionBackend:
         S = min(max_len, k_cache.shape[2])
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S,
                                      mask=sparse_mask(lengths, plan, q.shape[2], S))
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_available() -> bool:

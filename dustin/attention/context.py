@@ -14,6 +14,8 @@ import torch
 
 from dustin.cache.kv_cache import KVCache
 
+BLOCK_M = 64  # query rows per program of the packed prefill kernel: a plan's tile list is built for it
+
 
 @dataclass
 class SparsePlan:
@@ -21,6 +23,58 @@ class SparsePlan:
 
     indices: torch.Tensor  # int32 [B, K], sorted; entries past counts[b] are padding
     counts: torch.Tensor  # int32 [B]
+
+
+@dataclass
+class PrefillPlan:
+    """Index metadata of one packed prefill forward (built once, shared by every layer).
+
+    rows/q_start/lengths/pos0: int32 [C] per chunk (cache row, offset in the packed tokens, tokens, cached
+    positions before it); tile_chunk/tile_block: int32 [NT], the (chunk, query block) of each program;
+    n_tokens: real packed tokens (the forward may carry padding past them); token_rows/token_pos: int64 [n_tokens],
+    the cache row and position of each real token (the cache write); last: int64 [C], the packed index of each
+    chunk's last token; host: (row, pos0, len) per chunk, for the CPU path and for callers."""
+
+    rows: torch.Tensor
+    q_start: torch.Tensor
+    lengths: torch.Tensor
+    pos0: torch.Tensor
+    tile_chunk: torch.Tensor
+    tile_block: torch.Tensor
+    n_tokens: int
+    token_rows: torch.Tensor
+    token_pos: torch.Tensor
+    last: torch.Tensor
+    host: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, int]], device, block_m: int = BLOCK_M) -> "PrefillPlan":
+        """chunks: (cache row, cached positions before the chunk, chunk tokens), packed in this order. All index
+        arrays are assembled on the host and sent in one copy (no device sync)."""
+        if not chunks or any(n < 1 or p < 0 for _, p, n in chunks):
+            raise ValueError(f"a prefill plan needs chunks of >= 1 token at positions >= 0, got {chunks}")
+        C = len(chunks)
+        rows = torch.tensor([r for r, _, _ in chunks], dtype=torch.long)
+        pos0 = torch.tensor([p for _, p, _ in chunks], dtype=torch.long)
+        lens = torch.tensor([n for _, _, n in chunks], dtype=torch.long)
+        ends = lens.cumsum(0)
+        starts = ends - lens
+        blocks = (lens + block_m - 1) // block_m
+        tile_chunk = torch.repeat_interleave(torch.arange(C), blocks)
+        tile_block = torch.arange(len(tile_chunk)) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+        n = int(ends[-1])
+        token_rows = torch.repeat_interleave(rows, lens)
+        token_pos = torch.arange(n) - torch.repeat_interleave(starts - pos0, lens)
+        host = torch.cat([rows, starts, lens, pos0, tile_chunk, tile_block, token_rows, token_pos, ends - 1])
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        nt = len(tile_chunk)
+        sizes = [C, C, C, C, nt, nt, n, n, C]
+        r, st, ln, p0, tc, tb, trow, tpos, last = dev.split(sizes)
+        i32 = torch.int32
+        return cls(r.to(i32), st.to(i32), ln.to(i32), p0.to(i32), tc.to(i32), tb.to(i32), n, trow, tpos, last,
+                   tuple(chunks))
 
 
 class LayerPlanner(Protocol):
@@ -44,6 +98,8 @@ class ForwardContext:
     lengths: torch.Tensor  # int32 [B]: cached positions before the new tokens
     max_len: int  # host-side upper bound of max(lengths) + T (sizes the attention work)
     rows: slice | None = None  # batch rows of the cache being written (prefill: one sequence)
+    # packed prefill: tokens [1, N] are prompt chunks of several rows (the plan says which row and positions)
+    packed: PrefillPlan | None = None
     fresh: bool = False  # the cache is empty for these rows: attend over the new tokens only
     prompt: bool = False  # the new tokens are prompt tokens of `rows` (a whole prefill or a chunk of one)
     sinks: int = 0  # streaming attention (MagicDec draft): sinks + recent window only
@@ -52,7 +108,14 @@ class ForwardContext:
     observers: list[QueryObserver] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.prompt = self.prompt or self.fresh  # a fresh forward is always a prompt's
+        self.prompt = self.prompt or self.fresh or self.packed is not None  # fresh / packed: always a prompt's
+
+    def last_prompt_queries(self, q: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor]:
+        """(cache rows, q [n, H, 1, D]): the query of the last token of each prompt piece in this prompt forward
+        (q [B, H, T, D]): per chunk of a packed prefill, or the last token of the `rows` prefilled."""
+        if self.packed is not None:
+            return self.packed.rows.long(), q[0][:, self.packed.last].transpose(0, 1)[:, :, None]
+        return (self.rows if self.rows is not None else slice(None)), q[:, :, -1:]
 
     @property
     def num_new(self) -> int:

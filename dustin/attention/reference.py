@@ -101,8 +101,8 @@ def attention_scores_multi_reference(q, k_all, layers, kv_heads, key_lengths, qu
     """Plain PyTorch version of `attention_scores_multi`: one reference call per layer."""
     if not accumulate:
         out.zero_()
-    for l in range(q.shape[1]):
-        lyr = int(layers[l]) if layers is not None else l
-        attention_scores_reference(q[:, l], k_all[lyr], kv_heads[l], key_lengths, query_positions, out,
+    for i in range(q.shape[1]):
+        lyr = int(layers[i]) if layers is not None else i
+        attention_scores_reference(q[:, i], k_all[lyr], kv_heads[i], key_lengths, query_positions, out,
                                    scale=scale, ctx_lengths=ctx_lengths)
     return out

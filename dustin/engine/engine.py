@@ -173,76 +173,84 @@ class Engine:
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
                  policy: SelectionPolicy | None = None, chat: bool = False,
                  prefill_cache: PrefillCache | None = None, limits: list[int] | None = None) -> GenerationResult:
-        """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask)."""
+        """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask).
+
+        Runs on the serving engine's loop (`LLMEngine`: packed chunked prefill, a step ahead of the host), one
+        slot per prompt, so offline and served requests go through the same code. Two cases keep a whole-batch
+        `Session` instead: policies with whole-batch state (quest, specattn, snapkv, oracle: not `row_local`) and
+        a shared `prefill_cache` (comparing methods over one prefill)."""
         ids = [self.encode(p, chat) for p in prompts]
         try:
-            # a kept session serves row-local policies only (quest, specattn, snapkv keep whole-batch state)
-            kept = policy is None and prefill_cache is None and self.keep_session
             policy = policy or self.make_policy(cfg)
-            if kept and policy.row_local:
-                s = self._run_kept(ids, cfg, limits, policy)
+            if prefill_cache is None and policy.row_local:
+                s, outputs, timing = self._run_loop(ids, cfg, limits, policy)
                 policy = s.policy
             else:
-                s = self.session(ids, cfg, policy, prefill_cache, limits=limits).run()
+                s, timing = self.session(ids, cfg, policy, prefill_cache, limits=limits).run(), None
+                outputs = s.outputs
         except torch.OutOfMemoryError:
             self._kept = None
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
-        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, s.outputs)]
+        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, outputs, strict=False)]
         st = s.stats
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
         sc = policy.cfg
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
-        return GenerationResult(cfg.method, seqs, st.steps, st.tau, st.produced / max(st.decode_s, 1e-9),
+        produced = st.produced if timing is None else timing["produced_after_prefill"]
+        return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split, used, st.capture_s)
 
-    def _run_kept(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
-                  policy: SelectionPolicy) -> Session:
-        """Generate on the kept slot session: its KV caches, policy buffers and CUDA graphs outlive the call, so
-        a second `generate` of the same method and batch size (and a context that fits) pays neither the
-        allocation nor the graph capture again. One session is kept; another method, batch size or a longer
-        context replaces it. Capacity is rounded up to a multiple of `KEPT_ROUNDING` positions so that calls
-        of similar lengths share it. `policy` (fresh, row-local) serves a new session; a reused one keeps its own.
-        Each sequence is one slot: admitted, prefilled in one chunk (the same
-        forward as a fresh session's prefill), decoded, released; the generator is reseeded per call, so the
-        tokens equal a fresh session's."""
-        self._validate(ids, cfg, limits, memory=False)  # memory: below, only if a session is allocated
+    def _run_loop(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
+                  policy: SelectionPolicy) -> tuple[Session, list[list[int]], dict]:
+        """Generate through an `LLMEngine` of one slot per prompt. On a GPU the engine is kept: its KV caches,
+        policy buffers and CUDA graphs outlive the call, so a second `generate` of the same method and batch size
+        (and a context that fits) pays neither the allocation nor the graph capture again. One is kept; another
+        method, batch size or a longer context replaces it. Capacity is rounded up to a multiple of
+        `KEPT_ROUNDING` positions so that calls of similar lengths share it. `policy` (fresh, row-local) serves a
+        new engine; a reused one keeps its own. The generator is reseeded per call, so a call's tokens do not
+        depend on earlier calls. Returns the session (stats, policy), the new tokens per prompt and the run's
+        timings."""
+        from dustin.engine.llm_engine import LLMEngine, ServeConfig
+        from dustin.engine.request import RequestParams
+
+        self._validate(ids, cfg, limits, memory=False)  # memory: below, only if an engine is allocated
         limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(ids)
         gamma = cfg.gamma if cfg.spec.speculative else 0
         need = cache_capacity([len(p) for p in ids], limits, gamma)
         key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(ids))
         kept = self._kept
-        if kept is None or kept[0] != key or kept[1].target_cache.capacity < need:
+        if kept is None or kept[0] != key or kept[1].session.target_cache.capacity < need:
             self._kept = kept = None
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING
+            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if self.keep_session else need
             self._check_memory(ids, cfg, limits, capacity=cap)
-            if not policy.row_local:
-                raise InputError(f"method {cfg.method!r} keeps whole-batch state: it cannot run on a kept session")
-            s = Session(self.target, self.draft if cfg.spec.speculative else None, [],
-                        replace(cfg, max_new_tokens=cap), self.eos_ids, self.vocab_limit, policy,
-                        slots=len(ids), capacity=cap)
-            self._kept = kept = (key, s)
-        s = kept[1]
+            context = self.target.args.max_position_embeddings
+            serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=context, max_waiting=len(ids),
+                                draft_window=cfg.draft_window, seed=cfg.seed)
+            core = LLMEngine(self, serve, generation=replace(cfg, max_new_tokens=cap), slots=len(ids),
+                             capacity=cap, policy=policy)
+            kept = (key, core)
+            if self.keep_session:
+                self._kept = kept
+        core = kept[1]
+        s = core.session
         s.begin_run(cfg.seed)
+        c0 = s._capture_total()
         t0 = time.perf_counter()
-        for row, (p, m) in enumerate(zip(ids, limits)):
-            s.admit(row, p, m)
-            s.prefill_chunk(row, len(p))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        s.stats.prefill_s = time.perf_counter() - t0
-        try:
-            s.run()
-        finally:
-            outputs = [list(o) for o in s.outputs]
-            for row in range(len(ids)):
-                s.release(row)
-            s.outputs = outputs
-        return s
+        params = [RequestParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+                  for m in limits]
+        outputs, timing = core.run_batch(ids, params)
+        wall = time.perf_counter() - t0
+        st = s.stats
+        st.capture_s = s._capture_total() - c0
+        st.prefill_s = timing["prefill_s"]
+        st.decode_s = max(wall - st.prefill_s - st.capture_s, 0.0)
+        st.phases = s.timer.totals()
+        return s, outputs, timing
 
     def release_kept_session(self) -> None:
         """Free the kept session's KV caches and graphs (the next `generate` allocates and captures anew)."""

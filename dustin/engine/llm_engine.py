@@ -51,6 +51,11 @@ from dustin.errors import DustinError, InputError, OutOfMemoryError
 SERVABLE = ("vanilla", "classic", "magicdec", "streaming", "dustin", "dustin-t", "dustin-d")
 
 
+# prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the
+# H200 measurement it comes from
+DEFAULT_PREFILL_TOKENS_GPU = 8192
+
+
 class QueueFullError(DustinError):
     """The waiting queue is full: the server answers 429."""
 
@@ -66,7 +71,11 @@ class ServeConfig:
     sparse_config: str | None = None  # file or 'builtin' (None: the pair's tuned config)
     max_slots: int | None = None
     max_context: int | None = None
-    prefill_chunk: int = 2048  # prompt tokens prefilled per step at most (over all admitted requests)
+    # prefill: prompts are cut at multiples of `prefill_chunk` tokens from their start (request-local), and one
+    # step prefills up to `prefill_tokens` tokens of such chunks, of any requests, in ONE forward padded to that
+    # size (None: 8192 on a GPU, 512 on a CPU; see docs/serving.md for the measurement behind the GPU default)
+    prefill_chunk: int = 2048
+    prefill_tokens: int | None = None
     max_waiting: int = 256
     draft_window: int = 512  # positions the streaming draft attends: sinks + recent
     seed: int = 0
@@ -77,10 +86,14 @@ class ServeConfig:
         if self.method not in SERVABLE:
             raise InputError(f"method {self.method!r} is offline-only (evaluation baseline); serve one of "
                              f"{', '.join(SERVABLE)}")
-        for name, low in (("max_slots", 1), ("max_context", 16), ("prefill_chunk", 1), ("max_waiting", 1)):
+        for name, low in (("max_slots", 1), ("max_context", 16), ("prefill_chunk", 1), ("prefill_tokens", 1),
+                          ("max_waiting", 1)):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < low):
                 raise InputError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
+            raise InputError(f"--prefill-tokens ({self.prefill_tokens}) must be >= --prefill-chunk "
+                             f"({self.prefill_chunk}): a step prefills whole chunks")
 
     def generation(self, max_new_tokens: int) -> GenerationConfig:
         return GenerationConfig(method=self.method, gamma=self.gamma, max_new_tokens=max_new_tokens,
@@ -103,13 +116,15 @@ class _Sequence:
 
 
 class Scheduler:
-    """Waiting requests (bounded FIFO), the rows they run in, and the prefill token budget of each step."""
+    """Waiting requests (bounded FIFO), the rows they run in, and each step's prefill: whole chunks of
+    `chunk` tokens (a prompt is always cut at the same offsets, multiples of `chunk` from its start, whatever
+    else runs), oldest request first, at most `budget` tokens in all."""
 
-    def __init__(self, n_rows: int, max_waiting: int, prefill_chunk: int) -> None:
+    def __init__(self, n_rows: int, max_waiting: int, chunk: int, budget: int) -> None:
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[int, _Sequence] = {}  # row -> sequence (prefilling or decoding)
         self.free = list(range(n_rows))
-        self.max_waiting, self.prefill_chunk = max_waiting, prefill_chunk
+        self.max_waiting, self.chunk, self.budget = max_waiting, chunk, budget
 
     def enqueue(self, seq: _Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -128,16 +143,18 @@ class Scheduler:
         return out
 
     def prefill_chunks(self) -> list[tuple[int, int]]:
-        """This step's prefill: (row, prompt tokens) for running requests with prompt left, oldest first, at most
-        `prefill_chunk` tokens in all; counted as prefilled at once (the plan's execution prefills exactly them)."""
-        budget, out = self.prefill_chunk, []
+        """This step's prefill: (row, tokens) per chunk, oldest request first, a request's chunks in order (it may
+        have several in one step), stopping at the first chunk that does not fit the budget: no younger request
+        is prefilled ahead of an older one, and no chunk is cut. Counted as prefilled at once (the plan's
+        execution prefills exactly them)."""
+        left, out = self.budget, []
         for seq in sorted(self.running.values(), key=lambda q: q.arrival):
-            if budget <= 0:
-                break
-            if seq.prefilling:
-                n = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
+            while seq.prefilling:
+                n = min(self.chunk - seq.prefilled % self.chunk, len(seq.request.prompt_ids) - seq.prefilled)
+                if n > left:
+                    return out
                 seq.prefilled += n
-                budget -= n
+                left -= n
                 out.append((seq.row, n))
         return out
 
@@ -178,7 +195,10 @@ class StepPlan:
 class LLMEngine:
     heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
 
-    def __init__(self, engine: Engine, config: ServeConfig) -> None:
+    def __init__(self, engine: Engine, config: ServeConfig, *, generation: GenerationConfig | None = None,
+                 slots: int | None = None, capacity: int | None = None, policy=None) -> None:
+        """generation/slots/capacity/policy: `Engine.generate`'s batch run on this same loop (its own decoding
+        settings, one slot per prompt, the capacity its prompts need); the server leaves them None."""
         if engine.draft is None and METHODS[config.method].speculative:
             raise InputError(f"method {config.method!r} needs a draft model (--draft)")
         self.engine, self.config = engine, config
@@ -189,20 +209,23 @@ class LLMEngine:
             context = min(context, engine.draft.args.max_position_embeddings)
         default_context = context if cuda else min(context, 8192)
         self.max_context = min(config.max_context or default_context, context)
-        self.max_slots = config.max_slots or (16 if cuda else 8)
-        self.gen_cfg = config.generation(self.max_context)
+        self.max_slots = slots or config.max_slots or (16 if cuda else 8)
+        self.gen_cfg = generation or config.generation(self.max_context)
         gamma = self.gen_cfg.gamma if self.gen_cfg.spec.speculative else 0
-        capacity = cache_capacity([0], [self.max_context], gamma)
+        capacity = capacity or cache_capacity([0], [self.max_context], gamma)
         need = engine.kv_cache_bytes(self.max_slots, capacity, self.gen_cfg.spec.speculative)
         try:
-            policy = engine.make_policy(self.gen_cfg)
+            policy = policy or engine.make_policy(self.gen_cfg)
             self.session = Session(engine.target, engine.draft if self.gen_cfg.spec.speculative else None, [],
                                    self.gen_cfg, engine.eos_ids, engine.vocab_limit, policy, slots=self.max_slots,
                                    capacity=capacity)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {engine.device}: lower --max-slots or --max-context") from None
-        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk)
+        self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
+                                                           DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
+        self._inflight: int | None = None  # staging slot of the launched step not yet read back
+        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens)
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: list[str] = []
         self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
@@ -213,7 +236,8 @@ class LLMEngine:
         # tensor parallelism: rank and world of the target's shards; on rank 0 the followers' state: "waiting"
         # (for the next plan), "busy" (a plan was sent and is not finished here: after an error there, the
         # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped"
-        parallel = engine.parallel
+        # (`Engine.generate`'s run: every rank runs the same loop on its own, no plans are sent)
+        parallel = engine.parallel if generation is None else None
         self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
         self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
         self._last_sent = time.monotonic()
@@ -267,11 +291,14 @@ class LLMEngine:
             self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._by_id)
+        return bool(self._by_id) or self._inflight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """schedule -> (tensor parallelism: broadcast the plan) -> execute -> postprocess."""
+        """schedule -> (tensor parallelism: broadcast the plan) -> execute (releases, admissions, one packed
+        prefill forward, launch a decode step) -> read back the previous step while this one runs ->
+        postprocess. The device runs a step ahead of the host (as `Session.decode`): the host's work of one
+        iteration (detokenizing, HTTP, the next schedule) overlaps the device's step."""
         if self.rank != 0:
             raise RuntimeError("under tensor parallelism only rank 0 steps; the other ranks call follow()")
         t0 = time.perf_counter()
@@ -282,7 +309,7 @@ class LLMEngine:
             self._send(plan, then_execute=True)
         outputs = self._collect()
         s = self.session
-        if outputs or s.active_rows or s.prefilling_rows:
+        if outputs or s.active_rows or s.prefilling_rows or self._inflight is not None:
             self.counters["busy_s"] += time.perf_counter() - t0
         return outputs
 
@@ -295,17 +322,15 @@ class LLMEngine:
                                 seq.request.params.sampling, seq.request.params.seed, seq.request.params.ignore_eos)
                       for seq in sched.admissions())
         prefill = tuple(sched.prefill_chunks())
-        completing = {row for row, _ in prefill if not sched.running[row].prefilling}
-        # decode when a row will be active: decoding, or its prefill completes now and its first token cannot end
-        # it (max_tokens 1 always does; a first token that is EOS is only known after the prefill, and then the
-        # step runs over finished rows, which changes nothing but costs one step)
-        decode = any(not seq.prefilling and not (row in completing and seq.request.params.max_tokens == 1)
-                     for row, seq in sched.running.items())
         release, self._to_release = tuple(self._to_release), []
+        # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
+        # reaches the host with this step's output)
+        decode = any(not seq.prefilling for seq in sched.running.values())
         return StepPlan(release, admit, prefill, decode)
 
     def _execute(self, plan: StepPlan) -> None:
-        """Make the plan's Session calls (every rank, the same plans in the same order)."""
+        """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
+        and read back the previous one."""
         s = self.session
         for row in plan.release:
             s.release(row)
@@ -313,14 +338,19 @@ class LLMEngine:
             s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed)
             if a.ignore_eos:
                 s.ignore_eos_rows.add(a.row)
-        for row, n in plan.prefill:
-            done = s.prefill_chunk(row, n)
-            if done != n:
-                raise RuntimeError(f"step plan out of step with the session: row {row} prefilled {done} of {n}")
-            self.counters["prompt_tokens_total"] += n
+        if plan.prefill:
+            s.prefill(list(plan.prefill), pad_to=self.prefill_tokens)
+            self.counters["prompt_tokens_total"] += sum(n for _, n in plan.prefill)
+        slot = None
         if plan.decode:
-            s.step()
+            slot = s.launch(overlapped=s.overlappable)
             self.counters["steps_total"] += 1
+        if self._inflight is not None:
+            s.complete(self._inflight)
+        self._inflight = slot
+        if slot is not None and not s.overlappable:
+            s.complete(slot)
+            self._inflight = None
 
     # ------------------------------------------------------------------ tensor parallelism
     def _send(self, plan: StepPlan, then_execute: bool = False) -> None:
@@ -416,11 +446,22 @@ class LLMEngine:
         return out
 
     def generate(self, prompts: list[list[int]], params: RequestParams | list[RequestParams]) -> list[list[int]]:
-        """Offline convenience: run prompts to completion through the serving loop; their new token ids."""
+        """Offline: run prompts to completion through this loop; their new token ids."""
+        return self.run_batch(prompts, params)[0]
+
+    def run_batch(self, prompts: list[list[int]], params: RequestParams | list[RequestParams]
+                  ) -> tuple[list[list[int]], dict]:
+        """Offline: run prompts to completion through this loop (they are queued as waiting requests as room
+        allows, in order); their new token ids, and timings: `prefill_s`, the wall time until every prompt was
+        prefilled (decode steps of rows that finished their prefill earlier run meanwhile), and
+        `produced_after_prefill`, tokens booked after that point."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        pending = list(zip(ids, prompts, plist))
+        pending = list(zip(ids, prompts, plist, strict=False))
         results: dict[str, list[int]] = {i: [] for i in ids}
+        t0 = time.perf_counter()
+        timing = {"prefill_s": 0.0, "produced_after_prefill": 0}
+        prefilled = False
         while pending or self.has_unfinished():
             while pending and len(self.scheduler.waiting) < self.scheduler.max_waiting:
                 rid, p, rp = pending.pop(0)
@@ -428,7 +469,14 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id in results:
                     results[o.request_id] += o.new_token_ids
-        return [results[i] for i in ids]
+            if not prefilled and not pending and not self.scheduler.waiting and not self.session.prefilling_rows:
+                prefilled = True
+                if self.engine.device.type == "cuda":
+                    torch.cuda.synchronize(self.engine.device)
+                timing["prefill_s"] = time.perf_counter() - t0
+                timing["produced_after_prefill"] = -self.session.stats.produced
+        timing["produced_after_prefill"] += self.session.stats.produced
+        return [results[i] for i in ids], timing
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:

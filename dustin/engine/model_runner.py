@@ -5,7 +5,9 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
   replayed from a CUDA graph captured once per shape when graphs are on (they live as long as the runner:
   a serving engine's runner serves every request with the same graphs);
 - `prefill(row, tokens, start)`: prompt tokens [start, start + len) of one row, the whole prompt (start 0, the
-  causal prefill kernel) or a later chunk (attending over the cached prefix).
+  causal prefill kernel) or a later chunk (attending over the cached prefix);
+- `prefill_packed(chunks, pad_to, logit_rows)`: prompt chunks of several rows in one forward (the engine loop's
+  prefill: dustin/kernels/prefill_attention.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from dustin.attention.context import ForwardContext, SparsePlan
+from dustin.attention.context import ForwardContext, PrefillPlan, SparsePlan
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.cuda_graphs import GraphedForward
 from dustin.models.transformer import Transformer
@@ -57,3 +59,24 @@ class ModelRunner:
         ctx = ForwardContext(self.cache, pos, lengths, start + n, rows=slice(row, row + 1), fresh=start == 0,
                              prompt=True, observers=list(observers))
         return self.model(toks, ctx, logits_at=torch.tensor([n - 1], device=self.device))
+
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int,
+                       observers=()) -> torch.Tensor:
+        """chunks: (row, start, tokens): each writes prompt tokens at positions start.. of its row, attending over
+        the row's first `start` cached positions. One forward of exactly max(pad_to, real tokens) tokens, and
+        logits at each chunk's last token through an lm_head of `logit_rows` (>= chunks) rows: fixed shapes, so
+        every GEMM computes a row's numbers the same way whatever else is packed beside it. Returns [C, V]."""
+        plan = PrefillPlan.build([(row, start, len(toks)) for row, start, toks in chunks], self.device)
+        flat = [t for _, _, toks in chunks for t in toks]
+        n_pad = max(pad_to, len(flat)) - len(flat)
+        host = torch.tensor(flat + [0] * n_pad, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        toks = host.to(self.device, non_blocking=True)[None]
+        pos = torch.cat([plan.token_pos, torch.zeros(n_pad, dtype=torch.long, device=self.device)])[None]
+        C = len(chunks)
+        last = torch.cat([plan.last, torch.zeros(max(logit_rows, C) - C, dtype=torch.long, device=self.device)])
+        ctx = ForwardContext(self.cache, pos, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
+                             packed=plan, observers=list(observers))
+        return self.model(toks, ctx, logits_at=last)[:C]

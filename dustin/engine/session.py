@@ -52,7 +52,7 @@ def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int
     from its length on: up to position n + m + 3Γ, so n + m + 3Γ + 1 positions; + 3 spare. (The CUDA-graph
     warm-up scratch of `GraphedForward`, Γ + 1 rows at the tail, is only written at capture, when no row is
     anywhere near the tail; junk of frozen rows may land there later, which is harmless.)"""
-    return max(n + m for n, m in zip(prompt_lens, limits)) + 3 * gamma + 4
+    return max(n + m for n, m in zip(prompt_lens, limits, strict=False)) + 3 * gamma + 4
 
 
 @dataclass
@@ -118,10 +118,17 @@ class Session:
         self._graph: StepGraph | None = None
         # host staging of `decode` / `step` (two of each: a step's output is read back while the next one runs)
         pinned = self.device.type == "cuda"
-        self._out_stage = [torch.zeros(self.B, 2 + self.gamma, dtype=torch.long, pin_memory=pinned)
+        self._out_stage = [torch.zeros(self.B, 3 + self.gamma, dtype=torch.long, pin_memory=pinned)
                            for _ in range(2)]
         self._done_stage = [torch.zeros(self.B, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
         self._ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        # per row: an epoch (bumped when a row changes hands, so a step launched before that is not booked to
+        # the new request) and whether its first token (chosen by its prefill) is still to be read back: it
+        # comes back with the row's next step, so completing a prefill needs no host sync
+        self._epoch = [0] * self.B
+        self._fresh = [False] * self.B
+        self._live: list[list[tuple[int, int, bool]]] = [[], []]  # rows each staged step was launched for
+        self._slot = 0
         self._graph_warm = False
         self._warmup_s = 0.0
         self.runners = {"target": ModelRunner(target, self.B, capacity, self.use_graphs)}
@@ -202,36 +209,45 @@ class Session:
                              f"{self.target_cache.capacity} positions")
         self._prompt_rows[row], self._prefilled[row] = list(prompt), 0
         self.limits[row], self.outputs[row] = limit, []
+        self._epoch[row] += 1
+        self._fresh[row] = False
         self.sampler.set_row(row, params or self.cfg.sampling, seed, self.device)
 
-    def prefill_chunk(self, row: int, max_tokens: int) -> int:
-        """Prefill up to `max_tokens` more prompt tokens of an admitted row (target and draft); the chunk that
-        completes the prompt also chooses the first token and makes the row active for the next step. Chunks
-        after the first attend over the cached prefix (the verify path with a causal mask). Returns the number
-        of tokens prefilled. Between chunks the row's cache length is one past the prefilled count, so the
-        step's forwards over idle rows write their junk past the prefix, where the next chunk overwrites it."""
-        prompt, n0 = self._prompt_rows[row], self._prefilled[row]
-        n1 = min(len(prompt), n0 + max_tokens)
-        last = n1 == len(prompt)
-        with torch.inference_mode():
-            observers = self.policy.target_observers(self) if last else []
-            logits = self.runners["target"].prefill(row, prompt[n0:n1], n0, observers)[:, : self.V]
-            if "draft" in self.runners:
-                self.runners["draft"].prefill(row, prompt[n0:n1], n0)
+    @torch.inference_mode()
+    def prefill(self, pieces: list[tuple[int, int]], pad_to: int = 0) -> None:
+        """Prefill the next `n` prompt tokens of each admitted row in `pieces` [(row, n)], all rows in ONE forward
+        of the target and one of the draft (dustin/kernels/prefill_attention.py: each chunk attends over its row's
+        cached prefix), padded to `pad_to` tokens so the forward's shape does not depend on what is packed. A row
+        may appear twice (consecutive chunks). A chunk that completes its prompt chooses the first token on the
+        device and makes the row active; the token reaches the host with the row's next step (no sync here).
+        Between chunks a row's cache length is one past the prefilled count, so the step's forwards over
+        not-yet-active rows write their junk past the prefix, where the next chunk overwrites it."""
+        chunks, done_rows = [], []
+        for row, n in pieces:
+            prompt, n0 = self._prompt_rows[row], self._prefilled[row]
+            n1 = n0 + n
+            if n < 1 or n1 > len(prompt):
+                raise ValueError(f"row {row}: cannot prefill {n} tokens at {n0} of a {len(prompt)}-token prompt")
+            chunks.append((row, n0, prompt[n0:n1]))
             self._prefilled[row] = n1
-            # until the prompt completes, the step's junk writes for this row (the draft's first forward
-            # rewrites position length - 1) must land past the prefilled prefix: length n1 + 1
-            self.target_cache.lengths[row] = n1 if last else n1 + 1
-            self.host_lengths[row] = n1 if last else n1 + 1
-            if last:
-                first = self.sampler.choose_row(row, logits)
-                self.pending[row] = first[0]
-                self.prev[row] = prompt[-1]
-                del self._prompt_rows[row], self._prefilled[row]
-                self.finished[row] = False
-                self._commit(row, [int(first[0])])
-                self.done[row] = self.finished[row]
-        return n1 - n0
+            if n1 == len(prompt):
+                done_rows.append((len(chunks) - 1, row))
+        observers = self.policy.target_observers(self) if done_rows else []
+        logits = self.runners["target"].prefill_packed(chunks, pad_to, self.B, observers)[:, : self.V]
+        if "draft" in self.runners:
+            self.runners["draft"].prefill_packed(chunks, pad_to, self.B)
+        for row, _, _ in chunks:
+            if row in self._prompt_rows and self._prefilled[row] < len(self._prompt_rows[row]):
+                self.target_cache.lengths[row] = self.host_lengths[row] = self._prefilled[row] + 1
+        for i, row in done_rows:
+            prompt = self._prompt_rows.pop(row)
+            del self._prefilled[row]
+            self.pending[row:row + 1].copy_(self.sampler.choose_row(row, logits[i:i + 1]))
+            self.prev[row] = prompt[-1]
+            self.target_cache.lengths[row] = self.host_lengths[row] = len(prompt)
+            self.done[row] = False
+            self.finished[row] = False
+            self._fresh[row] = True
 
     def begin_run(self, seed: int) -> None:
         """Start a new generation on a kept slot session (`Engine.generate` reuses one across calls, graphs
@@ -250,6 +266,8 @@ class Session:
         """Free a row (finished, or aborted mid-prefill or mid-decode): it becomes idle for the next request."""
         self._prompt_rows.pop(row, None)
         self._prefilled.pop(row, None)
+        self._epoch[row] += 1
+        self._fresh[row] = False
         self.finished[row] = True
         self.done[row] = True
         self.target_cache.lengths[row] = 1
@@ -277,7 +295,8 @@ class Session:
     def prefill_state(self) -> "PrefillState":
         """Snapshot of the prompt caches right after prefill (call before the first step)."""
         n_max = max(len(p) for p in self.prompts)
-        kv = (lambda c: None if c is None else (c.k[..., :n_max, :].clone(), c.v[..., :n_max, :].clone()))
+        def kv(c):
+            return (None if c is None else (c.k[..., :n_max, :].clone(), c.v[..., :n_max, :].clone()))
         return PrefillState(self._prefill_key(), kv(self.target_cache), kv(self.draft_cache), self.pending.clone())
 
     def _prefill_key(self) -> tuple:
@@ -291,12 +310,36 @@ class Session:
     @torch.inference_mode()
     def step(self) -> None:
         """One target forward (vanilla) or one draft-then-verify round (speculative), then the step's one host
-        sync and its bookkeeping, before returning: the serving engine admits and releases rows between steps.
-        On a GPU with graphs, the whole device part replays as one CUDA graph (`StepGraph`)."""
+        sync and its bookkeeping, before returning. On a GPU with graphs, the whole device part replays as one
+        CUDA graph (`StepGraph`)."""
         t0, c0 = time.perf_counter(), self._capture_total()
-        out = self._launch(overlapped=False)
-        self._bookkeep(out.tolist(), self._done_stage[0])  # the step's one host sync
+        self.complete(self.launch(overlapped=False))
         self._account(t0, c0)
+
+    @torch.inference_mode()
+    def launch(self, overlapped: bool = True) -> int:
+        """Queue one step's device work and the copy of its output to pinned host memory; returns the staging
+        slot to `complete` later. The rows the step runs for (and their epochs) are recorded now, so that its
+        tokens are booked to the requests that held the rows at launch, whatever was released or admitted since.
+        overlapped: the host may be a step behind the device (attention is then sized by the capacity)."""
+        out = self._launch(overlapped)
+        slot, self._slot = self._slot, self._slot ^ 1
+        self._out_stage[slot].copy_(out, non_blocking=True)
+        if self._ready[slot] is not None:
+            self._ready[slot].record()
+        live = [(b, self._epoch[b], self._fresh[b]) for b in range(self.B) if not self.finished[b]]
+        for b, _, fresh in live:
+            if fresh:
+                self._fresh[b] = False  # the first token rides on this step's output
+        self._live[slot] = live
+        return slot
+
+    @torch.inference_mode()
+    def complete(self, slot: int) -> None:
+        """Wait for the step staged in `slot` (the step's one host sync) and book its tokens."""
+        if self._ready[slot] is not None:
+            self._ready[slot].synchronize()
+        self._bookkeep(self._out_stage[slot].tolist(), self._done_stage[slot], self._live[slot])
 
     @torch.inference_mode()
     def decode(self, max_steps: int | None = None) -> None:
@@ -317,26 +360,25 @@ class Session:
                 n += 1
             return
         t0, c0 = time.perf_counter(), self._capture_total()
-        inflight, slot, n = None, 0, 0
+        inflight, n = None, 0
         while True:
             launch = not self.is_done and (max_steps is None or n < max_steps)
-            if launch:
-                out = self._launch(overlapped=True)
-                self._out_stage[slot].copy_(out, non_blocking=True)
-                if self._ready[slot] is not None:
-                    self._ready[slot].record()
-                n += 1
+            slot = self.launch(overlapped=True) if launch else None
+            n += launch
             if inflight is not None:  # the previous step, while this one runs
-                if self._ready[inflight] is not None:
-                    self._ready[inflight].synchronize()  # the step's one host sync
-                self._bookkeep(self._out_stage[inflight].tolist(), self._done_stage[inflight])
+                self.complete(inflight)
             if not launch:
                 break
-            inflight, slot = slot, slot ^ 1
+            inflight = slot
         self._account(t0, c0)
 
+    @property
+    def overlappable(self) -> bool:
+        """Whether steps may be launched a step ahead of the host (`decode`, the engine loop)."""
+        return self.cfg.overlap and self.policy.graph_safe
+
     def _launch(self, overlapped: bool) -> torch.Tensor:
-        """Queue one step's device work; returns its [B, 2 + Γ] output (not yet read back)."""
+        """Queue one step's device work; returns its [B, 3 + Γ] output (not yet read back)."""
         if self._step_graph_eligible():
             if self._graph is None and self._graph_warm:
                 self._graph = StepGraph(self._capture_step, generators=[self.generator])
@@ -395,8 +437,9 @@ class Session:
     def _device_step(self, max_len: int, graphed_forwards: bool) -> torch.Tensor:
         """The device part of a step: no host sync, and every piece of state it changes (cache lengths,
         `pending`, `prev`, policy buffers) is updated in place, so it can be captured once and replayed.
-        Returns [B, 2 + Γ] = (accepted count, next token, drafts) per row."""
+        Returns [B, 3 + Γ] = (accepted count, next token, drafts, pending at the step's start) per row."""
         L = self.target_cache.lengths
+        first = self.pending.clone()  # a row's first token (chosen by its prefill) reaches the host with this step
         if self.spec.speculative:
             self.policy.begin_step(self)
             timer = self.timer
@@ -435,7 +478,7 @@ class Session:
             self.policy.after_verify(self, n_acc)  # sees the advanced lengths
         self.prev.copy_(torch.where(self.done, self.prev, new_prev))
         self.pending.copy_(torch.where(self.done, self.pending, nxt))
-        return torch.cat([n_acc[:, None], nxt[:, None], drafts], dim=1)
+        return torch.cat([n_acc[:, None], nxt[:, None], drafts, first[:, None]], dim=1)
 
     def _draft(self, L: torch.Tensor, max_len: int, graphed: bool):
         """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
@@ -459,16 +502,23 @@ class Session:
     def _forward(self, which: str, tokens, positions, lengths, max_len: int, **kw) -> torch.Tensor:
         return self.runners[which].forward(tokens, positions, lengths, max_len, **kw)
 
-    def _bookkeep(self, host: list[list[int]], stage: torch.Tensor) -> None:
-        """Commit one step's tokens read back to the host, then send the stop mask back through `stage` (a
-        pinned buffer on a GPU, so the copy does not wait for the device's queued work). A step in which
-        every row had already stopped (the extra step of `decode`) commits nothing and is not counted."""
+    def _bookkeep(self, host: list[list[int]], stage: torch.Tensor, live: list[tuple[int, int, bool]]) -> None:
+        """Commit one step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch,
+        first token pending) that still belong to the same request and have not stopped; then send the stop mask
+        back through `stage` (a pinned buffer on a GPU, so the copy does not wait for the device's queued work).
+        A step in which every row had already stopped (the extra step of `decode`) commits nothing and is not
+        counted."""
         active = 0
-        for b, row in enumerate(host):
-            if self.finished[b]:
+        for b, epoch, fresh in live:
+            if epoch != self._epoch[b] or self.finished[b]:
                 continue
+            row = host[b]
+            if fresh:  # the prefill's first token, not a decode step's
+                self._commit(b, [row[-1]])
+                if self.finished[b]:
+                    continue
             active += 1
-            n_acc, nxt, drafts = row[0], row[1], row[2:]
+            n_acc, nxt, drafts = row[0], row[1], row[2:-1]
             new = drafts[:n_acc] + [nxt]
             self.host_lengths[b] += len(new)
             self.stats.step_tokens += len(new)

@@ -6,8 +6,8 @@ Layout (FlashInfer-style: the host plans once per forward, the kernel runs over 
 - k_cache, v_cache: one layer's [B, Hkv, S_cap, D]; chunk c's keys and values are row[c]'s positions
   0 .. pos0[c] + len[c] - 1 (the chunk's own K/V already written there);
 - the query at packed index q_start[c] + i sits at position pos0[c] + i and sees keys j <= pos0[c] + i.
-`PrefillPlan` holds the per-chunk arrays and a tile list (chunk, query block) that sizes the grid exactly, so
-ragged chunks cost only their own tiles and no [N, S] mask is ever built.
+`PrefillPlan` (attention/context.py) holds the per-chunk arrays and a tile list (chunk, query block) that sizes
+the grid exactly, so ragged chunks cost only their own tiles and no [N, S] mask is ever built.
 
 Why this design:
 - Prefill is compute-bound (a query block reuses each K/V tile BLOCK_M times), so it is a FlashAttention-2
@@ -24,66 +24,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # query rows per program
+from dustin.attention.context import BLOCK_M, PrefillPlan
+
 BLOCK_N = 64  # keys per inner step (also the anchor of the batch-invariant key blocking)
-
-
-@dataclass
-class PrefillPlan:
-    """Index metadata of one packed prefill forward (built once, shared by every layer).
-
-    rows/q_start/lengths/pos0: int32 [C] per chunk (cache row, offset in the packed tokens, tokens, cached
-    positions before it); tile_chunk/tile_block: int32 [NT], the (chunk, query block) of each program;
-    n_tokens: real packed tokens (the forward may carry padding past them); token_rows/token_pos: int64 [n_tokens],
-    the cache row and position of each real token (the cache write); last: int64 [C], the packed index of each
-    chunk's last token; host: (row, pos0, len) per chunk, for the CPU path and for callers."""
-
-    rows: torch.Tensor
-    q_start: torch.Tensor
-    lengths: torch.Tensor
-    pos0: torch.Tensor
-    tile_chunk: torch.Tensor
-    tile_block: torch.Tensor
-    n_tokens: int
-    token_rows: torch.Tensor
-    token_pos: torch.Tensor
-    last: torch.Tensor
-    host: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def build(cls, chunks: list[tuple[int, int, int]], device, block_m: int = BLOCK_M) -> "PrefillPlan":
-        """chunks: (cache row, cached positions before the chunk, chunk tokens), packed in this order."""
-        if not chunks or any(n < 1 or p < 0 for _, p, n in chunks):
-            raise ValueError(f"a prefill plan needs chunks of >= 1 token at positions >= 0, got {chunks}")
-        rows, starts, lens, pos0, tc, tb, trow, tpos, last = [], [], [], [], [], [], [], [], []
-        off = 0
-        for c, (row, p, n) in enumerate(chunks):
-            rows.append(row)
-            starts.append(off)
-            lens.append(n)
-            pos0.append(p)
-            nb = -(-n // block_m)
-            tc += [c] * nb
-            tb += list(range(nb))
-            trow += [row] * n
-            tpos += range(p, p + n)
-            off += n
-            last.append(off - 1)
-
-        def i32(x):
-            return torch.tensor(x, dtype=torch.int32, device=device)
-
-        def i64(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
-
-        return cls(i32(rows), i32(starts), i32(lens), i32(pos0), i32(tc), i32(tb), off, i64(trow), i64(tpos),
-                   i64(last), tuple(chunks))
 
 
 @triton.jit

@@ -119,6 +119,8 @@ class Attention(nn.Module):
         v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         cache = ctx.cache
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        if ctx.packed is not None:
+            return self.o_proj(self._packed_prefill(q, k, v, cos, sin, k_cache, v_cache, ctx, backend))
         if ctx.rows is not None:
             k_cache, v_cache = k_cache[ctx.rows], v_cache[ctx.rows]
         if self.fused_ops and q.is_cuda:  # RoPE and the cache write in one launch (k itself only for a prefill)
@@ -142,6 +144,27 @@ class Attention(nn.Module):
             out = backend.verify(q, k_cache, v_cache, ctx.lengths, sinks=ctx.sinks, window=ctx.window,
                                  max_len=ctx.max_len)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+    def _packed_prefill(self, q, k, v, cos, sin, k_cache, v_cache, ctx: ForwardContext,
+                        backend: AttentionBackend) -> torch.Tensor:
+        """Prompt chunks of several rows in one forward (q, k, v [1, H, N, D], N >= the plan's real tokens:
+        the rest is padding that keeps the GEMMs' shape fixed): RoPE, the real tokens' K/V written to their rows
+        and positions, then each chunk attends over its row's cache up to itself. Returns [1, N, Hq * D]."""
+        plan, a = ctx.packed, self.args
+        if self.fused_ops and q.is_cuda:
+            from dustin.kernels.fused_ops import rope_qk
+            q, k = rope_qk(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n = plan.n_tokens
+        k_cache[plan.token_rows, :, plan.token_pos] = k[0, :, :n].transpose(0, 1).to(k_cache.dtype)
+        v_cache[plan.token_rows, :, plan.token_pos] = v[0, :, :n].transpose(0, 1).to(v_cache.dtype)
+        for obs in ctx.observers:
+            if self.layer in obs.layers:
+                obs(self.layer, q, k_cache, ctx)
+        out = backend.prefill_packed(q[0], k_cache, v_cache, plan)  # [Hq, N, D]
+        return out.transpose(0, 1).reshape(1, -1, a.n_heads * a.head_dim)
 
 
 class MLP(nn.Module):

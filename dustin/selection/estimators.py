@@ -170,11 +170,12 @@ class TargetHistoricalScores:
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         sel = q[:, self.by_layer[layer]]
-        if ctx.prompt:  # prefill (or its last chunk) of one sequence: its last prompt token is the last cached
+        if ctx.prompt:  # a prompt chunk's last token is its row's last cached one (a later chunk overwrites it)
             B = self.scores.shape[0]
             if layer not in self._last_q:
                 self._last_q[layer] = torch.zeros(B, sel.shape[1], 1, sel.shape[3], dtype=q.dtype, device=q.device)
-            self._last_q[layer][ctx.rows] = sel[:, :, -1:]
+            rows, last = ctx.last_prompt_queries(sel)
+            self._last_q[layer][rows] = last
             return
         # a fixed buffer (re)allocated on a new shape, so a CUDA graph's replay refreshes what after_verify reads
         wq = self._window_q.get(layer)
