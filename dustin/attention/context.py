@@ -46,6 +46,7 @@ class PrefillPlan:
     token_pos: torch.Tensor
     last: torch.Tensor
     host: tuple[tuple[int, int, int], ...]
+    block_m: int = BLOCK_M
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, int]], device, block_m: int = BLOCK_M) -> "PrefillPlan":
@@ -62,6 +63,9 @@ class PrefillPlan:
         blocks = (lens + block_m - 1) // block_m
         tile_chunk = torch.repeat_interleave(torch.arange(C), blocks)
         tile_block = torch.arange(len(tile_chunk)) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)
+        # the longest tiles (most keys: far into a long prompt) first, so the short ones fill the last wave
+        order = torch.argsort(pos0[tile_chunk] + tile_block * block_m, descending=True, stable=True)
+        tile_chunk, tile_block = tile_chunk[order], tile_block[order]
         n = int(ends[-1])
         token_rows = torch.repeat_interleave(rows, lens)
         token_pos = torch.arange(n) - torch.repeat_interleave(starts - pos0, lens)
@@ -74,7 +78,7 @@ class PrefillPlan:
         r, st, ln, p0, tc, tb, trow, tpos, last = dev.split(sizes)
         i32 = torch.int32
         return cls(r.to(i32), st.to(i32), ln.to(i32), p0.to(i32), tc.to(i32), tb.to(i32), n, trow, tpos, last,
-                   tuple(chunks))
+                   tuple(chunks), block_m)
 
 
 class LayerPlanner(Protocol):
