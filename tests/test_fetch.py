@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dustin.errors import CheckpointError, FetchError
+from dustin.errors import CheckpointError, DustinError, FetchError
 from dustin.models import fetch, gguf_convert
 from dustin.models.fetch import ChunkedGGUF, convert_gguf, fetch_model, is_complete, resolve_model_path
 
@@ -197,11 +197,99 @@ def test_interrupted_conversion_leaves_no_model_folder(tiny, tmp_path, copy_down
 
     def boom(*args, **kwargs):
         raise error("stop")
-    monkeypatch.setattr(gguf_convert, "_write_tokenizer", boom)  # after the weights are written
+    monkeypatch.setattr(gguf_convert, "_write_tokenizer", boom)  # while the worker processes convert weights
     with pytest.raises(FetchError if error is KeyboardInterrupt else RuntimeError,
                        match="interrupted while converting" if error is KeyboardInterrupt else "stop"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
     assert not (home / "models").exists() and leftovers(home) == []  # nothing half-written, no empty folder
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_parallel_conversion_is_byte_identical_to_serial(tiny, tmp_path, monkeypatch):
+    """Worker processes write the same folder, byte for byte, as a serial conversion in this process.
+
+    The serial run also cuts every tensor into many small chunks (tiny rows, 2 rows a chunk), so this checks
+    both that the result does not depend on which process converts a tensor and that it does not depend on
+    how a tensor is chunked (the workers use the default chunking: one chunk per tiny tensor).
+    """
+    parallel = convert_gguf(tiny["gguf"], tmp_path / "parallel", progress=False, workers=2)
+    monkeypatch.setattr(gguf_convert, "_ROW_ELEMENTS", 32)
+    monkeypatch.setattr(gguf_convert, "_ROWS_PER_CHUNK", 2)
+    serial = convert_gguf(tiny["gguf"], tmp_path / "serial", progress=False, workers=1)
+    assert _folder_bytes(parallel) == _folder_bytes(serial)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parallel", "serial"]  # no temporary folder left
+
+
+def test_bf16_rounding_matches_torch():
+    """The workers round fp32 -> bf16 in numpy; it must give torch's bits (nearest even, subnormals kept)."""
+    import torch
+    rng = np.random.default_rng(1)
+    ties = ((rng.integers(0, 1 << 15, 4096, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    edges = np.array([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.3895314e38, -3.3895314e38, 1 + 2**-8, 1 + 3 * 2**-8,
+                      np.uint32(0x7F7F7FFF).view(np.float32)], np.float32)
+    values = np.concatenate([rng.standard_normal(300_000).astype(np.float32) * 0.02, edges,
+                             (rng.standard_normal(4096) * 1e-39).astype(np.float32), ties[np.isfinite(ties)]])
+    expected = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(gguf_convert._to_bf16(values, "t", "x.gguf"), expected)
+    for bad in (np.nan, np.inf, -np.inf, np.uint32(0x7F7F8000).view(np.float32)):  # the last rounds to inf
+        with pytest.raises(CheckpointError, match="NaN/inf"):
+            gguf_convert._to_bf16(np.array([1.0, bad, 2.0], np.float32), "t", "x.gguf")
+
+
+def _gguf_with_nan(tiny, path: Path) -> Path:
+    """The tiny GGUF with NaN in the last layer's ffn_down (an F32 tensor): a worker fails on it."""
+    header = gguf_convert._read_gguf(tiny["gguf"])
+    tensor = next(t for t in header.tensors if t.name == f"blk.{LAYERS - 1}.ffn_down.weight")
+    data = bytearray(tiny["gguf"].read_bytes())
+    data[tensor.start:tensor.start + 4] = np.array([np.nan], np.float32).tobytes()
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_failing_worker_leaves_no_model_folder(tiny, tmp_path):
+    bad = _gguf_with_nan(tiny, tmp_path / "bad.gguf")
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"bad\.gguf: tensor blk\.{LAYERS - 1}\.ffn_down\.weight holds NaN"):
+        convert_gguf(bad, out / "model", progress=False, workers=2)
+    assert list(out.iterdir()) == []  # neither the folder nor its temporary twin
+
+
+def test_killed_worker_leaves_no_model_folder(tiny, tmp_path, monkeypatch):
+    """A worker killed mid-way (the OOM killer's SIGKILL) is noticed rather than waited for forever."""
+    import sys
+    fake = tmp_path / "python-killed"
+    fake.write_text("#!/bin/sh\ncat >/dev/null\nkill -9 $$\n")  # reads its job table, then dies
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    out = tmp_path / "out"
+    with pytest.raises(DustinError, match=r"worker process stopped \(exit code -9\).*DUSTIN_CONVERT_WORKERS=1"):
+        convert_gguf(tiny["gguf"], out / "model", progress=False, workers=2)
+    assert list(out.iterdir()) == []
+
+
+def test_worker_count(monkeypatch):
+    monkeypatch.delenv(gguf_convert.WORKERS_ENV, raising=False)
+    assert gguf_convert._worker_count(None, 1000) == (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                      else os.cpu_count())
+    assert gguf_convert._worker_count(64, 10) == 10  # never more workers than tensors
+    monkeypatch.setenv(gguf_convert.WORKERS_ENV, "3")
+    assert gguf_convert._worker_count(None, 1000) == 3 and gguf_convert._worker_count(5, 1000) == 5
+    monkeypatch.setenv(gguf_convert.WORKERS_ENV, "many")
+    with pytest.raises(DustinError, match="DUSTIN_CONVERT_WORKERS must be a whole number"):
+        gguf_convert._worker_count(None, 1000)
+
+
+def test_header_reader_agrees_with_gguf_package(tiny):
+    """Our struct-based header reader returns what gguf.GGUFReader does (values, tensor offsets and sizes)."""
+    from gguf import GGUFReader
+    reader, header = GGUFReader(tiny["gguf"]), gguf_convert._read_gguf(tiny["gguf"])
+    assert header.fields == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert [(t.name, t.dims, t.ggml_type, t.start, t.nbytes) for t in header.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors]
 
 
 def test_interrupted_assembly_leaves_no_gguf(tiny, tmp_path, copy_downloader, monkeypatch):
