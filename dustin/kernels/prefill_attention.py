@@ -113,7 +113,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * 1.4426950408889634,
         G=Hq // Hkv, D=D, BLOCK_M=plan.block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if fp32 else "tf32", UPCAST_DOT=interpret and not fp32,
-        num_warps=num_warps or (4 if D <= 64 else 8), num_stages=num_stages or (2 if interpret else 3))
+        num_warps=num_warps or 4, num_stages=num_stages or (2 if interpret else 3))
     return out
 
 
