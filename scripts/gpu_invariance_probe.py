@@ -32,13 +32,32 @@ def _schedule(left: dict[int, int], done: dict[int, int]) -> list[tuple[int, int
     return out
 
 
-def run(eng, method: str, prompts: dict[int, list[int]], steps: int = 12):
+def run(eng, method: str, prompts: dict[int, list[int]], steps: int = 12, graphs: bool = True):
     from dustin.engine.config import GenerationConfig
     from dustin.engine.session import Session
 
-    cfg = GenerationConfig(method=method, max_new_tokens=4096, stop_at_eos=False)
+    cfg = GenerationConfig(method=method, max_new_tokens=4096, stop_at_eos=False, cuda_graphs=graphs)
+    policy = eng.make_policy(cfg)
+    trace: list[dict] = []
+    if not graphs and cfg.spec.speculative:  # record what the step's pieces gave for ROW (eager only)
+        inner = policy.plan
+
+        def recording(state):
+            plan = inner(state)
+            rec = {"drafts": state.verify_input[ROW].clone()}
+            if plan is not None:
+                rec["indices"] = plan.indices[ROW].clone()
+                rec["counts"] = plan.counts[ROW].clone()
+                for name in ("_target_scores", "_draft_scores"):
+                    est = getattr(policy, name, None)
+                    if est is not None:
+                        rec[name] = est.scores[ROW].clone()
+            trace.append(rec)
+            return plan
+
+        policy.plan = recording
     s = Session(eng.target, eng.draft if cfg.spec.speculative else None, [], cfg, eng.eos_ids, eng.vocab_limit,
-                eng.make_policy(cfg), slots=16, capacity=24576)
+                policy, slots=16, capacity=24576)
     for r, p in prompts.items():
         s.admit(r, p, 4096)
     left, done = {r: len(p) for r, p in prompts.items()}, {r: 0 for r in prompts}
@@ -52,6 +71,7 @@ def run(eng, method: str, prompts: dict[int, list[int]], steps: int = 12):
     for _ in range(steps):
         s.step()
     snap["tokens"] = list(s.outputs[ROW])
+    snap["trace"] = trace
     return snap
 
 
@@ -67,10 +87,12 @@ def main() -> None:
     burst = {r: [rng.randrange(3, 150000) for _ in range(rng.randint(8000, 19250))] for r in range(16)}
     burst[ROW] = [rng.randrange(3, 150000) for _ in range(13000)]
     res = {}
-    for method in ("vanilla", "dustin"):
-        alone = run(eng, method, {ROW: burst[ROW]})
-        both = run(eng, method, burst)
+    for method, graphs in (("vanilla", True), ("dustin", True), ("magicdec", True), ("dustin", False)):
+        alone = run(eng, method, {ROW: burst[ROW]}, graphs=graphs)
+        both = run(eng, method, burst, graphs=graphs)
         row = {}
+        ta, tb = alone.pop("trace"), both.pop("trace")
+        row["trace"] = [{k: bool(torch.equal(x[k], y[k])) for k in x} for x, y in zip(ta, tb, strict=False)]
         for key in alone:
             if isinstance(alone[key], torch.Tensor):
                 diff = (alone[key].float() - both[key].float()).abs()
@@ -80,8 +102,8 @@ def main() -> None:
                 row[key] = {"equal": alone[key] == both[key]}
         row["first_token_diff"] = next((i for i, (x, y) in enumerate(zip(alone["tokens"], both["tokens"], strict=False))
                                         if x != y), None)
-        res[method] = row
-        print(method, row, flush=True)
+        res[f"{method}{'' if graphs else '_eager'}"] = row
+        print(method, graphs, row, flush=True)
     # profile one packed prefill forward (target), 4 chunks of 2,048 at prefixes 0-12k
     from torch.profiler import ProfilerActivity, profile
 
