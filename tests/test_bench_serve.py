@@ -10,28 +10,37 @@ from dustin.cli.main import main
 
 
 def test_bench_serve_end_to_end(tiny_pair, tmp_path, capsys):
+    """Two scenarios (explicit flags override their sizes; poisson keeps its arrival rate) x two methods: no lost
+    tokens, the offline Engine.generate baseline on the same prompts, a table row and a plot per scenario."""
     target, draft = tiny_pair
     out = tmp_path / "serve.json"
     code = main(["bench", "serve", "--target", str(target), "--draft", str(draft), "--methods", "vanilla,magicdec",
-                 "--prompts", "random", "--prompt-tokens", "40,200", "--num-requests", "10", "--rate", "inf",
-                 "--max-tokens", "9", "--max-slots", "3", "--max-context", "400", "--prefill-chunk", "64",
-                 "--json-out", str(out)])
+                 "--scenario", "burst,poisson", "--prompts", "random", "--prompt-tokens", "40,200",
+                 "--num-requests", "6", "--max-tokens", "9", "--max-slots", "3", "--max-context", "400",
+                 "--prefill-chunk", "64", "--prefill-tokens", "128", "--json-out", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
-    assert len(data["prompt_tokens"]) == 10 and all(40 <= n <= 200 for n in data["prompt_tokens"])
-    for row in data["results"]:
-        assert row["failed"] == 0 and row["output_tokens"] == 10 * 9  # no lost tokens
+    rows = data["results"]
+    assert [(r["method"], r["scenario"]) for r in rows] == [
+        ("vanilla", "burst"), ("vanilla", "poisson"), ("magicdec", "burst"), ("magicdec", "poisson")]
+    for row in rows:
+        assert row["failed"] == 0 and row["output_tokens"] == 6 * 9  # no lost tokens
+        assert 6 * 40 <= row["prompt_tokens"] <= 6 * 200 and row["num_requests"] == 6
         assert row["ttft_s"]["p50"] > 0 and row["tpot_s"]["p99"] >= row["tpot_s"]["p50"] > 0
-        assert row["offline_tokens_per_s"] > 0 and row["slots"] == 3
-    assert [r["method"] for r in data["results"]] == ["vanilla", "magicdec"]
-    assert data["results"][1]["tau"] > 1.0
+        assert row["offline_wall_s"] > 0 and row["server_vs_offline"] == pytest.approx(
+            row["offline_wall_s"] / row["wall_s"]) and row["slots"] == 3
+    assert rows[1]["rate"] == 4.0 and rows[0]["rate"] is None
+    assert rows[1]["wall_s"] > 5 / 4 * 0.5  # poisson arrivals spread the 6 requests over about 5 / 4 s
+    assert rows[2]["tau"] > 1.0
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
-    assert "| magicdec |" in capsys.readouterr().out
+    assert "| poisson | magicdec |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--methods", "quest"], "offline-only"), (["--prompt-tokens", "9"], "MIN,MAX"),
-    (["--prompt-tokens", "30,10"], "MIN <= MAX"), (["--rate", "0"], "--rate"), (["--max-slots", "0"], "--max-slots")])
+    (["--prompt-tokens", "30,10"], "MIN <= MAX"), (["--rate", "0"], "--rate"), (["--max-slots", "0"], "--max-slots"),
+    (["--scenario", "steady"], "--scenario"),
+    (["--prefill-tokens", "100", "--prefill-chunk", "512"], "--prefill-tokens")])
 def test_bench_serve_flag_errors_before_any_model_loads(argv, needle, capsys, tmp_path):
     code = main(["bench", "serve", "--target", str(tmp_path / "nope"), *argv])
     err = capsys.readouterr().err

@@ -74,3 +74,17 @@ def test_bad_plans_and_shapes_raise():
     q, k, v, plan = _setup([(0, 0, 8)], 1, 6, 4, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="Hq % Hkv"):
         prefill_attention(q, k, v, plan)
+
+
+def test_plan_gives_each_row_its_last_token_once():
+    """A row with two consecutive chunks in one forward: the per-row "last prompt token" (what S_target's query
+    is taken from) is its second chunk's last token, and the row appears once (a GPU scatter of one row from two
+    chunks keeps either value: the H200 showed a request's S_target depend on how its prompt was packed)."""
+    plan = PrefillPlan.build([(1, 0, 5), (0, 0, 4), (1, 5, 3)], "cpu")
+    assert plan.row_ids.tolist() == [1, 0] and plan.row_last.tolist() == [11, 8]
+    from dustin.attention.context import ForwardContext
+
+    ctx = ForwardContext(None, torch.zeros(1, 12, dtype=torch.long), torch.zeros(1, dtype=torch.int32), 0, packed=plan)
+    q = torch.arange(12.0).view(1, 1, 12, 1)
+    rows, last = ctx.last_prompt_queries(q)
+    assert rows.tolist() == [1, 0] and last.flatten().tolist() == [11.0, 8.0]

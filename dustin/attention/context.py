@@ -33,7 +33,10 @@ class PrefillPlan:
     positions before it); tile_chunk/tile_block: int32 [NT], the (chunk, query block) of each program;
     n_tokens: real packed tokens (the forward may carry padding past them); token_rows/token_pos: int64 [n_tokens],
     the cache row and position of each real token (the cache write); last: int64 [C], the packed index of each
-    chunk's last token; host: (row, pos0, len) per chunk, for the CPU path and for callers."""
+    chunk's last token; host: (row, pos0, len) per chunk, for the CPU path and for callers; row_ids / row_last:
+    each distinct row once, with the packed index of its last token here (what a per-row write of "the last
+    prompt query" must use: writing per chunk would hand one row two values, and which one a GPU scatter keeps
+    is undefined)."""
 
     rows: torch.Tensor
     q_start: torch.Tensor
@@ -47,6 +50,9 @@ class PrefillPlan:
     last: torch.Tensor
     host: tuple[tuple[int, int, int], ...]
     block_m: int = BLOCK_M
+    # each distinct row's last token in this forward (a row may bring consecutive chunks): int64 [R] each
+    row_ids: torch.Tensor | None = None
+    row_last: torch.Tensor | None = None
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, int]], device, block_m: int = BLOCK_M) -> "PrefillPlan":
@@ -69,16 +75,21 @@ class PrefillPlan:
         n = int(ends[-1])
         token_rows = torch.repeat_interleave(rows, lens)
         token_pos = torch.arange(n) - torch.repeat_interleave(starts - pos0, lens)
-        host = torch.cat([rows, starts, lens, pos0, tile_chunk, tile_block, token_rows, token_pos, ends - 1])
+        final = {r: e - 1 for (r, _, _), e in zip(chunks, ends.tolist(), strict=True)}  # a later chunk wins
+        row_ids = torch.tensor(list(final), dtype=torch.long)
+        row_last = torch.tensor(list(final.values()), dtype=torch.long)
+        host = torch.cat([rows, starts, lens, pos0, tile_chunk, tile_block, token_rows, token_pos, ends - 1, row_ids,
+                          row_last])
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
         dev = host.to(device, non_blocking=True)
         nt = len(tile_chunk)
-        sizes = [C, C, C, C, nt, nt, n, n, C]
-        r, st, ln, p0, tc, tb, trow, tpos, last = dev.split(sizes)
+        nr = len(final)
+        sizes = [C, C, C, C, nt, nt, n, n, C, nr, nr]
+        r, st, ln, p0, tc, tb, trow, tpos, last, rid, rlast = dev.split(sizes)
         i32 = torch.int32
         return cls(r.to(i32), st.to(i32), ln.to(i32), p0.to(i32), tc.to(i32), tb.to(i32), n, trow, tpos, last,
-                   tuple(chunks), block_m)
+                   tuple(chunks), block_m, rid, rlast)
 
 
 class LayerPlanner(Protocol):
@@ -117,8 +128,8 @@ class ForwardContext:
     def last_prompt_queries(self, q: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor]:
         """(cache rows, q [n, H, 1, D]): the query of the last token of each prompt piece in this prompt forward
         (q [B, H, T, D]): per chunk of a packed prefill, or the last token of the `rows` prefilled."""
-        if self.packed is not None:
-            return self.packed.rows.long(), q[0][:, self.packed.last].transpose(0, 1)[:, :, None]
+        if self.packed is not None:  # once per row: its last chunk here
+            return self.packed.row_ids, q[0][:, self.packed.row_last].transpose(0, 1)[:, :, None]
         return (self.rows if self.rows is not None else slice(None)), q[:, :, -1:]
 
     @property

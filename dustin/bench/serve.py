@@ -1,21 +1,29 @@
-"""`dustin bench serve`: a load generator against `dustin serve`, per decoding method.
+"""`dustin bench serve`: a load generator against `dustin serve`, per decoding method and scenario.
 
 For each method the models load once, an `LLMEngine` of that method is served over HTTP in this process
-(`serve/local.py`, the same app as `dustin serve`), and `--num-requests` streaming completions are sent with
-Poisson arrivals (`--rate` requests/s; `inf` sends them all at once). Prompts are real long texts (code by
-default: the standard library and installed packages; `essays` needs the data package) cut to token counts drawn
-uniformly from `--prompt-tokens MIN,MAX`, or random ids (`random`, for checkpoints without a text tokenizer).
-Every request asks for exactly `--max-tokens` greedy tokens (ignore_eos), so methods do the same work.
+(`serve/local.py`, the same app as `dustin serve`), and streaming completions are sent. Scenarios (`--scenario`,
+comma separated; explicit flags override a scenario's values):
+- `burst`: 16 prompts of 8,000-19,250 tokens all at once, 64 tokens each (prefill-heavy);
+- `decode`: 16 prompts of 2,048 tokens all at once, 512 tokens each (decode-heavy);
+- `poisson`: 64 prompts of 2,048-16,384 tokens, Poisson arrivals at 4 requests/s, 128 tokens each;
+- `custom`: the flags alone.
+Prompts are real long texts (code by default: the standard library and installed packages; `essays` needs the
+data package) cut to token counts drawn uniformly from the range, or random ids (`random`). Every request asks for
+exactly its max tokens, greedy, EOS ignored, so methods do the same work.
 
-Reported per method: request and output-token throughput over the run, TTFT (arrival -> first streamed
-token), TPOT (time per output token after the first, per request) and ITL (gap between stream chunks; a
-speculative step sends several tokens in one chunk) at p50/p90/p99, τ and KV use from the server's metrics; and
-the same prompts through the offline engine (`LLMEngine.generate`, all submitted at once, no HTTP) as the
-reference throughput: the server should be within a few percent of it.
+Reported per method and scenario: wall time, request and output-token throughput, TTFT (arrival -> first
+streamed token), TPOT (time per output token after the first, per request) and ITL (gap between stream chunks; a
+speculative step sends several tokens in one chunk) at p50/p90/p99, τ and steps from the server's metrics; and
+the two baselines the server is held to:
+- `Engine.generate` of the same prompts (batched offline, warm: one untimed call first), the engine's own
+  speed on the same work: `server_vs_offline` = offline wall / server wall (1.0: HTTP costs nothing);
+- the step's byte roofline (dustin/bench/roofline.py) at the run's batch and mean context, with the server's τ:
+  the tokens/s a step that only reads its bytes at the measured copy bandwidth would give (decode-heavy runs).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import random
@@ -25,43 +33,75 @@ from pathlib import Path
 from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args, method_list
 from dustin.errors import InputError
 
+SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
+    "burst": ("8000,19250", 16, 64, float("inf")),
+    "decode": ("2048,2048", 16, 512, float("inf")),
+    "poisson": ("2048,16384", 64, 128, 4.0),
+}
+
 
 def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--methods", default="vanilla,magicdec,dustin", help="decoding methods, one server each")
-    p.add_argument("--prompt-tokens", default="8192,32768", help="MIN,MAX prompt length in tokens (uniform)")
+    p.add_argument("--scenario", default="burst",
+                   help=f"comma separated: {', '.join(SCENARIOS)} or custom (see the module docstring)")
+    p.add_argument("--prompt-tokens", default=None, help="MIN,MAX prompt length in tokens (uniform)")
     p.add_argument("--prompts", default="code", choices=["code", "essays", "random"], help="prompt source")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--rate", type=float, default=float("inf"), help="mean arrivals per second (Poisson); inf: all at once")
-    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--rate", type=float, default=None, help="mean arrivals per second (Poisson); inf: all at once")
+    p.add_argument("--max-tokens", type=int, default=None, help="generated tokens per request (EOS ignored)")
     add_speculation_args(p)
     add_sparse_args(p)
     p.add_argument("--max-slots", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--no-offline", action="store_true", help="skip the offline reference run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="results JSON (a .md table and a .png beside it)")
 
 
-def _plan(args) -> dict:
-    methods = method_list(args.methods)
-    try:
-        lo, hi = (int(x) for x in args.prompt_tokens.split(","))
-    except ValueError:
-        raise InputError(f"--prompt-tokens must be MIN,MAX, got {args.prompt_tokens!r}") from None
-    if not 1 <= lo <= hi:
-        raise InputError(f"--prompt-tokens needs 1 <= MIN <= MAX, got {lo},{hi}")
-    if args.num_requests < 1 or args.max_tokens < 1:
-        raise InputError("--num-requests and --max-tokens must be >= 1")
-    if not args.rate > 0:
-        raise InputError(f"--rate must be > 0 (inf: all at once), got {args.rate}")
+def _scenarios(args) -> list[dict]:
+    """Each requested scenario's settings (explicit flags override), checked."""
+    names = [x.strip() for x in args.scenario.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SCENARIOS and n != "custom"]
+    if not names or unknown:
+        raise InputError(f"--scenario takes {', '.join(SCENARIOS)} or custom, got {args.scenario!r}")
+    out = []
+    for name in names:
+        lengths, n, m, rate = SCENARIOS.get(name, ("8000,19250", 16, 64, float("inf")))
+        text = args.prompt_tokens or lengths
+        try:
+            lo, hi = (int(x) for x in text.split(","))
+        except ValueError:
+            raise InputError(f"--prompt-tokens must be MIN,MAX, got {text!r}") from None
+        if not 1 <= lo <= hi:
+            raise InputError(f"--prompt-tokens needs 1 <= MIN <= MAX, got {lo},{hi}")
+        sc = {"name": name, "lengths": (lo, hi), "num_requests": args.num_requests or n,
+              "max_tokens": args.max_tokens or m, "rate": args.rate if args.rate is not None else rate}
+        if sc["num_requests"] < 1 or sc["max_tokens"] < 1:
+            raise InputError("--num-requests and --max-tokens must be >= 1")
+        if not sc["rate"] > 0:
+            raise InputError(f"--rate must be > 0 (inf: all at once), got {sc['rate']}")
+        out.append(sc)
+    return out
+
+
+def _serve_config(args, method: str, max_waiting: int):
     from dustin.engine.llm_engine import ServeConfig
 
+    return ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+                       sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
+                       prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
+                       max_waiting=max_waiting)
+
+
+def _plan(args) -> dict:
+    methods = method_list(args.methods)
+    scenarios = _scenarios(args)
     for m in methods:  # offline-only methods and bad scheduling flags: one line before any model loads
-        ServeConfig(method=m, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
-                    sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk)
-    return {"methods": methods, "lengths": (lo, hi)}
+        _serve_config(args, m, 1)
+    return {"methods": methods, "scenarios": scenarios}
 
 
 def make_prompts(tokenizer, kind: str, lengths: tuple[int, int], n: int, seed: int, vocab: int) -> list[list[int]]:
@@ -75,7 +115,7 @@ def make_prompts(tokenizer, kind: str, lengths: tuple[int, int], n: int, seed: i
     from dustin.data.corpora import long_texts
 
     texts = long_texts(kind, "heldout", lengths[1] + 64, tokenizer, n, seed)
-    return [tokenizer.encode(t, add_special_tokens=False)[:s] for t, s in zip(texts, sizes)]
+    return [tokenizer.encode(t, add_special_tokens=False)[:s] for t, s in zip(texts, sizes, strict=False)]
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float, t0: float) -> dict:
@@ -98,7 +138,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     return {"arrival": start - t0, "ttft": chunks[0][0] - start if chunks else None, "end": end - t0,
             "tokens": n, "prompt_tokens": len(prompt),
             "tpot": (end - chunks[0][0]) / (n - 1) if n > 1 else None,
-            "itl": [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]}
+            "itl": [b[0] - a[0] for a, b in zip(chunks, chunks[1:], strict=False)]}
 
 
 async def _load(url: str, model: str, prompts: list[list[int]], max_tokens: int, rate: float, seed: int,
@@ -118,7 +158,7 @@ async def _load(url: str, model: str, prompts: list[list[int]], max_tokens: int,
             if progress is not None:
                 progress()
             return r
-        results = await asyncio.gather(*(run(p, d) for p, d in zip(prompts, delays)))
+        results = await asyncio.gather(*(run(p, d) for p, d in zip(prompts, delays, strict=False)))
     return list(results), time.perf_counter() - t0
 
 
@@ -126,7 +166,8 @@ def percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
     s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]
+    def pick(q):
+        return s[min(len(s) - 1, int(q * len(s)))]
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": sum(s) / len(s)}
 
 
@@ -145,53 +186,59 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from dustin.engine.config import METHODS, GenerationConfig
     from dustin.engine.engine import Engine
-    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.llm_engine import LLMEngine
     from dustin.engine.request import RequestParams
-    from dustin.engine.config import METHODS
     from dustin.serve.local import LocalServer
 
     p = _plan(args)
     speculative = any(METHODS[m].speculative for m in p["methods"])
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                     dtype=args.dtype, attention=args.attention)
-    prompts = make_prompts(engine.tokenizer, args.prompts, p["lengths"], args.num_requests, args.seed,
-                           engine.vocab_limit)
+    work = {sc["name"]: make_prompts(engine.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
+                                     engine.vocab_limit) for sc in p["scenarios"]}
+    bandwidth = _bandwidth(args.device)
     console = Console(stderr=True)
     rows = []
     for method in p["methods"]:
-        cfg = ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
-                          sparse_config=args.config,
-                          max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                          max_waiting=max(args.num_requests, 1))
-        llm = LLMEngine(engine, cfg)
-        for q in prompts:
-            llm.check_request(q, RequestParams(max_tokens=args.max_tokens))
-        row = {"method": method}
-        with LocalServer(llm, "bench") as srv, Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=console) as progress:
-            bar = progress.add_task(f"{method}: requests", total=len(prompts))
-            results, wall = asyncio.run(_load(srv.url, "bench", prompts, args.max_tokens, args.rate, args.seed,
-                                              lambda: progress.advance(bar)))
-            stats = srv.async_engine.stats()
-        row.update(summarize(results, wall))
-        row["tau"], row["steps"] = stats.get("tau"), stats.get("steps_total")
-        row["slots"], row["context"] = llm.max_slots, llm.max_context
-        if not args.no_offline:  # the same work without HTTP: all requests submitted at once
-            ref = LLMEngine(engine, cfg)
-            t0 = time.perf_counter()
-            out = ref.generate(prompts, RequestParams(max_tokens=args.max_tokens, ignore_eos=True))
-            off = time.perf_counter() - t0
-            row["offline_tokens_per_s"] = sum(map(len, out)) / off
-            row["server_vs_offline"] = row["tokens_per_s"] / row["offline_tokens_per_s"]
-        rows.append(row)
+        waiting = max(sc["num_requests"] for sc in p["scenarios"])
+        llm = LLMEngine(engine, _serve_config(args, method, waiting))
+        for sc in p["scenarios"]:
+            prompts = work[sc["name"]]
+            for q in prompts:
+                llm.check_request(q, RequestParams(max_tokens=sc["max_tokens"]))
+            row = {"method": method, "scenario": sc["name"], "num_requests": len(prompts),
+                   "prompt_tokens": sum(map(len, prompts)), "max_tokens": sc["max_tokens"],
+                   "rate": None if math.isinf(sc["rate"]) else sc["rate"]}
+            with LocalServer(llm, "bench") as srv, Progress(
+                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console) as progress:
+                before = srv.async_engine.stats()
+                bar = progress.add_task(f"{method} / {sc['name']}: requests", total=len(prompts))
+                results, wall = asyncio.run(_load(srv.url, "bench", prompts, sc["max_tokens"], sc["rate"],
+                                                  args.seed, functools.partial(progress.advance, bar)))
+                stats = srv.async_engine.stats()
+            row.update(summarize(results, wall))
+            row["tau"], row["steps"] = stats.get("tau"), stats.get("steps_total", 0) - before.get("steps_total", 0)
+            row["slots"], row["context"] = llm.max_slots, llm.max_context
+            if not args.no_offline:  # the engine's own speed on the same work: Engine.generate, batched, warm
+                cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
+                                       budget=args.budget if METHODS[method].policy != "full" else None,
+                                       sparse_config=args.config, max_new_tokens=sc["max_tokens"],
+                                       stop_at_eos=False)
+                row.update(_offline(engine, prompts, cfg))
+                row["server_vs_offline"] = row["offline_wall_s"] / row["wall_s"]
+            if bandwidth:
+                row.update(_roofline(engine, llm, method, prompts, sc["max_tokens"], row["tau"], bandwidth, args))
+            rows.append(row)
         del llm
+        engine.release_kept_session()
     data = {"settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
-                         if k in ("target", "draft", "device", "dtype", "prompt_tokens", "prompts", "num_requests",
-                                  "rate", "max_tokens", "gamma", "draft_window", "budget", "config", "max_slots", "max_context",
-                                  "prefill_chunk", "seed")},
-            "prompt_tokens": [len(q) for q in prompts], "results": rows}
+                         if k in ("target", "draft", "device", "dtype", "prompts", "scenario", "gamma",
+                                  "draft_window", "budget", "config", "max_slots", "max_context", "prefill_chunk",
+                                  "prefill_tokens", "seed")},
+            "copy_bandwidth_gb_s": None if not bandwidth else round(bandwidth / 1e9, 1), "results": rows}
     md = markdown(rows)
     print(md)
     if args.json_out:
@@ -202,40 +249,93 @@ def run(args) -> int:
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
+def _offline(engine, prompts: list[list[int]], cfg) -> dict:
+    """`Engine.generate` of all prompts at once, after one untimed call (compiles, graph capture)."""
+    import torch
+
+    engine.generate(prompts, cfg)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    t0 = time.perf_counter()
+    r = engine.generate(prompts, cfg)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(x.token_ids) for x in r.sequences)
+    return {"offline_wall_s": wall, "offline_tokens_per_s": tokens / wall, "offline_prefill_s": r.prefill_s,
+            "offline_tau": r.tau}
+
+
+def _bandwidth(device: str) -> float | None:
+    """The copy bandwidth the step roofline is computed with (GPU only: a CPU roofline means little here)."""
+    if not device.startswith("cuda"):
+        return None
+    from dustin.bench.decode import copy_bandwidth
+
+    return copy_bandwidth()
+
+
+def _roofline(engine, llm, method: str, prompts, max_tokens: int, tau, bandwidth: float, args) -> dict:
+    """Tokens/s of a step that only reads its bytes, at the batch the run decodes (all requests, at most the
+    slots) and the mean context of its decode, with the measured τ."""
+    from dustin.bench.roofline import step_bytes
+
+    batch = min(len(prompts), llm.max_slots)
+    ctx = sum(map(len, prompts)) // len(prompts) + max_tokens // 2
+    b = step_bytes(method, engine.target, engine.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
+                   sparse_cfg=llm.session.policy.cfg, target_args=engine.target_args)
+    step_s = b.seconds(bandwidth)
+    return {"roofline_ms_per_step": 1e3 * step_s, "roofline_tokens_per_s": batch * (tau or 1.0) / step_s}
+
+
 def markdown(rows: list[dict]) -> str:
-    ms = lambda x: "-" if x is None else f"{1000 * x:.0f}"
-    lines = ["| method | req/s | tokens/s | offline tokens/s | server / offline | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-             "| ITL p50 / p99 ms | τ | failed |", "|---" * 10 + "|"]
+    def ms(x):
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    lines = ["| scenario | method | wall s | tokens/s | offline wall s | offline / server | roofline tokens/s "
+             "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | τ | failed |", "|---" * 12 + "|"]
     for r in rows:
-        off = r.get("offline_tokens_per_s")
-        off_s = "-" if off is None else f"{off:.1f}"
+        off = r.get("offline_wall_s")
+        roof = r.get("roofline_tokens_per_s")
         ratio = "-" if off is None else f"{100 * r['server_vs_offline']:.0f}%"
         ttft, tpot, itl = r["ttft_s"], r["tpot_s"], r["itl_s"]
-        lines.append(f"| {r['method']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {off_s} | {ratio} | "
+        lines.append(f"| {r['scenario']} | {r['method']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{'-' if off is None else f'{off:.2f}'} | "
+                     f"{ratio} | "
+                     f"{'-' if roof is None else f'{roof:.0f}'} | "
                      f"{ms(ttft['p50'])} / {ms(ttft['p99'])} | {ms(tpot['p50'])} / {ms(tpot['p99'])} | "
                      f"{ms(itl['p50'])} / {ms(itl['p99'])} | {r['tau'] or 0:.2f} | {r['failed']} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """One row of panels per scenario: output tokens/s (server bar; offline and roofline marks), TTFT and TPOT
+    p50 / p99 per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    names = [r["method"] for r in rows]
-    axes[0].bar(names, [r["tokens_per_s"] for r in rows], label="server")
-    if all("offline_tokens_per_s" in r for r in rows):
-        axes[0].plot(names, [r["offline_tokens_per_s"] for r in rows], "k_", ms=30, mew=2, label="offline")
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].legend(fontsize=7)
-    for ax, key, title in ((axes[1], "ttft_s", "TTFT (s)"), (axes[2], "tpot_s", "TPOT (s)")):
-        for i, q in enumerate(("p50", "p99")):
-            ax.bar([j + 0.4 * i for j in range(len(rows))], [r[key][q] or 0 for r in rows], width=0.4, label=q)
-        ax.set_xticks([j + 0.2 for j in range(len(rows))], names)
-        ax.set_title(title, fontsize=9)
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    fig, axes = plt.subplots(len(scenarios), 3, figsize=(12, 3.4 * len(scenarios)), squeeze=False)
+    for ax_row, sc in zip(axes, scenarios, strict=True):
+        rs = [r for r in rows if r["scenario"] == sc]
+        names = [r["method"] for r in rs]
+        ax = ax_row[0]
+        ax.bar(names, [r["tokens_per_s"] for r in rs], label="server")
+        if all("offline_tokens_per_s" in r for r in rs):
+            ax.plot(names, [r["offline_tokens_per_s"] for r in rs], "k_", ms=30, mew=2, label="Engine.generate")
+        if all("roofline_tokens_per_s" in r for r in rs):
+            ax.plot(names, [r["roofline_tokens_per_s"] for r in rs], "r_", ms=30, mew=2, label="byte roofline")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(sc, fontsize=9)
         ax.legend(fontsize=7)
+        for ax, key, title in ((ax_row[1], "ttft_s", "TTFT (s)"), (ax_row[2], "tpot_s", "TPOT (s)")):
+            for i, q in enumerate(("p50", "p99")):
+                ax.bar([j + 0.4 * i for j in range(len(rs))], [r[key][q] or 0 for r in rs], width=0.4, label=q)
+            ax.set_xticks([j + 0.2 for j in range(len(rs))], names)
+            ax.set_title(f"{sc}: {title}", fontsize=9)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -73,8 +73,10 @@ class ServeConfig:
     max_context: int | None = None
     # prefill: prompts are cut at multiples of `prefill_chunk` tokens from their start (request-local), and one
     # step prefills up to `prefill_tokens` tokens of such chunks, of any requests, in ONE forward padded to that
-    # size (None: 8192 on a GPU, 512 on a CPU; see docs/serving.md for the measurement behind the GPU default)
-    prefill_chunk: int = 2048
+    # size (None: 8192 on a GPU, 512 on a CPU; see docs/serving.md for the measurement behind the GPU default).
+    # Small chunks cost nothing in the forward (several chunks of a row share it); they only bound the budget
+    # left unused when the next chunk in line does not fit
+    prefill_chunk: int = 512
     prefill_tokens: int | None = None
     max_waiting: int = 256
     draft_window: int = 512  # positions the streaming draft attends: sinks + recent

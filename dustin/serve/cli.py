@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-context", type=int, default=None,
                    help="positions per slot: prompt + max_tokens must fit (default the models' context; "
                         "at most 8192 on a CPU)")
-    s.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens prefilled per step at most")
+    s.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompts are prefilled in chunks of this many tokens, cut at the same offsets whatever "
+                        "else runs")
+    s.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt tokens per prefill step (one forward of that size; default 8192 on a GPU, "
+                        "512 on a CPU)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; more are answered 429")
     h = p.add_argument_group("http")
@@ -91,7 +96,7 @@ def build_engine(args):
     cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
                       sparse_config=args.config,
                       max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                      max_waiting=args.max_waiting)
+                      prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
     cfg.generation(1)  # Γ and the budget are checked there: fail before the model load
     return LLMEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                      attention=args.attention, config=cfg)
