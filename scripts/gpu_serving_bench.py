@@ -38,21 +38,23 @@ def main() -> None:
     ap.add_argument("--http", action="store_true")
     ap.add_argument("--bursts", type=int, default=3)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--lengths", default="8000,19250", help="MIN,MAX prompt tokens (decode-heavy: 2048,2048)")
     a = ap.parse_args()
 
     from dustin.bench.serve import make_prompts
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
 
+    lengths = tuple(int(x) for x in a.lengths.split(","))
     if a.real:
         eng = Engine.from_pretrained("default", "default", device="cuda", dtype=a.dtype)
-        prompts = make_prompts(eng.tokenizer, "code", (8000, 19250), 16, 0, eng.vocab_limit)
+        prompts = make_prompts(eng.tokenizer, "code", lengths, 16, 0, eng.vocab_limit)
     else:
         from dustin.bench.e2e import build_engine
         from dustin.models.args import named_config
 
         eng = build_engine(named_config("qwen2.5-1.5b"), named_config("qwen2.5-0.5b"), "cuda", dtype=a.dtype)
-        prompts = make_prompts(None, "random", (8000, 19250), 16, 0, eng.vocab_limit)
+        prompts = make_prompts(None, "random", lengths, 16, 0, eng.vocab_limit)
     n_prompt = sum(len(p) for p in prompts)
     report = {"real": a.real, "dtype": a.dtype, "prompt_tokens": n_prompt, "prompt_lens": [len(p) for p in prompts],
               "max_tokens": a.max_tokens, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -75,6 +77,7 @@ def main() -> None:
         row["offline"] = {"wall_s": walls, "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3),
                           "tau": round(r.tau, 3), "prefill_tok_per_s": round(n_prompt / r.prefill_s),
                           "tokens_digest": _digest(offline)}
+        row["offline"]["tokens_per_s"] = round(16 * a.max_tokens / min(walls), 1)
         print(method, "offline", row["offline"], flush=True)
         if a.server or a.http:
             from dustin.engine.llm_engine import LLMEngine, ServeConfig
@@ -91,7 +94,8 @@ def main() -> None:
                 out = llm.generate(prompts, params)
                 torch.cuda.synchronize()
                 walls.append(round(time.perf_counter() - t0, 3))
-            row["llm_engine"] = {"wall_s": walls, "prefill_chunk": llm.config.prefill_chunk,
+            row["llm_engine"] = {"wall_s": walls, "decode_tokens_per_s": round(16 * a.max_tokens / min(walls), 1),
+                                 "prefill_chunk": llm.config.prefill_chunk,
                                  "equal_to_offline": sum(o == f for o, f in zip(out, offline, strict=True)),
                                  "tokens_digest": _digest(out), "steps": llm.stats()["steps_total"]}
             print(method, "llm_engine", row["llm_engine"], flush=True)
@@ -136,6 +140,7 @@ def _http_bursts(llm, prompts, a, offline) -> dict:
             t0 = time.perf_counter()
             t = asyncio.run(burst(url, prompts))
             res["burst_wall_s"].append(round(time.perf_counter() - t0, 3))
+            res["tokens_per_s"] = round(len(prompts) * a.max_tokens / res["burst_wall_s"][-1], 1)
             texts.append(t)
         alone = [asyncio.run(burst(url, [p]))[0] for p in prompts]
     same = sum(all(t[i] == texts[0][i] for t in texts) for i in range(len(prompts)))
