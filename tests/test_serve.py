@@ -581,3 +581,16 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate():
             srv.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_incremental_detokenizer_equals_a_whole_decode_with_the_real_tokenizer(tok):
+    """The detokenizer decodes a short tail and settles the rest only where decoding splits exactly: fed token by
+    token or in uneven groups, text with multi-byte characters (split over several byte-level tokens) and code
+    comes out exactly as one decode of all ids, and no emitted piece is ever taken back."""
+    text = ("def naïve_sum(xs):\n    # Σ over xs — 合計 🙂🙂\n    return sum(x for x in xs)\n" * 6) + "ünïcödé ✓ 終わり"
+    ids = tok.encode(text, add_special_tokens=False)
+    for group in (1, 3, 7):
+        detok = IncrementalDetokenizer(tok)
+        out = "".join(detok.add(ids[i:i + group]) for i in range(0, len(ids), group)) + detok.finish()
+        assert out == tok.decode(ids, skip_special_tokens=True) == text
+        assert detok._offset > len(ids) // 2  # the decoded tail stayed short

@@ -17,11 +17,29 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False  # a stop string was found: nothing more will be emitted
+        # ids[:_offset] decode to _settled on their own, and the whole text is _settled + decode(ids[_offset:]):
+        # each call decodes a short tail instead of the whole completion (which made a 512-token stream cost
+        # 512 decodes of up to 512 tokens, on the server's event loop)
+        self._offset = 0
+        self._settled = ""
+
+    _TAIL = 8  # tokens kept in the decoded tail (a character or a merge may span a few tokens)
 
     def _decode(self) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        dec = self.tokenizer.decode
+        tail = dec(self.ids[self._offset:], skip_special_tokens=True)
+        cut = len(self.ids) - self._TAIL
+        if cut - self._offset >= 2 * self._TAIL:  # try to settle ids[_offset:cut]
+            head = dec(self.ids[self._offset:cut], skip_special_tokens=True)
+            rest = dec(self.ids[cut:], skip_special_tokens=True)
+            # only where decoding splits there exactly (not inside a character or a merge)
+            if head + rest == tail and not head.endswith("\ufffd"):
+                self._settled += head
+                self._offset = cut
+                return self._settled + rest
+        return self._settled + tail
 
     def add(self, new_ids: list[int]) -> str:
         """Take the next tokens; return the newly final text (possibly empty). Sets `stopped` on a stop string."""
