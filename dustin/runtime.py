@@ -15,10 +15,14 @@ verify batch):
 `torch.cpu.get_capabilities()` (cpuinfo's feature bits; absent from older torch releases) and falls back to the
 kernel's flags in /proc/cpuinfo (`avx512_bf16`, `amx_bf16`). Other architectures (ARM's BF16 extension included,
 not measured here) get fp32.
+
+`DUSTIN_CPU_BF16=0` (or `1`) overrides the probe: `auto` then means fp32 (bf16) on every CPU. The test suite
+sets 0, so its defaults are those of an AVX2-only machine wherever it runs.
 """
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -70,5 +74,7 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
     if kind == "cuda":
         return torch.bfloat16
     if kind == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        forced = os.environ.get("DUSTIN_CPU_BF16")
+        native = cpu_has_native_bf16() if forced not in ("0", "1") else forced == "1"
+        return torch.bfloat16 if native else torch.float32
     return torch.float32

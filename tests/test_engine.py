@@ -51,7 +51,7 @@ def test_outputs_are_not_degenerate(engine):
 def test_batch_equals_one_by_one(engine):
     prompts = _prompts([3, 50, 17, 33])
     batch = _run(engine, prompts, method="classic", gamma=4, max_new_tokens=30)
-    for p, s in zip(prompts, batch.sequences):
+    for p, s in zip(prompts, batch.sequences, strict=False):
         single = _run(engine, [p], method="classic", gamma=4, max_new_tokens=30)
         assert single.sequences[0].token_ids == s.token_ids
         assert s.prompt_len == len(p)
@@ -75,7 +75,7 @@ def test_each_sequence_stops_on_its_own_eos(engine):
         out = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
     finally:
         engine.eos_ids = saved
-    for r, s in zip(ref.sequences, out.sequences):
+    for r, s in zip(ref.sequences, out.sequences, strict=False):
         expected = r.token_ids[: r.token_ids.index(eos) + 1] if eos in r.token_ids else r.token_ids
         assert s.token_ids == expected
 

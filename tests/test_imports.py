@@ -18,17 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dustin"
 
-# Modules still importing `dustin.cli.args` (the temporary compatibility import of dustin/cli/args.py). Each
-# should import `dustin.flags` instead; remove a module from this set once it does (the test fails on stale
-# entries so that the list only shrinks), then delete dustin/cli/args.py.
-KNOWN_CLI_IMPORTERS = frozenset({
-    "dustin.bench.serve",
-    "dustin.eval.arr_kl",
-    "dustin.eval.fidelity",
-    "dustin.eval.retrieval",
-    "dustin.eval.tasks",
-    "dustin.serve.cli",
-})
+KNOWN_CLI_IMPORTERS: frozenset[str] = frozenset()  # none: only dustin/cli and dustin/__main__ import it
 
 # Module-level import cycles known today, each as the sorted tuple of its modules. Empty: none is tolerated.
 KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()

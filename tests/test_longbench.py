@@ -8,7 +8,7 @@ import pytest
 
 from dustin.errors import InputError
 from dustin.tasks import metrics
-from dustin.tasks.base import REGISTRY
+from dustin.tasks.catalog import REGISTRY
 from dustin.tasks.longbench import ENV, SPECS, TASKS, TEMPLATES, LongBenchTask, middle_truncate
 
 # the spec: (max_new_tokens, metric, chat template, first line scored) per task

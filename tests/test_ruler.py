@@ -11,7 +11,7 @@ import pytest
 
 from dustin.errors import InputError
 from dustin.tasks import ruler_haystack as hay
-from dustin.tasks.base import get_tasks
+from dustin.tasks.catalog import get_tasks
 from dustin.tasks.ruler import _fit, chat_ids, string_match_all, string_match_part
 
 NAMES = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",

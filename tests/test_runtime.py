@@ -10,9 +10,28 @@ from dustin import runtime
 
 # Commands whose --dtype does not default to auto yet, with where they set it. Remove an entry once its
 # command defaults to auto (the test fails on stale entries so that the list only shrinks).
-KNOWN_NON_AUTO = {
-    ("eval", "tasks"): "dustin/eval/tasks.py: p.set_defaults(dtype='bf16')",
-}
+KNOWN_NON_AUTO: dict[tuple[str, str], str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _probe_decides(monkeypatch):
+    """The suite pins `auto` to fp32 with DUSTIN_CPU_BF16=0 (tests/conftest.py); these tests exercise the probe."""
+    monkeypatch.delenv("DUSTIN_CPU_BF16", raising=False)
+
+
+@pytest.mark.parametrize("value, dtype", [("0", torch.float32), ("1", torch.bfloat16)])
+def test_environment_overrides_the_probe(monkeypatch, value, dtype):
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: value == "0")  # the opposite of the override
+    monkeypatch.setenv("DUSTIN_CPU_BF16", value)
+    assert runtime.auto_dtype("cpu") == dtype and runtime.auto_dtype("cuda") == torch.bfloat16
+
+
+def test_resolve_dtype_uses_the_probe(monkeypatch):
+    from dustin.engine.engine import resolve_dtype
+
+    for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_dtype("auto", torch.device("cpu")) == resolve_dtype(None, torch.device("cpu")) == dtype
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])

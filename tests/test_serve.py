@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
@@ -25,13 +24,11 @@ except ImportError:  # some environments ship httpx's successor under its own na
     import httpx2 as httpx
 
 import openai
-import uvicorn
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.engine.request import RequestParams
-from dustin.serve.app import create_app
 from dustin.serve.async_engine import AsyncLLMEngine
 from dustin.serve.detokenize import IncrementalDetokenizer
 from dustin.serve.local import LocalServer
@@ -224,7 +221,7 @@ def test_concurrent_requests_all_complete(live, reference):
         results = list(pool.map(one, range(32)))
     ref = reference.generate(prompts, GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=max(limits),
                                                        stop_at_eos=False), limits=limits)
-    for (choice, usage), limit, want in zip(results, limits, ref.sequences):
+    for (choice, usage), limit, want in zip(results, limits, ref.sequences, strict=False):
         assert usage.completion_tokens == limit and choice.finish_reason == "length"
         assert choice.token_ids == want.token_ids
     m = live.wait_idle()

@@ -57,7 +57,7 @@ def reference(tiny_pair):
     path; unsetting it here would also leave Triton kernels first imported now uninterpreted for later tests.)"""
     engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="fp32")
     out = []
-    for p, n in zip(_prompts(), LIMITS):
+    for p, n in zip(_prompts(), LIMITS, strict=False):
         cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=n)
         out.append(engine.generate([p], cfg).sequences[0])
     return out
@@ -160,7 +160,7 @@ def test_tp_server_serves_exactly_the_single_process_output(server, reference):
 
     with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: they share the batch
         choices = list(pool.map(one, range(len(prompts))))
-    for choice, want in zip(choices, reference):
+    for choice, want in zip(choices, reference, strict=False):
         assert choice.token_ids == want.token_ids
         assert choice.text == want.text and choice.text
     stream = server.client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=LIMITS[1], temperature=0,
@@ -254,7 +254,7 @@ def _lead(llm: LLMEngine) -> dict:
         async def one(i, p, rp):
             return [t async for o in await eng.generate(f"r{i}", p, rp) for t in o.new_token_ids]
         prompts = _prompts() + [[7, 8, 9, 10]]
-        tokens = await asyncio.gather(*(one(i, p, rp) for i, (p, rp) in enumerate(zip(prompts, params))))
+        tokens = await asyncio.gather(*(one(i, p, rp) for i, (p, rp) in enumerate(zip(prompts, params, strict=False))))
         await asyncio.sleep(0.5)  # idle: heartbeats
         return tokens
 

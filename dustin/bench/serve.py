@@ -30,8 +30,8 @@ import random
 import time
 from pathlib import Path
 
-from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args, method_list
 from dustin.errors import InputError
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, method_list
 
 SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
     "burst": ("8000,19250", 16, 64, float("inf")),

@@ -77,7 +77,9 @@ def parse_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        from dustin.runtime import auto_dtype
+
+        return auto_dtype(device)
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
              "fp16": torch.float16, "float16": torch.float16}
     if name not in table:

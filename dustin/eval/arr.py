@@ -18,12 +18,12 @@ at every step, it lets each policy under test pick its set and scores it against
 from __future__ import annotations
 
 from collections import defaultdict
+
 import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.selection.base import SelectionPolicy, StepState
 from dustin.selection.oracle import oracle_set, topk_set, window_attention
-
 
 
 def recovery(mass: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch
 
 from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.cache.kv_cache import KVCache
-from dustin.cli.args import add_model_args
 from dustin.errors import InputError
-from dustin.profiling.observe import causal_probs
+from dustin.flags import add_model_args
+from dustin.scoring import causal_probs
 
 SINKS, RECENT = 4, 16
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import time
 
-from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.arr import ARRProbe
 from dustin.eval.inputs import common_prefix, long_code_prompt
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
 
 DEFAULT_SOURCES = ("argparse.py", "inspect.py", "tarfile.py", "typing.py", "pydoc.py")
 SPARSE_METHODS = ("dustin", "dustin-t", "dustin-d", "streaming")
@@ -76,9 +76,10 @@ def run(args) -> int:
         van = [s.token_ids for s in generate("vanilla").sequences]
         for name, r in (("classic", classic), (f"full-verify ({args.draft_kv} draft)", full_same_draft)):
             outs = [s.token_ids for s in r.sequences]
-            results["runs"][name].update({"same_as_vanilla": sum(o == v for o, v in zip(outs, van)) / len(van),
-                                          "first_divergence_from_vanilla": [
-                                              None if o == v else common_prefix(o, v) for o, v in zip(outs, van)]})
+            pairs = list(zip(outs, van, strict=True))
+            results["runs"][name].update({
+                "same_as_vanilla": sum(o == v for o, v in pairs) / len(van),
+                "first_divergence_from_vanilla": [None if o == v else common_prefix(o, v) for o, v in pairs]})
     for k in [int(x) for x in args.budgets.split(",")]:
         for method in args.methods.split(","):
             r = generate(method, budget=k)
@@ -86,8 +87,8 @@ def run(args) -> int:
             results["runs"][f"{method}@{k}"] = {
                 "method": method, "budget": k, "tau": r.tau,
                 "tau_vs_full_verify": r.tau / full_same_draft.tau,
-                "same_as_classic": sum(o == c for o, c in zip(outs, ref)) / len(ref),
-                "mean_common_prefix": sum(common_prefix(o, c) for o, c in zip(outs, ref)) / len(ref)}
+                "same_as_classic": sum(o == c for o, c in zip(outs, ref, strict=False)) / len(ref),
+                "mean_common_prefix": sum(common_prefix(o, c) for o, c in zip(outs, ref, strict=False)) / len(ref)}
         if not args.no_arr:
             cfg = GenerationConfig(method="classic", **{**base, "budget": k})
             policies = {m: engine.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))

@@ -28,7 +28,7 @@ def long_code_prompt(tokenizer, n_tokens: int, source: str | None = None) -> tup
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

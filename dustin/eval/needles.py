@@ -81,10 +81,10 @@ class NeedlePrompt:
 
 def make_needle_prompt(tokenizer, haystack: str, n_tokens: int, needles: Sequence[Needle], depths: Sequence[float],
                        asked: int = 0, chat: bool = True) -> NeedlePrompt:
-    """A prompt of ~n_tokens tokens (within max(2%, 32); at most n_tokens when a cut allows): instructions, `haystack` cut to fit with needles[i]
-    inserted at the sentence boundary nearest to depths[i] (0 = start, 1 = end), then the question of
-    needles[asked]. Spans are listed in prompt order (= the order of `needles` when `depths` ascend; ties keep
-    that order), and `asked` of the result indexes them."""
+    """A prompt of ~n_tokens tokens (within max(2%, 32); at most n_tokens when a cut allows): instructions,
+    `haystack` cut to fit with needles[i] inserted at the sentence boundary nearest to depths[i] (0 = start,
+    1 = end), then the question of needles[asked]. Spans are listed in prompt order (= the order of `needles`
+    when `depths` ascend; ties keep that order), and `asked` of the result indexes them."""
     if not needles or len(needles) != len(depths):
         raise InputError(f"give one depth per needle ({len(needles)} needles, {len(depths)} depths)")
     if not 0 <= asked < len(needles) or any(not 0.0 <= d <= 1.0 for d in depths):

@@ -20,7 +20,8 @@ def load_results(path: str | None, settings: dict, what: str) -> dict:
         old = data["settings"]
         data["rows"] = list(data["rows"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"--json-out {path} exists but is not a {what} result file ({e}): pick another file")
+        raise InputError(f"--json-out {path} exists but is not a {what} result file ({e}): pick another file"
+                         ) from None
     diff = [k for k in settings if old.get(k) != settings[k]]
     if diff:
         raise InputError(f"--json-out {path} holds results for other settings ({', '.join(diff)} differ): "

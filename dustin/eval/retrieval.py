@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import time
 
-from dustin.cli.args import (add_model_args, add_sparse_args, add_speculation_args, check_sparse_config, int_list,
-                             method_list)
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
+from dustin.flags import (
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    check_sparse_config,
+    int_list,
+    method_list,
+)
 
 LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
-_RESUME_KEYS = ("target", "draft", "dtype", "gamma", "draft_window", "max_new_tokens", "seed", "needles", "depths", "config")
+_RESUME_KEYS = ("target", "draft", "dtype", "gamma", "draft_window", "max_new_tokens", "seed", "needles", "depths",
+                "config")
 
 
 def add_arguments(p) -> None:
@@ -68,7 +75,7 @@ def build_prompts(tokenizer, kind: str, n_tokens: int, depths: int, needles, see
     # 10% more text than needed, so the haystack can end at a sentence boundary close to the length asked
     hays = long_texts("essays", "heldout", n_tokens * 11 // 10, tokenizer, depths, seed * 1_000_003 + n_tokens)
     prompts = []
-    for i, (depth, hay) in enumerate(zip(spots, hays)):
+    for i, (depth, hay) in enumerate(zip(spots, hays, strict=False)):
         if kind == "single":
             prompts.append(make_needle_prompt(tokenizer, hay, n_tokens, [needles[i % len(needles)]], [depth]))
             continue
@@ -135,7 +142,7 @@ def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared:
     with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
         r = engine.generate([q.ids for q in prompts], cfg, prefill_cache=shared)
     samples = []
-    for q, s in zip(prompts, r.sequences):
+    for q, s in zip(prompts, r.sequences, strict=False):
         recall = rouge1_recall(s.text or "", q.answer)
         samples.append({"depth": q.depth, "question": q.question, "answer": q.answer, "prediction": s.text,
                         "rouge1_recall": recall, "retrieved": recall > 0.5, "prompt_tokens": q.n_tokens})

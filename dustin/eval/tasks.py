@@ -14,13 +14,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dustin.cli.args import (add_model_args, add_sparse_args, add_speculation_args, check_sparse_config, int_list,
-                             method_list)
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
+from dustin.flags import (
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    check_sparse_config,
+    int_list,
+    method_list,
+)
 
 LOSSLESS = ("vanilla", "classic", "magicdec")
 HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")
@@ -29,9 +35,6 @@ _SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "confi
 
 def add_arguments(p) -> None:
     add_model_args(p)
-    # bf16 on every device, as the GPU runs: on a 2-core CPU it was 2.4x faster than fp32 (82 vs 200 s for one
-    # RULER task at 4k, 2 samples, vanilla + dustin) with the same answers; --dtype fp32 for exactness checks
-    p.set_defaults(dtype="bf16")
     p.add_argument("--tasks", default="ruler", help="task names, or ruler / code / longbench / all")
     p.add_argument("--contexts", default="4096", help="prompt lengths in tokens (capped by the model)")
     p.add_argument("--samples", type=int, default=3, help="samples per task and context")
@@ -51,7 +54,7 @@ def plan(args) -> dict:
     """Every flag checked before any model loads."""
     import os
 
-    from dustin.tasks.base import get_tasks
+    from dustin.tasks.catalog import get_tasks
 
     if args.longbench_dir:
         os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
@@ -83,7 +86,8 @@ def run(args) -> int:
     results = load_results(args.json_out, p["settings"], "tasks")
     done = {_key(r) for r in results["rows"]}
     by_name = {t.name: t for t in p["tasks"]}
-    missing = lambda name, ctx, i: any((name, ctx, m, k, i) not in done for m, k in p["rows"])
+    def missing(name, ctx, i):
+        return any((name, ctx, m, k, i) not in done for m, k in p["rows"])
     pending = {c: [t for t in p["tasks"] if any(missing(t.name, c, i) for i in range(args.samples))]
                for c in p["contexts"]}
     if args.report_only and not args.json_out:
@@ -159,7 +163,7 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     tau = r.tau if cfg.spec.speculative else None
     reference = {(x["task"], x["context"], x["index"]): x["token_ids"] for x in rows if x["method"] in LOSSLESS}
     out = []
-    for s, seq in zip(samples, r.sequences):
+    for s, seq in zip(samples, r.sequences, strict=False):
         task = tasks[s.task]
         ids = seq.token_ids
         text = seq.text or ""
@@ -181,7 +185,8 @@ def summarize(rows: list[dict], p: dict) -> dict:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
-    mean = lambda xs: None if not xs else sum(xs) / len(xs)
+    def mean(xs):
+        return None if not xs else sum(xs) / len(xs)
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
                  "tau": mean([x["tau"] for x in g if x["tau"] is not None]),
                  "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None])}
@@ -238,7 +243,7 @@ def plot(summary: dict, p: dict, path: Path) -> None:
     if not budgets:  # lossless methods only: no budget axis to draw
         return
     fig, axes = plt.subplots(1, len(p["contexts"]), figsize=(5 * len(p["contexts"]), 3.8), squeeze=False)
-    for ax, c in zip(axes[0], p["contexts"]):
+    for ax, c in zip(axes[0], p["contexts"], strict=False):
         for m in dict.fromkeys(m for m, _ in _table_rows(summary, p)):
             ys = []
             for k in budgets:

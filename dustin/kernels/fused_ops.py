@@ -5,7 +5,8 @@ Why: a decode or verify step has B * (Γ+1) <= 128 rows, so every elementwise op
 its launch (~3-5 us even inside a CUDA graph), not its bytes. In eager PyTorch an RMSNorm is ~7 kernels and
 RoPE ~7 per tensor: ~30 of the ~45 kernels of a layer. These two kernels do the same math in one launch each
 (a 24-layer draft forward drops from ~1050 kernels to ~450). Numerics follow the PyTorch ops they replace
-(`dustin.models.transformer.rms_norm`, `dustin.models.rope.apply_rope`): fp32 statistics, the same rounding points to the activation dtype;
+(`dustin.models.transformer.rms_norm`, `dustin.models.rope.apply_rope`): fp32 statistics, the same rounding points to
+the activation dtype;
 Triton may fuse a multiply-add where PyTorch rounds twice, so results can differ in the last fp32 bit.
 """
 from __future__ import annotations

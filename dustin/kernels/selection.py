@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 _NEG_INF = float("-inf")
 
 

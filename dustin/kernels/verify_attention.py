@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 H200_NUM_SMS = 132
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and

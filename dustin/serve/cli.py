@@ -16,8 +16,8 @@ import signal
 import socket
 import threading
 
-from dustin.cli.args import add_model_args, add_sparse_args, add_speculation_args
 from dustin.errors import InputError
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,7 +107,7 @@ def run(args) -> int:
     if rank == 0:
         _check_port(args.host, args.port)
     if args.config is not None and args.config != "builtin":
-        from dustin.cli.args import check_sparse_config
+        from dustin.flags import check_sparse_config
         check_sparse_config(args.config, [args.budget] if args.budget is not None else [])
     engine = build_engine(args)  # under torchrun: joins the process group and loads this rank's shard
     if rank > 0:

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dustin.errors import InputError
-
 
 @dataclass
 class Sample:
@@ -43,26 +41,3 @@ def register(task: Task) -> Task:
         raise ValueError(f"task {task.name!r} registered twice")
     REGISTRY[task.name] = task
     return task
-
-
-def _load_families() -> None:
-    from dustin.tasks import code, longbench, ruler  # noqa: F401  (each registers its tasks)
-
-
-def get_tasks(spec: str) -> list[Task]:
-    """Comma-separated task names and/or families ('ruler', 'code', 'all'), in registry order."""
-    _load_families()
-    picked: list[Task] = []
-    for item in [x.strip() for x in spec.split(",") if x.strip()]:
-        if item == "all":
-            found = list(REGISTRY.values())
-        elif item in {t.family for t in REGISTRY.values()}:
-            found = [t for t in REGISTRY.values() if t.family == item]
-        elif item in REGISTRY:
-            found = [REGISTRY[item]]
-        else:
-            raise InputError(f"--tasks: unknown task {item!r}; choose from {', '.join(REGISTRY)}, ruler, code or all")
-        picked += [t for t in found if t not in picked]
-    if not picked:
-        raise InputError("--tasks: no task given")
-    return picked

@@ -54,7 +54,8 @@ class CodeCompletion:
         files = python_sources("heldout")
         if not files:
             raise InputError("no long Python files found for code completion")
-        enc = lambda text: tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        def enc(text):
+            return tokenizer.encode(text, add_special_tokens=False, verbose=False)
         head, tail = enc(TEMPLATE_HEAD), enc(TEMPLATE_TAIL)
         budget = context - self.max_new_tokens - len(head) - len(tail)
         if budget < 256:

@@ -42,8 +42,10 @@ _SENTINEL = "\x00LONGBENCH-PROMPT\x00"
 _QASPER = ("as concisely as you can, using a single phrase or sentence if possible. If the question cannot be "
            "answered based on the information in the article, write \"unanswerable\". If the question is a yes/no "
            "question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.")
-_PASSAGES = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
-_MULTIHOP = f"{_PASSAGES}\n\nThe following are given passages.\n{{context}}\n\n{_PASSAGES}\n\nQuestion: {{input}}\nAnswer:"
+_PASSAGES = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
+             "words.")
+_MULTIHOP = (f"{_PASSAGES}\n\nThe following are given passages.\n{{context}}\n\n{_PASSAGES}\n\n"
+             "Question: {input}\nAnswer:")
 _CODE = "Please complete the code given below. \n{context}"
 TEMPLATES = {
     # "asconcisely" (sic) as in LongBench v1's config; a later commit of the old root config added the space
@@ -81,7 +83,8 @@ TEMPLATES = {
                      "output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer "
                      "is: ",
     "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which "
-                            "paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\n"
+                            "paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n"
+                            "{input}\n\n"
                             "Please enter the number of the paragraph that the abstract is from. The answer format "
                             "must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",
     "lcc": _CODE + "Next line of code:\n",

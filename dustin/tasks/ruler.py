@@ -254,7 +254,7 @@ class NIAH(RulerTask):
             m = bisect_left(starts, h)  # sentences in the first h words
             cuts = [starts[p] if p < m else h for p in (m * depth // 100 for depth in d["depths"])]
             parts, prev = [], 0
-            for cut, needle in zip(cuts, d["needles"]):
+            for cut, needle in zip(cuts, d["needles"], strict=False):
                 parts += [" ".join(words[prev:cut]), needle]
                 prev = cut
             context = " ".join(p for p in parts + [" ".join(words[prev:h])] if p)
@@ -262,7 +262,7 @@ class NIAH(RulerTask):
         else:
             lines = [hay.REPEAT_NOISE] * h if self.haystack == "repeat" else list(d["distractors"][:h])
             where = sorted(rng.sample(range(h), len(d["needles"])), reverse=True)
-            for index, needle in zip(where, d["needles"]):
+            for index, needle in zip(where, d["needles"], strict=False):
                 lines.insert(index, needle)
             context = "\n".join(lines)
             meta = {"lines": sorted(where)}
@@ -290,7 +290,7 @@ class VariableTracking(RulerTask):
         sentences = [self.NOISE] * h
         for chain in chains:
             where = sorted(rng.sample(range(len(sentences)), len(chain)))
-            for j, (pos, line) in enumerate(zip(where, chain)):
+            for j, (pos, line) in enumerate(zip(where, chain, strict=False)):
                 sentences.insert(pos + j, line)
         context = " ".join(sentences).replace(". \n", ".\n")
         return self.template.format(context=context, query=value)
@@ -367,7 +367,7 @@ class FreqWords(RulerTask):
 
     def render(self, draft, h, rng):
         d = draft.data
-        items = [w for w, p in zip(d["words"], d["weights"]) for _ in range(int(h * p))]
+        items = [w for w, p in zip(d["words"], d["weights"], strict=False) for _ in range(int(h * p))]
         rng.shuffle(items)
         return self.template.format(context=" ".join(items), query=""), self.answer_prefix, {}
 
