@@ -282,10 +282,6 @@ def test_ignore_eos_is_reset_when_the_slot_is_reused(engine):
     assert got["C"] == toks and reasons["C"] == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="LLMEngine._collect (dustin/engine/llm_engine.py) sets finish_reason 'stop' "
-                   "whenever the last token is in eos_ids, without looking at the request's ignore_eos: an ignore_eos "
-                   "request whose max_tokens-th token happens to be an EOS id reports 'stop' although it ran to its "
-                   "length")
 def test_ignore_eos_request_ending_on_an_eos_token_reports_length(engine):
     """Guards finish_reason under ignore_eos: EOS is not a stop condition for such a request, so when its last
     allowed token (max_tokens = j + 1) happens to be the EOS id, it still finished because of its length."""

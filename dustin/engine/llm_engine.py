@@ -438,7 +438,8 @@ class LLMEngine:
             self.counters["generated_tokens_total"] += len(new)
             reason = None
             if done:
-                reason = "stop" if toks and toks[-1] in s.eos_ids else "length"
+                eos = toks and toks[-1] in s.eos_ids and row not in s.ignore_eos_rows
+                reason = "stop" if eos else "length"
                 self._to_release.append(row)
                 self.scheduler.finish(row)
                 del self._by_id[seq.request.request_id]
