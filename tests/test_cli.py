@@ -128,3 +128,17 @@ def test_bad_prompt_is_rejected_before_the_models_load(capsys, monkeypatch, prom
     monkeypatch.setattr(engine_module.Engine, "from_pretrained", no_load)
     code, err = _error(capsys, ["generate", "--prompt", prompt])
     assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("native, dtype", [("0", "float32"), ("1", "bfloat16")])
+def test_generate_json_reports_the_dtype_auto_chose(tiny_pair, capsys, monkeypatch, tmp_path, native, dtype):
+    """`--dtype auto` (the default) on a CPU: fp32 where bf16 is not native (the suite's pinned answer, as on an
+    AVX2-only machine), bf16 where it is; `--json` says which."""
+    monkeypatch.setenv("DUSTIN_CPU_BF16", native)
+    target, draft = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [5, 6, 7, 8]}) + "\n")
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--method", "classic",
+                 "--prompts-jsonl", str(prompts), "--max-new-tokens", "3", "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == dtype

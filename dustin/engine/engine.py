@@ -48,10 +48,12 @@ class GenerationResult:
     time_split_s: dict[str, float]
     sparse_config: dict | None = None  # source, k, m and score heads of a sparse method's config
     capture_s: float = 0.0  # one-time CUDA-graph capture, not in decode_s (nor in tokens_per_s)
+    dtype: str = ""  # the weights' dtype (what --dtype auto chose, e.g. "bfloat16")
 
     def to_json(self) -> dict:
         return {
-            "method": self.method, "sparse_config": self.sparse_config, "steps": self.steps, "tau": round(self.tau, 4),
+            "method": self.method, "dtype": self.dtype, "sparse_config": self.sparse_config, "steps": self.steps,
+            "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "capture_s": round(self.capture_s, 4),
             "time_split_s": {k: round(v, 4) for k, v in self.time_split_s.items()},
@@ -141,6 +143,11 @@ class Engine:
             d_tok = _load_tokenizer(d_path)
         return cls(t_model, d_model, _load_tokenizer(t_path), d_tok, parallel=parallel)
 
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype, e.g. "bfloat16" (what `--dtype auto` resolved to)."""
+        return str(self.target.embed_tokens.weight.dtype).removeprefix("torch.")
+
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -202,7 +209,7 @@ class Engine:
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
         produced = st.produced if timing is None else timing["produced_after_prefill"]
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used, st.capture_s)
+                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name)
 
     def _run_loop(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
                   policy: SelectionPolicy) -> tuple[Session, list[list[int]], dict]:

@@ -104,6 +104,7 @@ def run(args) -> int:
             limit = min(limit, engine.draft.args.max_position_embeddings)
         main = is_main_process()
         console = Console(stderr=True, quiet=not main)
+        console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         shared = PrefillCache()  # each batch of samples is prefilled once for every method
         with Progress(*columns, console=console) as progress:
