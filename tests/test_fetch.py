@@ -125,7 +125,8 @@ def copy_downloader(monkeypatch):
 def leftovers(home: Path) -> list[str]:
     """Temporary files and lock files a run left in home (folders that a failed first fetch removed are empty)."""
     ls = lambda d: list(d.iterdir()) if d.is_dir() else []  # noqa: E731
-    found = [p.name for p in ls(home / "gguf") if p.name.endswith(".partial")] + [p.name for p in ls(home / "downloads")]
+    found = [p.name for p in ls(home / "gguf") if p.name.endswith(".partial")]
+    found += [p.name for p in ls(home / "downloads")]
     found += [p.name for p in ls(home) if p.name.endswith(".lock")]
     return found + [p.name for p in ls(home / "models") if ".tmp-" in p.name or ".old-" in p.name]
 
