@@ -81,13 +81,13 @@ def main() -> None:
         print(method, "offline", row["offline"], flush=True)
         if a.server or a.http:
             from dustin.engine.llm_engine import LLMEngine, ServeConfig
-            from dustin.engine.request import RequestParams
+            from dustin.engine.request import SamplingParams
 
             kw = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
             eng.release_kept_session()
             llm = LLMEngine(eng, ServeConfig(method=method, max_slots=16, max_context=24576, **kw))
-            params = RequestParams(max_tokens=a.max_tokens, ignore_eos=True)
-            llm.generate(prompts[:2], RequestParams(max_tokens=8, ignore_eos=True))  # capture, compile
+            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+            llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # capture, compile
             walls = []
             for _ in range(a.server_repeats):
                 t0 = time.perf_counter()

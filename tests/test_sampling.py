@@ -10,7 +10,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.sampling import SamplingParams, accept_speculative, probabilities
+from dustin.engine.sampling import SamplingRule, accept_speculative, probabilities
 from dustin.models.loader import load_model
 
 
@@ -35,10 +35,10 @@ def chi2_test(samples: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_top_k_top_p_filtering():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    p = probabilities(logits, SamplingParams(1.0, top_k=2))
+    p = probabilities(logits, SamplingRule(1.0, top_k=2))
     assert (p[0, 2:] == 0).all() and p[0, :2].sum().item() == pytest.approx(1.0)
     full = logits.softmax(-1)[0]
-    p = probabilities(logits, SamplingParams(1.0, top_p=float(full[0] + full[1] / 2)))
+    p = probabilities(logits, SamplingRule(1.0, top_p=float(full[0] + full[1] / 2)))
     assert (p[0, 2:] == 0).all() and (p[0, :2] > 0).all()
 
 
@@ -49,7 +49,7 @@ def test_acceptance_rule_is_lossless():
     target_logits = torch.randn(1, G + 1, V, generator=g).expand(N, G + 1, V)
     q = torch.randn(1, G, V, generator=g).softmax(-1).expand(N, G, V)
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(N, G)
-    n_acc, nxt = accept_speculative(drafts, q, target_logits, SamplingParams(1.0), g)
+    n_acc, nxt = accept_speculative(drafts, q, target_logits, SamplingRule(1.0), g)
     first = torch.where(n_acc > 0, drafts[:, 0], nxt)
     p1 = target_logits[0, 0].softmax(-1)
     assert chi2_test(first, p1) > 1e-3
@@ -63,7 +63,7 @@ def test_generated_tokens_follow_target_distribution(tiny_pair):
     engine = Engine(target, draft)
     prompt = [5, 17, 42, 8, 33, 71]
     N, V = 3000, engine.vocab_limit
-    params = SamplingParams(temperature=1.0, top_k=20)
+    params = SamplingRule(temperature=1.0, top_k=20)
     cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=3, temperature=1.0, top_k=20, seed=1,
                            stop_at_eos=False)
     out = engine.generate([prompt] * N, cfg)

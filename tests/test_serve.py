@@ -28,7 +28,7 @@ import openai
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.llm_engine import LLMEngine, ServeConfig
-from dustin.engine.request import RequestParams
+from dustin.engine.request import SamplingParams
 from dustin.serve.async_engine import AsyncLLMEngine
 from dustin.serve.detokenize import IncrementalDetokenizer
 from dustin.serve.local import LocalServer
@@ -438,8 +438,8 @@ def test_async_engine_check_runs_before_queueing(tiny_pair):
     try:
         async def go():
             with pytest.raises(InputError, match="empty"):
-                await eng.generate("a", [], RequestParams(max_tokens=2))
-            stream = await eng.generate("b", [5, 6], RequestParams(max_tokens=3, ignore_eos=True))
+                await eng.generate("a", [], SamplingParams(max_tokens=2))
+            stream = await eng.generate("b", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
             outs = [o async for o in stream]
             assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finished
             assert outs[-1].finish_reason == "length"

@@ -32,7 +32,7 @@ import openai
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.llm_engine import LLMEngine, ServeConfig
-from dustin.engine.request import RequestParams
+from dustin.engine.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-tp"
@@ -246,9 +246,9 @@ def _lead(llm: LLMEngine) -> dict:
     llm.heartbeat_s = 0.0  # every idle wake-up sends one
     proxy = _CountingEngine(llm)
     eng = AsyncLLMEngine(proxy, idle_poll_s=0.02)
-    params = [RequestParams(max_tokens=n) for n in LIMITS]
-    params[3] = RequestParams(max_tokens=LIMITS[3], temperature=0.8, seed=5)
-    params.append(RequestParams(max_tokens=9, temperature=1.0, ignore_eos=True))  # the engine's generator
+    params = [SamplingParams(max_tokens=n) for n in LIMITS]
+    params[3] = SamplingParams(max_tokens=LIMITS[3], temperature=0.8, seed=5)
+    params.append(SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True))  # the engine's generator
 
     async def go():
         async def one(i, p, rp):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dustin.engine.sampling import SamplingParams
+from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 
 
@@ -93,8 +93,8 @@ class GenerationConfig:
         return METHODS[self.method]
 
     @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+    def sampling(self) -> SamplingRule:
+        return SamplingRule(self.temperature, self.top_k, self.top_p)
 
     @property
     def draft_recent(self) -> int:

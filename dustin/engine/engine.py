@@ -222,7 +222,7 @@ class Engine:
         depend on earlier calls. Returns the session (stats, policy), the new tokens per prompt and the run's
         timings."""
         from dustin.engine.llm_engine import LLMEngine, ServeConfig
-        from dustin.engine.request import RequestParams
+        from dustin.engine.request import SamplingParams
 
         self._validate(ids, cfg, limits, memory=False)  # memory: below, only if an engine is allocated
         limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(ids)
@@ -250,7 +250,7 @@ class Engine:
         s.begin_run(cfg.seed)
         c0 = s._capture_total()
         t0 = time.perf_counter()
-        params = [RequestParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
                   for m in limits]
         outputs, timing = core.run_batch(ids, params)
         wall = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The serving engine core: requests join a running batch of KV-cache slots and leave when done.
 
     engine = LLMEngine.from_pretrained("default", "default", device="cuda", config=ServeConfig(method="dustin"))
-    engine.add_request(Request("r1", prompt_ids, RequestParams(max_tokens=64)))
+    engine.add_request(Request("r1", prompt_ids, SamplingParams(max_tokens=64)))
     while engine.has_unfinished():
         for out in engine.step():          # schedule -> run -> postprocess
             print(out.request_id, out.new_token_ids, out.finished)
@@ -41,8 +41,8 @@ import torch
 
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, check_prompts
-from dustin.engine.request import Request, RequestOutput, RequestParams
-from dustin.engine.sampling import SamplingParams
+from dustin.engine.request import Request, RequestOutput, SamplingParams
+from dustin.engine.sampling import SamplingRule
 from dustin.engine.session import Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
 
@@ -174,7 +174,7 @@ class Admission:
     row: int
     prompt_ids: tuple[int, ...]
     limit: int
-    sampling: SamplingParams
+    sampling: SamplingRule
     seed: int | None
     ignore_eos: bool
 
@@ -268,7 +268,7 @@ class LLMEngine:
             torch.cuda.set_device(self.engine.device)
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Empty prompt, ids outside the vocabulary, or prompt + max_tokens past the slot: one InputError."""
         if params.max_tokens > self.max_context:
             raise InputError(f"max_tokens {params.max_tokens} exceeds the engine's context ({self.max_context})")
@@ -448,11 +448,11 @@ class LLMEngine:
                                      len(seq.request.prompt_ids), len(toks)))
         return out
 
-    def generate(self, prompts: list[list[int]], params: RequestParams | list[RequestParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline: run prompts to completion through this loop; their new token ids."""
         return self.run_batch(prompts, params)[0]
 
-    def run_batch(self, prompts: list[list[int]], params: RequestParams | list[RequestParams]
+    def run_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                   ) -> tuple[list[list[int]], dict]:
         """Offline: run prompts to completion through this loop (they are queued as waiting requests as room
         allows, in order); their new token ids, and timings: `prefill_s`, the wall time until every prompt was

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dustin.engine.sampling import SamplingParams
+from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 
 
 @dataclass(frozen=True)
-class RequestParams:
+class SamplingParams:
     """Per-request decoding parameters (OpenAI's names). The method, Γ and the sparse budget are the
     engine's (chosen at start); these may differ between requests of one batch."""
 
@@ -34,15 +34,15 @@ class RequestParams:
             raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
     @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+    def sampling(self) -> SamplingRule:
+        return SamplingRule(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
 class Request:
     request_id: str
     prompt_ids: list[int]
-    params: RequestParams = field(default_factory=RequestParams)
+    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingRule:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
@@ -21,7 +21,7 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, p: SamplingRule) -> torch.Tensor:
     """fp32 probabilities after temperature, top-k and top-p (nucleus) filtering; logits [..., V]."""
     logits = logits.float() / max(p.temperature, 1e-6)
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
@@ -42,7 +42,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None):
+def choose(logits: torch.Tensor, p: SamplingRule, generator: torch.Generator | None):
     """Return (tokens, probs or None): argmax when greedy, else a sample and the distribution it came from."""
     if p.greedy:
         return logits.argmax(-1), None
@@ -63,7 +63,7 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
 
 
 def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
-                       p: SamplingParams, generator: torch.Generator | None):
+                       p: SamplingRule, generator: torch.Generator | None):
     """Lossless speculative sampling (Leviathan et al. / Chen et al.).
 
     Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from
@@ -117,17 +117,17 @@ def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_p
 class RowSampling:
     """Per-sequence sampling parameters of a batch whose requests differ (the serving engine's slots).
 
-    Rows sharing one `SamplingParams` and the batch's generator take the batched functions above unchanged
+    Rows sharing one `SamplingRule` and the batch's generator take the batched functions above unchanged
     (`uniform`). Otherwise every row is processed with its own temperature / top-k / top-p, greedy rows by
     argmax, and a row with its own seed draws its random numbers from its own generator, so a seeded request's
     tokens do not depend on what else is in the batch."""
 
-    def __init__(self, batch: int, default: SamplingParams, generator: torch.Generator | None) -> None:
+    def __init__(self, batch: int, default: SamplingRule, generator: torch.Generator | None) -> None:
         self.params = [default] * batch
         self.generators: list[torch.Generator | None] = [None] * batch
         self.default, self.generator = default, generator
 
-    def set_row(self, row: int, params: SamplingParams, seed: int | None, device) -> None:
+    def set_row(self, row: int, params: SamplingRule, seed: int | None, device) -> None:
         self.params[row] = params
         self.generators[row] = None if seed is None else torch.Generator(device=device).manual_seed(seed)
 

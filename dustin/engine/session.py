@@ -19,7 +19,7 @@ import torch
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
 from dustin.engine.model_runner import ModelRunner
-from dustin.engine.sampling import RowSampling, SamplingParams, accept_controlled
+from dustin.engine.sampling import RowSampling, SamplingRule, accept_controlled
 from dustin.engine.timing import NullTimer, PhaseTimer
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
@@ -197,7 +197,7 @@ class Session:
         self.prev = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.done = torch.ones(self.B, dtype=torch.bool, device=self.device)
 
-    def admit(self, row: int, prompt: list[int], limit: int, params: SamplingParams | None = None,
+    def admit(self, row: int, prompt: list[int], limit: int, params: SamplingRule | None = None,
               seed: int | None = None) -> None:
         """Give an idle row to a new sequence; its prompt is then prefilled by `prefill_chunk` calls."""
         if not self.finished[row] or row in self._prompt_rows:

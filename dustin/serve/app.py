@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dustin.engine.request import RequestOutput, RequestParams
+from dustin.engine.request import RequestOutput, SamplingParams
 from dustin.errors import DustinError, InputError
 from dustin.serve.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from dustin.serve.detokenize import IncrementalDetokenizer
@@ -152,7 +152,7 @@ class _Server:
 
         def fits(m: int) -> bool:
             try:
-                self.engine.check_request([0], RequestParams(max_tokens=m))
+                self.engine.check_request([0], SamplingParams(max_tokens=m))
                 return True
             except DustinError:
                 return False
@@ -165,13 +165,13 @@ class _Server:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return ctx - 1 - lo
 
-    def params(self, body, max_tokens: int) -> RequestParams:
+    def params(self, body, max_tokens: int) -> SamplingParams:
         try:
-            return RequestParams(max_tokens=max_tokens, **body.sampling_kwargs())
+            return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
         except InputError as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
-    async def start(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> RequestStream:
+    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         from dustin.engine.llm_engine import QueueFullError
 
         try:
@@ -195,7 +195,7 @@ class _Server:
             if out is not None:
                 yield out
 
-    async def complete(self, request: Request, body, prompt_ids: list[int], params: RequestParams,
+    async def complete(self, request: Request, body, prompt_ids: list[int], params: SamplingParams,
                        chat: bool) -> Any:
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dustin.engine.request import Request, RequestOutput, RequestParams
+from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.errors import DustinError
 
 log = logging.getLogger("dustin.serve")
@@ -143,11 +143,11 @@ class AsyncLLMEngine:
         with self._lock:
             return self._error
 
-    def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """LLMEngine.check_request (InputError), run by the caller: it reads only settings fixed at start."""
         self.engine.check_request(prompt_ids, params)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> RequestStream:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request and return its output stream once the engine accepted it.
 
         Raises before any output: InputError (bad prompt or parameters), QueueFullError (too many waiting),

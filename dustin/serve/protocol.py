@@ -75,7 +75,7 @@ class _SamplingFields(BaseModel):
         self.stop_list()
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """RequestParams keyword arguments except max_tokens (validated there: InputError -> 400)."""
+        """SamplingParams keyword arguments except max_tokens (validated there: InputError -> 400)."""
         top_k = self.top_k if self.top_k is not None else 0
         return {"temperature": 1.0 if self.temperature is None else float(self.temperature),
                 "top_p": 1.0 if self.top_p is None else float(self.top_p),
