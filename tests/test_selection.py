@@ -54,7 +54,11 @@ def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, method):
 
 @pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
 def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
-    """At k far below the context the output may change, but decoding works and the phases are reported."""
+    """At k far below the context the output may change, but decoding works and the phases are reported. Guards
+    the step accounting and the plans themselves, against values recomputed here: τ from the tokens each step
+    appended (no step is cut by the token limit), the cache length a plan sees from prompt + output, and every
+    whole-batch plan's set: k distinct cached positions holding the sinks and the recent window (streaming:
+    exactly sinks + the last k - sinks positions, StreamingLLM's set in closed form)."""
     prompts = _prompts([150, 210])
     out = _run(engine, prompts, method=method, budget=32, sparse_config=sparse_cfg)
     assert all(len(s.token_ids) == 24 for s in out.sequences)
@@ -63,6 +67,43 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
         assert "select" in out.time_split_s
     if method in ("dustin", "dustin-t"):
         assert out.time_split_s.get("estimate", 0) > 0
+
+    k, gamma, n_steps = 32, 3, 5
+    cfg = GenerationConfig(method=method, gamma=gamma, max_new_tokens=64, stop_at_eos=False, budget=k,
+                           sparse_config=sparse_cfg)
+    policy = engine.make_policy(cfg)
+    plans, plan = [], policy.plan
+
+    def recording(state):
+        p = plan(state)
+        plans.append(([len(o) for o in state.outputs], state.target_cache.lengths.tolist(), p))
+        return p
+
+    policy.plan = recording
+    s = engine.session(prompts, cfg, policy=policy)
+    lens = [[len(o) for o in s.outputs]]  # the prefill's first token is committed at once
+    for _ in range(n_steps):
+        s.step()
+        lens.append([len(o) for o in s.outputs])
+    grown = [[b - a for a, b in zip(x, y, strict=True)] for x, y in zip(lens, lens[1:], strict=False)]
+    assert all(1 <= g <= gamma + 1 for row in grown for g in row), grown  # a round yields 1 .. Γ + 1 tokens
+    assert s.stats.steps == n_steps and lens[-1][1] < 64  # nothing truncated: every token a step made is kept
+    assert s.stats.tau == pytest.approx(sum(map(sum, grown)) / (len(prompts) * n_steps), abs=1e-12)
+    assert len(plans) == n_steps
+    if method in ("quest", "specattn"):  # per-layer planners: the set is chosen inside the forward
+        return
+    cf = SparseConfig.load(sparse_cfg)
+    for outs, lengths, p in plans:
+        # the cache holds every committed token but the pending one: prompt + output - 1
+        assert lengths == [len(q) + n - 1 for q, n in zip(prompts, outs, strict=True)]
+        for b, L in enumerate(lengths):
+            assert int(p.counts[b]) == k
+            chosen = p.indices[b, :k].tolist()
+            assert len(set(chosen)) == k and all(0 <= i < L for i in chosen)
+            protected = set(range(cf.sinks)) | set(range(L - cf.window, L))
+            assert protected <= set(chosen), (method, b, L)
+            if method == "streaming":
+                assert set(chosen) == set(range(cf.sinks)) | set(range(L - (k - cf.sinks), L))
 
 
 def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
