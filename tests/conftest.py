@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU 
 import pytest
 import torch
 
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft, with_char_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,13 @@ def tiny_pair(tmp_path_factory):
     target = make_tiny_checkpoint(root / "target", "qwen2", layers=3, seed=1)
     draft = make_tiny_draft(target, root / "draft", noise=0.1)
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def text_pair(tiny_pair, tmp_path_factory):
+    """The tiny pair with a character-level tokenizer: real code and prose become real token ids (the commands
+    that build prompts from text, `bench e2e --real`, `demo`, `eval fidelity`, run on it on the CPU)."""
+    return with_char_tokenizer(tiny_pair, tmp_path_factory.mktemp("text_pair"))
 
 
 @pytest.fixture(scope="session")

@@ -3,35 +3,10 @@ exactness of the prefill it shares between methods."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from dustin.cli.main import main
-
-
-@pytest.fixture(scope="module")
-def text_pair(tiny_pair, tmp_path_factory):
-    """The tiny pair with a character-level tokenizer (96 ids: newline and ASCII 32..123), so that real code and
-    prose tokenize to real token ids (the tiny pair's word-level tokenizer maps text to almost nothing)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 124)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    root = tmp_path_factory.mktemp("text_pair")
-    out = []
-    for src, name in zip(tiny_pair, ("target", "draft"), strict=True):
-        folder = root / name
-        shutil.copytree(src, folder)
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            (folder / f).unlink(missing_ok=True)
-        fast.save_pretrained(folder)
-        out.append(folder)
-    return tuple(out)
 
 
 def _kinds() -> list[str]:
@@ -47,6 +22,10 @@ def _kinds() -> list[str]:
 
 
 def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys):
+    """Every row's fields are there, and agree with one another as their definitions say: tokens/s = τ x batch /
+    (ms/step), τ x batch x steps a whole number of tokens, the speedup the ratio of the tokens/s of the row and
+    of its group's vanilla row, the roofline share the bytes a step reads at the run's copy bandwidth over the
+    measured step time, the timed phases inside the step."""
     target, draft = text_pair
     kinds = _kinds()
     out, png = tmp_path / "real.json", tmp_path / "real.png"
@@ -75,6 +54,19 @@ def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys):
         else:
             assert b["draft"] > 0 and r["tau"] <= 4.0
         assert (b["estimate"] > 0) == (r["method"] == "dustin")
+    bw = data["settings"]["copy_bw"]
+    vanilla = {(r["prompts"], r["context"]): r for r in rows if r["method"] == "vanilla"}
+    for r in rows:
+        per_step = r["ms_per_step"] / 1e3
+        assert r["tokens_per_s"] == pytest.approx(r["tau"] * r["batch"] / per_step, rel=2e-3), r
+        tokens = r["tau"] * r["batch"] * r["steps"]  # every row decodes every timed step (EOS ignored)
+        assert abs(tokens - round(tokens)) <= r["batch"] * r["steps"] * 5e-4, r
+        base = vanilla[(r["prompts"], r["context"])]["tokens_per_s"]
+        assert r["speedup_vs_vanilla"] == pytest.approx(r["tokens_per_s"] / base, rel=2e-3, abs=1e-3), r
+        seconds = r["bytes_per_step"]["total"] / bw
+        assert r["roofline_ms_per_step"] == pytest.approx(1e3 * seconds, abs=1e-3)
+        assert r["pct_of_byte_roofline"] == pytest.approx(100 * seconds / per_step, rel=2e-3, abs=0.051), r
+        assert 0 < sum(r["phases_ms_per_step"].values()) <= 1.1 * r["ms_per_step"] + 0.5, r
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| code | 2 | 96 | dustin |" in printed.out
 

@@ -54,6 +54,31 @@ def make_tiny_checkpoint(folder: Path, family: str, *, rope: str = "default", la
     return folder
 
 
+def with_char_tokenizer(folders, root: Path) -> tuple[Path, ...]:
+    """Copies of model folders with a character-level tokenizer (96 ids: newline and ASCII 32..123), so that real
+    code and prose tokenize to real token ids (the tiny models' word-level tokenizer maps text to almost
+    nothing)."""
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 124)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    out = []
+    for src, name in zip(folders, ("target", "draft"), strict=True):
+        folder = Path(root) / name
+        shutil.copytree(src, folder)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / f).unlink(missing_ok=True)
+        fast.save_pretrained(folder)
+        out.append(folder)
+    return tuple(out)
+
+
 def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
