@@ -172,3 +172,18 @@ def test_num_splits_heuristic():
     assert key_upper_bound(32773, 5, sinks=4, window=508) == 4 + 508 + 4
     assert key_upper_bound(300, 5, sinks=4, window=508) == 300
     assert key_upper_bound(300, 5, sinks=4, window=0) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_does_not_depend_on_the_batch_or_the_bound(dtype):
+    """Each sequence cuts its own keys into the grid's splits: row 1's output is bit-equal whether its neighbour is
+    short or long, and whether the grid was sized by a tight bound or a slot capacity 8x larger (a server's
+    graph); the split count itself is the grid's (from the batch width), as before."""
+    q, k, v, _ = _inputs([700, 1200], 8, 2, 5, 64, dtype, slack=3000)
+    row = []
+    for other, bound in ((10, None), (1190, None), (10, 1205), (1190, 4000)):
+        L = torch.tensor([other, 1200], dtype=torch.int32)
+        row.append(verify_attention(q, k, v, L, max_len=bound, num_splits=4)[1])
+    assert all(torch.equal(r, row[0]) for r in row[1:])
+    ref = verify_attention_reference(q[1:], k[1:], v[1:], torch.tensor([1200], dtype=torch.int32))
+    torch.testing.assert_close(row[0], ref[0], **_tol(dtype))

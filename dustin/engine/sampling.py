@@ -114,55 +114,119 @@ def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_p
     return n_acc, next_tok
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 arithmetic wraps around to."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """U[0, 1) noise [B, n] from a counter-based generator: draw j of row b is splitmix64(seed[b] + golden *
+    (offset[b] + j)), its top 24 bits as a float. A row's numbers depend only on its own seed and how many it drew
+    before, never on the batch or on other rows' draws, and the state is two device tensors: a CUDA graph replays
+    it by reading them (callers advance `offsets` in place)."""
+    j = offsets[:, None] + torch.arange(n, device=seeds.device)[None, :]
+    z = seeds[:, None] + j * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).float() * (1.0 / (1 << 24))
+
+
 class RowSampling:
     """Per-sequence sampling parameters of a batch whose requests differ (the serving engine's slots).
 
-    Rows sharing one `SamplingRule` and the batch's generator take the batched functions above unchanged
-    (`uniform`). Otherwise every row is processed with its own temperature / top-k / top-p, greedy rows by
-    argmax, and a row with its own seed draws its random numbers from its own generator, so a seeded request's
-    tokens do not depend on what else is in the batch."""
+    Rows sharing one `SamplingRule` and the batch's generator (`uniform`) take the batched functions above
+    unchanged. Otherwise every row is processed with its own temperature / top-k / top-p read from device tensors
+    (greedy rows by argmax), and draws its random numbers from `counter_uniform` with its own seed: a request's
+    `seed` when it has one (its tokens then do not depend on what else is in the batch), else a seed drawn at
+    admission from a host generator seeded with the batch's seed. Nothing in that path loops over rows on the host
+    or depends on the rows' values, so a step over a mixed batch is captured as one CUDA graph like a uniform one
+    (`Session` keeps one graph per mode)."""
 
-    def __init__(self, batch: int, default: SamplingRule, generator: torch.Generator | None) -> None:
+    def __init__(self, batch: int, default: SamplingRule, generator: torch.Generator | None,
+                 seed: int = 0) -> None:
         self.params = [default] * batch
-        self.generators: list[torch.Generator | None] = [None] * batch
+        self.seeded = [False] * batch
         self.default, self.generator = default, generator
+        dev = generator.device if generator is not None else torch.device("cpu")
+        self._temp = torch.full((batch,), max(default.temperature, 1e-6), dtype=torch.float32, device=dev)
+        self._top_k = torch.full((batch,), default.top_k, dtype=torch.long, device=dev)
+        self._top_p = torch.full((batch,), default.top_p, dtype=torch.float32, device=dev)
+        self._greedy = torch.full((batch,), default.greedy, dtype=torch.bool, device=dev)
+        self._seeds = torch.zeros(batch, dtype=torch.long, device=dev)
+        self._offsets = torch.zeros(batch, dtype=torch.long, device=dev)
+        self._host_seeds = torch.Generator().manual_seed(seed)  # seeds of unseeded rows, in admission order
 
-    def set_row(self, row: int, params: SamplingRule, seed: int | None, device) -> None:
+    def set_row(self, row: int, params: SamplingRule, seed: int | None, device=None) -> None:
+        """A row's new rule and seed (in place: a captured graph reads the same tensors)."""
         self.params[row] = params
-        self.generators[row] = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        self.seeded[row] = seed is not None
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=self._host_seeds))
+        self._temp[row] = max(params.temperature, 1e-6)
+        self._top_k[row] = params.top_k
+        self._top_p[row] = params.top_p
+        self._greedy[row] = params.greedy
+        self._seeds[row] = _i64(seed * 0x2545F4914F6CDD1D + 1)  # spread small seeds over 64 bits
+        self._offsets[row] = 0
 
     @property
     def uniform(self) -> bool:
-        return all(p == self.default for p in self.params) and not any(self.generators)
+        return all(p == self.default for p in self.params) and not any(self.seeded)
 
     @property
     def greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
-    def _uniform_noise(self, shape: tuple[int, ...], device) -> torch.Tensor:
-        """U(0, 1) of shape [B, ...]: row b from its own generator when it has one."""
-        u = torch.rand(shape, device=device, generator=self.generator)
-        for b, g in enumerate(self.generators):
-            if g is not None:
-                u[b] = torch.rand(shape[1:], device=device, generator=g)
+    @property
+    def mode(self) -> str:
+        """Which code path a step takes: "uniform" (the batch's rule and generator), "greedy" (per-row settings,
+        every row greedy: argmax), "mixed" (per-row rules and counter noise). A captured step graph is one mode's."""
+        return "uniform" if self.uniform else "greedy" if self.greedy else "mixed"
+
+    def _noise(self, n: int) -> torch.Tensor:
+        """[B, n] per-row uniforms; each row's counter advances by n."""
+        u = counter_uniform(self._seeds, self._offsets, n)
+        self._offsets.add_(n)
         return u
 
     def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-row probabilities of logits [B, ..., V] (a greedy row gets its argmax as a one-hot)."""
-        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        for b, p in enumerate(self.params):
-            if p.greedy:
-                out[b] = F.one_hot(logits[b].argmax(-1), logits.shape[-1]).float()
-            else:
-                out[b] = probabilities(logits[b], p)
-        return out
+        """Per-row probabilities of logits [B, ..., V] after each row's temperature, top-k and top-p (the rules of
+        `probabilities`, applied in sorted order); a greedy row gets its argmax as a one-hot."""
+        B, V = logits.shape[0], logits.shape[-1]
+        shape = (B,) + (1,) * (logits.dim() - 1)
+        x = logits.float() / self._temp.view(shape)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)
+        k = torch.where(self._top_k > 0, self._top_k, V).view(shape)
+        sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
+        p_sorted = sorted_x.softmax(-1)
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= self._top_p.view(shape)
+        p_sorted = p_sorted.masked_fill(drop, 0.0)
+        p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
+        probs = torch.zeros_like(p_sorted).scatter_(-1, order, p_sorted)
+        one_hot = F.one_hot(logits.argmax(-1), V).float()
+        return torch.where(self._greedy.view(shape), one_hot, probs)
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """Inverse-CDF sampling of probs [B, ..., V] with per-row noise."""
-        u = self._uniform_noise(probs.shape[:-1], probs.device)
+        """Inverse-CDF sampling of probs [B, ..., V] with per-row counter noise."""
+        B = probs.shape[0]
+        u = self._noise(probs[0, ..., 0].numel()).view(probs.shape[:-1])
         cdf = probs.cumsum(-1)
         idx = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
-        return idx.clamp_max(probs.shape[-1] - 1)
+        return idx.clamp_max(probs.shape[-1] - 1).view(B, *probs.shape[1:-1])
 
     def choose(self, logits: torch.Tensor):
         """logits [B, V] -> (tokens [B], probs [B, V] or None when every row is greedy)."""
@@ -182,12 +246,11 @@ class RowSampling:
         if self.greedy:
             return accept_greedy(drafts, target_logits)
         B, G = drafts.shape
-        greedy_rows = torch.tensor([p.greedy for p in self.params], device=drafts.device)
         n_g, next_g = accept_greedy(drafts, target_logits)
         target_probs = self._probabilities(target_logits)  # [B, G+1, V]
         p_x = target_probs[:, :G].gather(2, drafts[..., None]).squeeze(2)
         q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)
-        u = self._uniform_noise((B, G), drafts.device)
+        u = self._noise(G)
         n_s = (u * q_x <= p_x).int().cumprod(dim=1).sum(dim=1)
         rows = torch.arange(B, device=drafts.device)
         p_at = target_probs[rows, n_s]
@@ -196,12 +259,19 @@ class RowSampling:
         mass = residual.sum(-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
         next_s = self._sample(residual)
-        return torch.where(greedy_rows, n_g, n_s), torch.where(greedy_rows, next_g, next_s)
+        return torch.where(self._greedy, n_g, n_s), torch.where(self._greedy, next_g, next_s)
 
     def choose_row(self, row: int, logits: torch.Tensor) -> torch.Tensor:
-        """The first token of one sequence (after its prefill): logits [1, V] -> [1]."""
+        """The first token of one sequence (after its prefill): logits [1, V] -> [1]. A uniform batch draws from
+        the batch's generator (as a whole-batch prefill does); otherwise from the row's own counter."""
         p = self.params[row]
         if p.greedy:
             return logits.argmax(-1)
-        gen = self.generators[row] or self.generator
-        return sample(probabilities(logits, p), gen)
+        if self.uniform:
+            return sample(probabilities(logits, p), self.generator)
+        probs = probabilities(logits, p)
+        u = counter_uniform(self._seeds[row:row + 1], self._offsets[row:row + 1], 1)
+        self._offsets[row:row + 1].add_(1)
+        cdf = probs.cumsum(-1)
+        idx = torch.searchsorted(cdf, (u * cdf[..., -1:]))
+        return idx.clamp_max(probs.shape[-1] - 1).view(1)

@@ -100,7 +100,7 @@ class Session:
         self.B = len(prompts) if slots is None else slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.sampler = RowSampling(self.B, cfg.sampling, self.generator)
+        self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
         self.ignore_eos_rows: set[int] = set()  # rows that generate to their limit (a serving request's choice)
         self.timer = PhaseTimer(self.device)
         self.stats = SessionStats()
@@ -115,7 +115,7 @@ class Session:
         # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
-        self._graph: StepGraph | None = None
+        self._graphs: dict[str, StepGraph] = {}  # one per sampling mode (RowSampling.mode)
         # host staging of `decode` / `step` (two of each: a step's output is read back while the next one runs)
         pinned = self.device.type == "cuda"
         self._out_stage = [torch.zeros(self.B, 3 + self.gamma, dtype=torch.long, pin_memory=pinned)
@@ -129,7 +129,7 @@ class Session:
         self._fresh = [False] * self.B
         self._live: list[list[tuple[int, int, bool]]] = [[], []]  # rows each staged step was launched for
         self._slot = 0
-        self._graph_warm = False
+        self._graph_warm: set[str] = set()  # modes whose eager first step ran
         self._warmup_s = 0.0
         self.runners = {"target": ModelRunner(target, self.B, capacity, self.use_graphs)}
         if self.spec.speculative:
@@ -258,8 +258,8 @@ class Session:
         self.generator.manual_seed(seed)
         for r in self.runners.values():
             r.capture_s = 0.0
-        if self._graph is not None:
-            self._graph.capture_s = 0.0
+        for g in self._graphs.values():
+            g.capture_s = 0.0
         self._warmup_s = 0.0
 
     def release(self, row: int) -> None:
@@ -380,11 +380,13 @@ class Session:
     def _launch(self, overlapped: bool) -> torch.Tensor:
         """Queue one step's device work; returns its [B, 3 + Γ] output (not yet read back)."""
         if self._step_graph_eligible():
-            if self._graph is None and self._graph_warm:
-                self._graph = StepGraph(self._capture_step, generators=[self.generator])
-            if self._graph is not None:
+            mode = self.sampler.mode
+            graph = self._graphs.get(mode)
+            if graph is None and mode in self._graph_warm:
+                graph = self._graphs[mode] = StepGraph(self._capture_step, generators=[self.generator])
+            if graph is not None:
                 self.timer.start("step_graph")
-                out = self._graph.replay()
+                out = graph.replay()
                 self.timer.stop("step_graph")
                 return out
             # the eager run before capture, with the captured step's sizes: it compiles every kernel, a
@@ -392,7 +394,7 @@ class Session:
             t0 = time.perf_counter()
             out = self._device_step(self._graph_max_len, graphed_forwards=False)
             torch.cuda.synchronize(self.device)
-            self._graph_warm = True
+            self._graph_warm.add(mode)
             self._warmup_s += time.perf_counter() - t0
             return out
         # a step ahead, the host lengths lag the device's by up to Γ + 1: size attention by the capacity then
@@ -406,18 +408,19 @@ class Session:
 
     def _capture_total(self) -> float:
         """One-time graph cost so far: captures plus their warm-up runs (tokens of a warm-up step count)."""
-        graphs = sum(r.capture_s for r in self.runners.values()) + (self._graph.capture_s if self._graph else 0.0)
+        graphs = sum(r.capture_s for r in self.runners.values()) + sum(g.capture_s for g in self._graphs.values())
         return graphs + self._warmup_s
 
     def _step_graph_eligible(self) -> bool:
-        """Whether this step replays as one CUDA graph (`StepGraph`): graphs on, a graph-safe policy, and one
-        sampling rule for the whole batch (per-row parameters of serving requests change the captured control
-        flow: such steps run forward by forward). The graph is captured at the second eligible step; the first
-        runs the same code eagerly, which compiles every Triton kernel and creates every lazily built buffer,
-        so capture needs no warm-up runs of its own."""
-        if not (self.use_graphs and self.cfg.step_graph and self.sampler.uniform):
+        """Whether this step replays as one CUDA graph (`StepGraph`): graphs on and a graph-safe policy. Each
+        sampling mode (`RowSampling.mode`: one rule for the batch, all-greedy rows with their own settings, or
+        per-row rules read from device tensors) takes its own code path, so each gets its own graph, captured
+        at the second step in that mode; the first runs the same code eagerly, which compiles every Triton kernel
+        and creates every lazily built buffer, so capture needs no warm-up runs of its own."""
+        if not (self.use_graphs and self.cfg.step_graph):
             return False
-        draws = not self.sampler.greedy or self.cfg.accept_prob is not None  # random numbers inside the step
+        # the batch's torch generator is drawn from inside the step (uniform sampling, acceptance control)
+        draws = (self.sampler.uniform and not self.sampler.greedy) or self.cfg.accept_prob is not None
         return not draws or StepGraph.can_register_generators()
 
     @property

@@ -12,6 +12,11 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
   (acc, running max m, running sum l) in fp32; a second small kernel merges the splits by log-sum-exp.
   Measured on the H200, the best grid is one wave of resident programs (see PROGRAMS_PER_SM): at
   B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at 77-105% of the device copy bandwidth.
+  Each sequence spreads its OWN visible keys over the splits (`_row_split_size`): how its keys are cut, and
+  so its output bits, depend only on its length, not on the batch's longest sequence or on the bound the grid
+  is sized by. A serving slot sized for 24k positions holding a 2k sequence still uses every split (when the
+  split size came from the bound, such a row got one program per KV head and decode slowed down), and a
+  request's greedy output does not depend on its neighbours' lengths.
 - A single split (a short key range: the streaming draft's ~512-position window, short contexts) normalises
   its result and writes the output itself (DIRECT): no partials, no combine launch. Both kernels of a split
   launch take the ~4 us floor of a tiny kernel in a CUDA graph (H200: the 0.5B draft's split and combine
@@ -58,11 +63,19 @@ def _visible_key_range(length, T: tl.constexpr, sinks, window, STREAMING: tl.con
         return 0, 0, end
 
 
+@triton.jit
+def _row_split_size(n_keys, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of ONE sequence: its own visible keys spread over the grid's splits, in whole tiles. From
+    the sequence's own length only, so its partial sums, and so its output, do not depend on the other sequences
+    of the batch or on the bound the grid was sized by (a server's slot capacity, a step graph's bucket)."""
+    return tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_split_kernel(
         Q, K, V, Lengths, PartAcc, PartM, PartL, Out,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
-        n_kv_heads, split_size, num_splits, sinks, window, qk_scale_log2,
+        n_kv_heads, num_splits, sinks, window, qk_scale_log2,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr):
     split = tl.program_id(0)
@@ -71,6 +84,7 @@ def _verify_attention_split_kernel(
     kv_head = (bh % n_kv_heads).to(tl.int64)
     length = tl.load(Lengths + b).to(tl.int32)
     n_sink, win_lo, n_keys = _visible_key_range(length, T, sinks, window, STREAMING)
+    split_size = _row_split_size(n_keys, num_splits, BLOCK_N)
     start = split * split_size
     if start >= n_keys:  # the grid is sized for the longest sequence; shorter ones stop here
         return
@@ -134,14 +148,16 @@ def _verify_attention_split_kernel(
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_combine_kernel(
         PartAcc, PartM, PartL, Lengths, Out, so_b, so_h, so_t, so_d,
-        n_kv_heads, split_size, num_splits, sinks, window,
-        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, STREAMING: tl.constexpr):
+        n_kv_heads, num_splits, sinks, window,
+        T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, STREAMING: tl.constexpr,
+        BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     kv_head = (bh % n_kv_heads).to(tl.int64)
     length = tl.load(Lengths + b).to(tl.int32)
     _, _, n_keys = _visible_key_range(length, T, sinks, window, STREAMING)
-    n_active = tl.minimum(tl.cdiv(n_keys, split_size), num_splits)  # splits that did not exit early
+    split_size = _row_split_size(n_keys, num_splits, BLOCK_N)
+    n_active = tl.cdiv(n_keys, split_size)  # splits that did not exit early
 
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     row_valid = rows < G * T
@@ -251,12 +267,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device),
                                         key_bytes=2 * D * k_cache.element_size())
-    # Each split is a whole number of tiles; recompute the count so no split is empty by construction.
-    n_tiles = triton.cdiv(n_keys, block_n)
-    split_tiles = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
-    split_size = split_tiles * block_n
-    num_splits = triton.cdiv(n_tiles, split_tiles)
-
+    num_splits = max(1, min(num_splits, triton.cdiv(n_keys, block_n)))  # a split holds at least one tile
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape:
@@ -275,7 +286,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _verify_attention_split_kernel[(num_splits, B * Hkv)](
         q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        Hkv, split_size, num_splits, sinks, window, scale * math.log2(math.e),
+        Hkv, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
     if direct:
@@ -283,6 +294,6 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combine_rows = min(16, triton.next_power_of_2(rows))
     _verify_attention_combine_kernel[(B * Hkv, triton.cdiv(rows, combine_rows))](
         part_acc, part_m, part_l, lengths, out, *out.stride(),
-        Hkv, split_size, num_splits, sinks, window,
-        T=T, G=G, D=D, ROWS=combine_rows, STREAMING=streaming, num_warps=4)
+        Hkv, num_splits, sinks, window,
+        T=T, G=G, D=D, ROWS=combine_rows, STREAMING=streaming, BLOCK_N=block_n, num_warps=4)
     return out
