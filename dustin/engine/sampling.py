@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ class RowSampling:
         p_sorted = p_sorted.masked_fill(drop, 0.0)
         p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
         probs = torch.zeros_like(p_sorted).scatter_(-1, order, p_sorted)
-        one_hot = F.one_hot(logits.argmax(-1), V).float()
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return torch.where(self._greedy.view(shape), one_hot, probs)
 
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
