@@ -1,0 +1,190 @@
+"""The top-level Python API, in the shape users know from vLLM:
+
+    from dustin import LLM, SamplingParams
+
+    llm = LLM("default", "default", method="dustin")
+    for out in llm.generate(["def fib(n):"], SamplingParams(max_tokens=64)):
+        print(out.text, out.finish_reason, out.metrics.tau)
+
+`LLM` is a thin layer over `dustin.engine.engine.Engine` (which it keeps as `llm.engine`): it fixes the decoding
+method once, takes vLLM's per-request `SamplingParams` instead of a batch-wide `GenerationConfig`, and returns one
+`RequestResult` per prompt. Everything that decodes is `Engine.generate`'s; nothing here duplicates its checks.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.engine import Engine, GenerationResult, check_prompts
+from dustin.engine.request import SamplingParams
+from dustin.errors import InputError
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Statistics of the batch a request was decoded in (see `LLM.generate` for what a batch is): `tau` is the
+    mean number of tokens produced per target forward per sequence, `tokens_per_s` the batch's decode-phase
+    throughput, `prefill_s` / `decode_s` its wall times, `method` the decoding method and `dtype` the weights'."""
+
+    tau: float
+    tokens_per_s: float
+    prefill_s: float
+    decode_s: float
+    steps: int
+    method: str
+    dtype: str
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> "Metrics":
+        return cls(result.tau, result.tokens_per_s, result.prefill_s, result.decode_s, result.steps,
+                   result.method, result.dtype)
+
+
+@dataclass
+class RequestResult:
+    """One prompt's result: its token ids, the generated ids and text (None when the model folder has no
+    tokenizer; special tokens are dropped from the text, not from `token_ids`), why it ended ("stop": it emitted an
+    EOS id; "length": it reached max_tokens, or it ignores EOS) and its batch's `Metrics`."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: Metrics
+
+
+class LLM:
+    """A target model and its draft, loaded once, that generate with one decoding method.
+
+    target / draft: "default" (the pair fetched by `dustin models fetch`), a local Llama / Qwen2 HF folder, or a
+    hub id when the machine is online. The draft is not loaded for non-speculative methods ("vanilla").
+    method, gamma (draft tokens per step), budget (sparse verification: KV positions k per sequence; None: the
+    sparse config's), config (sparse config: a JSON file, "builtin", or None for the pair's shipped tuned config)
+    and draft_window (positions a streaming draft attends) are fixed here, as in `dustin serve`: they decide which
+    models load and what the engine allocates, while `SamplingParams` may differ per prompt.
+    device: "auto" (cuda when a GPU is available, else cpu), "cpu" or "cuda[:N]"; dtype: "auto" (bf16 on a GPU and
+    on CPUs with native bf16, else fp32), "bf16", "fp16" or "fp32".
+
+    Bad settings raise one-line `dustin.errors.InputError`s before any weights load (a sparse config is checked
+    against the pair right after loading, not at the first `generate`).
+    """
+
+    def __init__(self, target: str | Path = "default", draft: str | Path | None = "default", *,
+                 method: str = "dustin", gamma: int = 4, budget: int | None = None, config: str | None = None,
+                 draft_window: int = 512, device: str = "auto", dtype: str = "auto") -> None:
+        # GenerationConfig's own checks (unknown method, gamma out of [1, 15], budget < 21, bad window) run here,
+        # before the (slow) load; generate() derives every batch's config from this one
+        self.base_config = GenerationConfig(method=method, gamma=gamma, budget=budget, sparse_config=config,
+                                            draft_window=draft_window)
+        speculative = METHODS[method].speculative
+        if speculative and draft is None:
+            raise InputError(f"method {method!r} needs a draft model")
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = Engine.from_pretrained(target, draft if speculative else None, device=device, dtype=dtype)
+        if METHODS[method].policy != "full":
+            self.engine.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate
+
+    @property
+    def method(self) -> str:
+        return self.base_config.method
+
+    @property
+    def tokenizer(self):
+        """The target's Hugging Face tokenizer (None when its folder has none)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, *, chat: bool = False) -> list[RequestResult]:
+        """One `RequestResult` per prompt, in the order given.
+
+        prompts: a str or a list of token ids (one prompt), or a list of them. params: one `SamplingParams` for
+        every prompt (None: `SamplingParams()`, 16 tokens greedy), or one per prompt. chat: wrap text prompts in
+        the model's chat template.
+
+        How a call is batched: `Engine.generate` takes one `GenerationConfig` for its whole batch (one sampling
+        rule, one seed, one EOS rule; only the number of new tokens may differ per prompt, as its `limits`). So
+        prompts are grouped by their sampling settings (temperature, top_p, top_k, seed, ignore_eos; greedy
+        prompts form one group whatever their seeds), each group is one `Engine.generate` batch with its
+        max_tokens as per-prompt limits, and the results are put back in prompt order. A request's `metrics` are
+        its group's. Consequences: a sampled prompt's random numbers come from its group's seed and its place in
+        the group, not from its own seed alone (`seed=None` means seed 0, so a call is reproducible); groups run
+        one after another, not side by side (on a GPU, `Engine.generate` keeps one engine with its CUDA graphs
+        per decoding setting, so alternating settings re-capture). Greedy output does not depend on the batch.
+        Why not one mixed batch: the serving core (`LLMEngine`) can mix per-request sampling, but only
+        `Engine.generate` runs every method (quest, specattn, snapkv and oracle are offline-only) and keeps its
+        session across calls, and reusing it keeps one decoding path for the command line and this API.
+        All prompts are checked (empty, outside the vocabulary, too long for the context) before any group runs.
+        """
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InputError("no prompts given")
+        plist = _params_list(params, len(prompts))
+        for i, p in enumerate(prompts):
+            if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (not p or _is_token_ids(p)))):
+                raise InputError(f"prompt {i} is a {type(p).__name__}: pass text or a list of token ids")
+        ids = [self.engine.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
+        limits = [p.max_tokens for p in plist]
+        try:
+            check_prompts(ids, replace(self.base_config, max_new_tokens=max(limits)), self._context(),
+                          self.engine.vocab_limit, limits)
+        except InputError as e:  # its messages name the command line's flags
+            raise InputError(str(e).replace("--max-new-tokens", "max_tokens")) from None
+
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(plist):
+            groups.setdefault(_group_key(p), []).append(i)
+        results: list[RequestResult | None] = [None] * len(prompts)
+        for (temperature, top_p, top_k, seed, ignore_eos), members in groups.items():
+            cfg = replace(self.base_config, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          stop_at_eos=not ignore_eos, max_new_tokens=max(limits[i] for i in members))
+            out = self.engine.generate([ids[i] for i in members], cfg, limits=[limits[i] for i in members])
+            metrics = Metrics.of(out)
+            for i, seq in zip(members, out.sequences, strict=True):
+                stop = bool(seq.token_ids) and not ignore_eos and seq.token_ids[-1] in self.engine.eos_ids
+                results[i] = RequestResult(ids[i], seq.token_ids, seq.text, "stop" if stop else "length", metrics)
+        return results  # type: ignore[return-value]  # every slot was filled by its group
+
+    def _context(self) -> int:
+        """Positions a prompt and its new tokens may take: the target's context, and the draft's when it drafts."""
+        e = self.engine
+        context = e.target.args.max_position_embeddings
+        if e.draft is not None and self.base_config.spec.speculative:
+            context = min(context, e.draft.args.max_position_embeddings)
+        return context
+
+
+def _is_token_ids(prompts) -> bool:
+    """A non-empty list (or tuple) of ints is ONE prompt of token ids (vLLM's `prompt_token_ids`)."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+
+
+def _params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    plist = list(params)
+    if len(plist) != n:
+        raise InputError(f"got {len(plist)} SamplingParams for {n} prompts: pass one, or one per prompt")
+    for i, p in enumerate(plist):
+        if not isinstance(p, SamplingParams):
+            raise InputError(f"params[{i}] is a {type(p).__name__}, not a SamplingParams")
+    return plist
+
+
+def _group_key(p: SamplingParams) -> tuple:
+    """What must be equal for prompts to share one `Engine.generate` batch. Greedy ignores top-p, top-k and the
+    seed, so every greedy prompt (of one EOS rule) shares a batch."""
+    if p.temperature == 0:
+        return (0.0, 1.0, 0, 0, p.ignore_eos)
+    return (float(p.temperature), float(p.top_p), int(p.top_k), 0 if p.seed is None else int(p.seed), p.ignore_eos)

@@ -1,0 +1,214 @@
+"""The top-level Python API (`from dustin import LLM, SamplingParams`): same tokens as `Engine.generate`, per-prompt
+parameters, prompt order across sampling groups, bad input, a cheap `import dustin`, and README's example run as
+written on the real pair."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dustin import LLM, RequestResult, SamplingParams
+from dustin.engine.config import GenerationConfig
+from dustin.errors import InputError
+from tests.conftest import real_pair_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pair):
+    target, draft = tiny_pair
+    return LLM(str(target), str(draft), method="classic", gamma=3, device="cpu", dtype="fp32")
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def _ids(results):
+    return [r.token_ids for r in results]
+
+
+def test_greedy_equals_engine_generate(llm):
+    prompts = _prompts([5, 23, 40])
+    out = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=20,
+                                                        stop_at_eos=False))
+    assert all(isinstance(r, RequestResult) for r in out)
+    assert _ids(out) == [s.token_ids for s in ref.sequences]
+    assert [r.text for r in out] == [s.text for s in ref.sequences]
+    assert [r.prompt_token_ids for r in out] == prompts
+    assert all(len(r.token_ids) == 20 and r.finish_reason == "length" for r in out)
+    m = out[0].metrics
+    assert (m.method, m.dtype) == ("classic", "float32")
+    assert 1.0 <= m.tau <= 4 and m.steps > 0 and m.tokens_per_s > 0 and m.decode_s > 0
+    assert len({tuple(i) for i in _ids(out)}) == 3  # the outputs differ per prompt: the equality means something
+
+
+def test_eos_stops_and_is_reported(llm):
+    """ignore_eos off: a sequence that emits an EOS id ends there with finish_reason "stop"; the others run to
+    max_tokens ("length")."""
+    prompts = _prompts([10, 20, 30], seed=1)
+    full = llm.generate(prompts, SamplingParams(max_tokens=25, ignore_eos=True))
+    eos = full[1].token_ids[6]  # a token the second sequence emits early becomes the stop token
+    saved, llm.engine.eos_ids = llm.engine.eos_ids, {eos}
+    try:
+        out = llm.generate(prompts, SamplingParams(max_tokens=25))
+        ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
+        ignored = llm.generate(prompts, SamplingParams(max_tokens=25, ignore_eos=True))
+    finally:
+        llm.engine.eos_ids = saved
+    assert _ids(out) == [s.token_ids for s in ref.sequences]
+    for f, r in zip(full, out, strict=True):
+        stopped = eos in f.token_ids
+        assert r.token_ids == (f.token_ids[: f.token_ids.index(eos) + 1] if stopped else f.token_ids)
+        assert r.finish_reason == ("stop" if stopped else "length")
+    assert out[1].finish_reason == "stop"
+    assert _ids(ignored) == _ids(full) and all(r.finish_reason == "length" for r in ignored)
+
+
+def test_per_prompt_max_tokens(llm):
+    prompts = _prompts([7, 30, 12], seed=2)
+    full = llm.generate(prompts, SamplingParams(max_tokens=15, ignore_eos=True))
+    caps = [5, 15, 1]
+    out = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in caps])
+    assert [len(r.token_ids) for r in out] == caps
+    # greedy output does not depend on the batch: each is the prefix of the same prompt's longer run
+    assert _ids(out) == [f.token_ids[:m] for f, m in zip(full, caps, strict=True)]
+
+
+def test_sampling_groups_keep_prompt_order(llm):
+    """Greedy and sampled prompts interleaved: two `Engine.generate` batches, results back in prompt order."""
+    prompts = _prompts([9, 14, 21, 6], seed=3)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    out = llm.generate(prompts, [greedy, sampled, greedy, sampled])
+    assert [r.prompt_token_ids for r in out] == prompts
+    ref_greedy = llm.engine.generate([prompts[0], prompts[2]], GenerationConfig(
+        method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False))
+    ref_sampled = llm.engine.generate([prompts[1], prompts[3]], GenerationConfig(
+        method="classic", gamma=3, max_new_tokens=10, temperature=0.8, top_k=20, seed=7, stop_at_eos=False))
+    assert [out[0].token_ids, out[2].token_ids] == [s.token_ids for s in ref_greedy.sequences]
+    assert [out[1].token_ids, out[3].token_ids] == [s.token_ids for s in ref_sampled.sequences]
+    assert [len(r.token_ids) for r in out] == [12, 10, 12, 10]
+    assert out[0].metrics is out[2].metrics and out[1].metrics is out[3].metrics  # each group's batch statistics
+    assert out[0].metrics is not out[1].metrics
+    # a seeded sampled call is reproducible; another seed gives other tokens
+    again = llm.generate(prompts, [greedy, sampled, greedy, sampled])
+    assert _ids(again) == _ids(out)
+    other = llm.generate([prompts[1], prompts[3]], SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=8,
+                                                                  ignore_eos=True))
+    assert _ids(other) != [out[1].token_ids, out[3].token_ids]
+
+
+def test_single_prompt_forms(llm):
+    """One list of ints is one prompt, as is `[ids]`; (text prompts: the tiny tokenizer encodes none, README's
+    example on the real pair covers them)."""
+    ids = _prompts([8], seed=4)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    by_ids = llm.generate(ids, params)
+    assert len(by_ids) == 1 and by_ids[0].prompt_token_ids == ids and len(by_ids[0].token_ids) == 6
+    assert by_ids[0].text == llm.tokenizer.decode(by_ids[0].token_ids, skip_special_tokens=True)
+    assert llm.generate(tuple(ids), params)[0].token_ids == by_ids[0].token_ids
+    assert llm.generate([ids], params)[0].token_ids == by_ids[0].token_ids
+    assert len(llm.generate([ids])[0].token_ids) <= 16  # params None: SamplingParams(), 16 tokens
+
+
+def test_default_method_and_vanilla(tiny_pair, llm):
+    """The default method (dustin, sparse verification) goes through the same `Engine.generate`; vanilla loads no
+    draft, and its greedy tokens are the speculative method's."""
+    target, draft = tiny_pair
+    prompts = _prompts([50, 80], seed=5)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    sparse = LLM(str(target), str(draft), budget=32, device="cpu", dtype="fp32")
+    assert sparse.method == "dustin" and sparse.engine.draft is not None
+    ref = sparse.engine.generate(prompts, GenerationConfig(method="dustin", budget=32, max_new_tokens=10,
+                                                           stop_at_eos=False))
+    assert _ids(sparse.generate(prompts, params)) == [s.token_ids for s in ref.sequences]
+    vanilla = LLM(str(target), str(draft), method="vanilla", device="cpu", dtype="fp32")
+    assert vanilla.engine.draft is None
+    out = vanilla.generate(prompts, params)
+    assert _ids(out) == _ids(llm.generate(prompts, params)) and out[0].metrics.tau == 1.0
+
+
+def test_bad_settings_fail_before_loading():
+    """Method, gamma and budget are GenerationConfig's checks, run before any weights load (the paths do not
+    exist: a load would raise CheckpointError instead)."""
+    missing = "/nonexistent/model"
+    with pytest.raises(InputError, match="unknown method 'nope'"):
+        LLM(missing, missing, method="nope")
+    with pytest.raises(InputError, match="gamma must be >= 1"):
+        LLM(missing, missing, gamma=0)
+    with pytest.raises(InputError, match="budget must be >= 21"):
+        LLM(missing, missing, budget=8)
+    with pytest.raises(InputError, match="needs a draft model"):
+        LLM(missing, None, method="classic")
+
+
+def test_bad_inputs(llm):
+    prompts = _prompts([5, 6, 7])
+    with pytest.raises(InputError, match="no prompts given"):
+        llm.generate([])
+    with pytest.raises(InputError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(prompts, [SamplingParams(), SamplingParams()])
+    with pytest.raises(InputError, match="params\\[1\\] is a dict"):
+        llm.generate(prompts[:2], [SamplingParams(), {"max_tokens": 4}])
+    with pytest.raises(InputError, match="prompt 1 is empty"):  # the index in the call, not in a sampling group
+        llm.generate([prompts[0], []], [SamplingParams(temperature=0.5), SamplingParams()])
+    with pytest.raises(InputError, match="prompt 1 is a int"):
+        llm.generate([prompts[0], 5])
+    with pytest.raises(InputError, match="prompt 0 has 4000 tokens; with max_tokens 200"):
+        llm.generate([[5] * 4000], SamplingParams(max_tokens=200))
+    with pytest.raises(InputError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+
+
+def test_import_dustin_is_cheap():
+    code = ("import sys, dustin; assert 'torch' not in sys.modules, 'import dustin imported torch'; "
+            "print(dustin.__version__); from dustin import LLM, SamplingParams; assert 'torch' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*\n", r.stdout)
+
+
+def readme_example() -> str:
+    """The first ```python block of README.md's `## Python API` section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, "README's Python API section has no python block"
+    return m.group(1)
+
+
+def test_readme_example_is_the_llm_api():
+    code = readme_example()
+    assert "from dustin import LLM, SamplingParams" in code and 'device="cpu"' in code
+
+
+@pytest.mark.realmodels
+@pytest.mark.slow
+def test_readme_example_runs(capsys):
+    """README's example, as written, in a fresh interpreter on the fetched pair (CPU)."""
+    real_pair_or_skip()
+    code = readme_example()
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's dustin, whatever is installed
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = re.findall(r"^-- (\d+) tokens, (stop|length), tau ([\d.]+)$", r.stdout, re.M)
+    assert len(stats) == 2, r.stdout
+    for n, reason, tau in stats:
+        assert 1 <= int(n) <= 16 and (reason == "stop" or int(n) == 16)
+        assert 1.0 <= float(tau) <= 5.0  # gamma 4: at most 5 tokens per target forward
+    assert len(r.stdout.strip().splitlines()) > 2  # the texts were printed too
+    with capsys.disabled():
+        print(f"\nREADME example: {took:.1f} s\n{r.stdout}")
