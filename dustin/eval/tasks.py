@@ -11,6 +11,7 @@ paper's "Oracle (Best)") and a PNG of the average score against k per method.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
+from dustin.eval.stats import average_interval, mean_interval
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
@@ -136,6 +138,10 @@ def run(args) -> int:
         print(md)  # plain markdown (no terminal wrapping): paste-able
         if args.json_out:
             Path(args.json_out).with_suffix(".md").write_text(md)
+            Path(args.json_out).with_suffix(".summary.json").write_text(json.dumps(
+                [{"task": t, "context": c, "method": m, "budget": k, "score": x["score"], "n": x["n"],
+                  "ci95": x["ci"], "tau": x["tau"], "agreement": x["agreement"]}
+                 for (t, c, m, k), x in summary.items()], indent=1))
             plot(summary, p, Path(args.json_out).with_suffix(".png"))
     return 0
 
@@ -182,13 +188,18 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
 
 
 def summarize(rows: list[dict], p: dict) -> dict:
-    """(task, context, method, budget) -> {score, n, tau, agreement}: means over the samples."""
+    """(task, context, method, budget) -> {score, n, ci, tau, agreement}: means over the samples, with the
+    sample count and a 95% interval of the score (dustin/eval/stats.py: Wilson for 0/1 scores, else bootstrap)."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
+
     def mean(xs):
         return None if not xs else sum(xs) / len(xs)
+
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
+                 "ci": list(mean_interval([x["score"] for x in g])),
+                 "scores": [x["score"] for x in g],
                  "tau": mean([x["tau"] for x in g if x["tau"] is not None]),
                  "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None])}
            for key, g in groups.items()}
@@ -198,8 +209,8 @@ def summarize(rows: list[dict], p: dict) -> dict:
             for k in budgets:
                 cand = [out[(t.name, c, m, k)]["score"] for m in HYBRID_FAMILY if (t.name, c, m, k) in out]
                 if len(cand) == len(HYBRID_FAMILY):
-                    out[(t.name, c, "oracle-best", k)] = {"score": max(cand), "n": None, "tau": None,
-                                                          "agreement": None}
+                    out[(t.name, c, "oracle-best", k)] = {"score": max(cand), "n": None, "ci": None,
+                                                          "scores": None, "tau": None, "agreement": None}
     return out
 
 
@@ -214,8 +225,11 @@ def markdown(summary: dict, p: dict) -> str:
     names = [t.name for t in p["tasks"]]
     lines = []
     for c in p["contexts"]:
-        lines += [f"\n### context {c} (score x 100; τ and agreement with full verification for speculative rows)\n",
-                  "| method | " + " | ".join(names) + " | avg | τ | agreement |",
+        ns = sorted({x["n"] for key, x in summary.items() if key[1] == c and x["n"]})
+        n_text = "/".join(map(str, ns)) or "-"
+        lines += [f"\n### context {c} (score x 100 with its 95% interval, n = {n_text} samples per task; τ and "
+                  "agreement with full verification for speculative rows)\n",
+                  "| method | " + " | ".join(names) + " | avg [95% CI] | τ | agreement |",
                   "|---" * (len(names) + 4) + "|"]
         for m, k in _table_rows(summary, p):
             cells = [summary.get((n, c, m, k)) for n in names]
@@ -223,11 +237,15 @@ def markdown(summary: dict, p: dict) -> str:
                 continue
             scores = [x["score"] for x in cells if x is not None]
             avg = f"{100 * sum(scores) / len(scores):.1f}" if len(scores) == len(names) else "-"
+            if avg != "-" and all(x["scores"] for x in cells):
+                lo, hi = average_interval([x["scores"] for x in cells])
+                avg += f" [{100 * lo:.1f}, {100 * hi:.1f}]"
             taus = [x["tau"] for x in cells if x is not None and x["tau"] is not None]
             agree = [x["agreement"] for x in cells if x is not None and x["agreement"] is not None]
             tau = f"{sum(taus) / len(taus):.2f}" if taus else "-"
             agreement = f"{100 * sum(agree) / len(agree):.0f}%" if agree else "-"
-            score_cells = ["-" if x is None else f"{100 * x['score']:.1f}" for x in cells]
+            score_cells = ["-" if x is None else f"{100 * x['score']:.1f}" + (
+                "" if not x["ci"] else f" [{100 * x['ci'][0]:.0f}, {100 * x['ci'][1]:.0f}]") for x in cells]
             lines.append(f"| {_name(m, k)} | " + " | ".join(score_cells) + f" | {avg} | {tau} | {agreement} |")
     return "\n".join(lines) + "\n"
 
