@@ -72,12 +72,27 @@ def add_speculation_args(p: argparse.ArgumentParser):
     return g
 
 
+def _budget(text: str) -> int | str:
+    """--budget: an integer k, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
 def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None):
     """--budget K (or, for a sweep, --budgets K,...) and --config: sparse verification, declared once."""
     g = p.add_argument_group("sparse verification")
     if sweep is None:
-        g.add_argument("--budget", type=int, default=None,
-                       help="KV positions per sequence the target verifies against (k; default: the config's, 512)")
+        g.add_argument("--budget", type=_budget, default=None,
+                       help="KV positions per sequence the target verifies against (k; default: the config's, 512), "
+                            "or auto: per sequence and step, the fewest positions holding --budget-p of the "
+                            "estimated attention mass (dustin methods)")
+        g.add_argument("--budget-p", type=float, default=0.95, help="--budget auto: attention mass to cover")
+        g.add_argument("--budget-min", type=int, default=128, help="--budget auto: smallest k")
+        g.add_argument("--budget-max", type=int, default=2048, help="--budget auto: largest k")
     else:
         g.add_argument("--budgets", default=sweep, help="k values for the sparse methods, comma separated")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)

@@ -139,7 +139,8 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            draft_kv=args.draft_kv, draft_window=args.draft_window, stop_at_eos=not args.ignore_eos,
-                           budget=args.budget, sparse_config=args.config)
+                           budget=args.budget, sparse_config=args.config, budget_p=args.budget_p,
+                           budget_min=args.budget_min, budget_max=args.budget_max)
     if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
         flag = "--config" if args.config is not None else "--budget"
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "

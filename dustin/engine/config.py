@@ -52,7 +52,13 @@ class GenerationConfig:
     # decode with the device one step ahead of the host (`Session.decode`): the host's stopping and output work
     # overlaps the next step; a sequence that stops runs one extra step whose tokens are dropped
     overlap: bool = True
-    budget: int | None = None  # sparse verification: k positions per sequence (None: the config's, 512)
+    # sparse verification: k positions per sequence (None: the config's, 512), or "auto": per sequence and step,
+    # the fewest positions holding budget_p of the estimated attention mass, in [budget_min, budget_max]
+    # (dustin/selection/adaptive.py)
+    budget: int | str | None = None
+    budget_p: float = 0.95
+    budget_min: int = 128
+    budget_max: int = 2048
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it
     # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
@@ -77,8 +83,13 @@ class GenerationConfig:
             self.draft_kv = METHODS[self.method].draft_kv
         elif self.draft_kv not in DRAFT_KV_MODES:
             raise InputError(f"--draft-kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
-        if self.budget is not None and self.budget < 21:
-            raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {self.budget}")
+        if self.budget == "auto":
+            _ = self.auto_budget  # validates p and the range
+            if self.spec.policy not in ("dustin", "dustin-t", "dustin-d"):
+                raise InputError(f"--budget auto sizes Dustin's selection: use dustin, dustin-t or dustin-d, not "
+                                 f"{self.method!r}")
+        elif self.budget is not None and (not isinstance(self.budget, int) or self.budget < 21):
+            raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), or auto; got {self.budget!r}")
         if self.accept_prob is not None:
             if not 0.0 <= self.accept_prob <= 1.0:
                 raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
@@ -87,6 +98,15 @@ class GenerationConfig:
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_window:
             raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < --draft-window "
                              f"({self.draft_window})")
+
+    @property
+    def auto_budget(self):
+        """The `--budget auto` rule (AutoBudget), or None for a fixed k."""
+        if self.budget != "auto":
+            return None
+        from dustin.selection.adaptive import AutoBudget
+
+        return AutoBudget(self.budget_p, self.budget_min, self.budget_max)
 
     @property
     def spec(self) -> MethodSpec:

@@ -49,10 +49,12 @@ class GenerationResult:
     sparse_config: dict | None = None  # source, k, m and score heads of a sparse method's config
     capture_s: float = 0.0  # one-time CUDA-graph capture, not in decode_s (nor in tokens_per_s)
     dtype: str = ""  # the weights' dtype (what --dtype auto chose, e.g. "bfloat16")
+    budget_k: dict | None = None  # --budget auto: the k used per sequence and step (mean, p50, p90, p99, samples)
 
     def to_json(self) -> dict:
         return {
-            "method": self.method, "dtype": self.dtype, "sparse_config": self.sparse_config, "steps": self.steps,
+            "method": self.method, "dtype": self.dtype, "sparse_config": self.sparse_config,
+            "budget_k": self.budget_k, "steps": self.steps,
             "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "capture_s": round(self.capture_s, 4),
@@ -209,7 +211,8 @@ class Engine:
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
         produced = st.produced if timing is None else timing["produced_after_prefill"]
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name)
+                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
+                                policy.budget_stats())
 
     def _run_loop(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
                   policy: SelectionPolicy) -> tuple[Session, list[list[int]], dict]:
@@ -248,6 +251,7 @@ class Engine:
         core = kept[1]
         s = core.session
         s.begin_run(cfg.seed)
+        s.policy.budget_stats(reset=True)  # a kept engine's histogram counts this call only
         c0 = s._capture_total()
         t0 = time.perf_counter()
         params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
@@ -302,10 +306,16 @@ class Engine:
             sc = default_config(self.target_args, d_args)
         else:
             sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
-        if cfg.budget is not None:
+        rule = cfg.auto_budget
+        if rule is not None:  # indices are padded to k_max; each row's k comes from its scores every step
+            sc = sc.with_budget(rule.k_max)
+        elif cfg.budget is not None:
             sc = sc.with_budget(cfg.budget)
         sc.validate_for(self.target_args, d_args)
-        return build(cfg.spec.policy, sc)
+        policy = build(cfg.spec.policy, sc)
+        if rule is not None:
+            policy.use_auto_budget(rule)
+        return policy
 
     def decode(self, ids: list[int]) -> str | None:
         """Text of generated ids (special tokens dropped); None without a tokenizer."""

@@ -67,7 +67,10 @@ class ServeConfig:
 
     method: str = "dustin"
     gamma: int = 4
-    budget: int | None = None  # sparse verification: KV positions per sequence (k)
+    budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
+    budget_p: float = 0.95  # --budget auto: mass to cover, smallest and largest k
+    budget_min: int = 128
+    budget_max: int = 2048
     sparse_config: str | None = None  # file or 'builtin' (None: the pair's tuned config)
     max_slots: int | None = None
     max_context: int | None = None
@@ -99,7 +102,8 @@ class ServeConfig:
 
     def generation(self, max_new_tokens: int) -> GenerationConfig:
         return GenerationConfig(method=self.method, gamma=self.gamma, max_new_tokens=max_new_tokens,
-                                budget=self.budget, sparse_config=self.sparse_config, seed=self.seed,
+                                budget=self.budget, budget_p=self.budget_p, budget_min=self.budget_min,
+                                budget_max=self.budget_max, sparse_config=self.sparse_config, seed=self.seed,
                                 draft_window=self.draft_window)
 
 
@@ -227,6 +231,7 @@ class LLMEngine:
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._inflight: int | None = None  # staging slot of the launched step not yet read back
+        self._budget_read, self._budget_cache = -1e9, None
         self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens)
         self._by_id: dict[str, _Sequence] = {}
         self._aborts: list[str] = []
@@ -495,4 +500,16 @@ class LLMEngine:
             "steps_total": c["steps_total"], "tau": s.stats.tau,
             "tokens_per_s": c["generated_tokens_total"] / c["busy_s"] if c["busy_s"] > 0 else 0.0,
             "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
+            "budget_k": self._budget_k(),
         }
+
+    BUDGET_REFRESH_S = 2.0  # /metrics' k statistics are at most this old
+
+    def _budget_k(self) -> dict | None:
+        """--budget auto: the k used so far (mean, percentiles). Reading the device histogram waits for the
+        step in flight, so it is refreshed at most every BUDGET_REFRESH_S seconds, not after every step."""
+        now = time.monotonic()
+        if now - self._budget_read >= self.BUDGET_REFRESH_S:
+            self._budget_read = now
+            self._budget_cache = self.session.policy.budget_stats()
+        return self._budget_cache

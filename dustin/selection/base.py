@@ -79,6 +79,17 @@ class SelectionPolicy:
         """Called with the number of accepted draft tokens per sequence (device tensor), after the cache
         lengths advanced by 1 + n_accepted for the rows still running."""
 
+    def use_auto_budget(self, rule) -> None:
+        """`--budget auto` (an AutoBudget): only Dustin's policies size k from their scores."""
+        from dustin.errors import InputError
+
+        raise InputError(f"--budget auto sizes Dustin's selection; {self.name!r} takes a fixed --budget")
+
+    def budget_stats(self, reset: bool = False) -> dict | None:
+        """The k this policy verified with since the last reset ({"mean", "p50", "p90", "p99", "samples"}), for
+        policies whose k varies (`--budget auto`); None otherwise. Reading it waits for the device."""
+        return None
+
 
 class FullSelection(SelectionPolicy):
     """Classic verification over the whole cache: lossless."""

@@ -16,6 +16,7 @@ import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
+from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState
 from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
@@ -65,6 +66,22 @@ class DustinSelection(SelectionPolicy):
         self.observes_prefill = self.uses_target  # S_target of step 1 needs the last prompt token's query
         self._draft_scores: DraftLookaheadScores | None = None
         self._target_scores: TargetHistoricalScores | None = None
+        self.auto: AutoBudget | None = None  # --budget auto: k per row and step from the scores
+        self._k_hist: BudgetHistogram | None = None
+
+    def use_auto_budget(self, rule: AutoBudget) -> None:
+        """Size k per sequence and step by `rule` (dustin/selection/adaptive.py); the config's budget is k_max."""
+        if rule.k_max != self.cfg.budget:
+            raise ValueError(f"the config's budget ({self.cfg.budget}) must be the rule's k_max ({rule.k_max})")
+        self.auto = rule
+
+    def budget_stats(self, reset: bool = False) -> dict | None:
+        if self._k_hist is None:
+            return None
+        out = self._k_hist.summary()
+        if reset:
+            self._k_hist.counts.zero_()
+        return out
 
     def _setup(self, state: StepState) -> None:
         if self._target_scores is not None or self._draft_scores is not None:
@@ -76,6 +93,8 @@ class DustinSelection(SelectionPolicy):
             self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
                                                       state.gamma)
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
+        if self.auto is not None:
+            self._k_hist = BudgetHistogram(self.auto.k_max, dev)
 
     def _make_target_scores(self, state: StepState) -> TargetHistoricalScores:
         """S_target's estimator (tensor parallelism overrides it: each rank scores its own heads)."""
@@ -106,9 +125,24 @@ class DustinSelection(SelectionPolicy):
             s_draft = self._draft_scores.compute(caches, L)
         state.timer.stop("estimate")
         state.timer.start("select")
-        plan = _select(s_target, s_draft, L, self.cfg, self.m)
+        if self.auto is None:
+            plan = _select(s_target, s_draft, L, self.cfg, self.m)
+        else:
+            plan = self._select_auto(s_target, s_draft, L, state.done)
         state.timer.stop("select")
         return plan
+
+    def _select_auto(self, s_target, s_draft, L, done) -> SparsePlan:
+        """`--budget auto`: each row's k from the estimated mass, its m at the config's share, then the hybrid
+        selection at that k (indices padded to k_max); the k of the rows still running go to the histogram."""
+        c = self.cfg
+        free = max(c.free_budget, 1)
+        k, m = adaptive_budgets(s_target if self.uses_target else None, s_draft if self.uses_draft else None, L,
+                                self.auto, sinks=c.sinks, window=c.window, m_share=self.m / free)
+        idx, counts = select_ragged(s_target, s_draft, L, k, m, k_max=c.budget, m_max=self.m, sinks=c.sinks,
+                                    window=c.window)
+        self._k_hist.add(counts, ~done)
+        return SparsePlan(idx, counts)
 
     def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
         if self._target_scores is not None:

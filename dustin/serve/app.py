@@ -319,6 +319,12 @@ class _Server:
         metric("dustin_steps_total", "counter", "Engine steps run.", st.get("steps_total", 0))
         metric("dustin_engine_healthy", "gauge", "1 while the engine serves, 0 after it failed.",
                0 if st.get("error") else 1)
+        budget = st.get("budget_k")
+        if budget:  # --budget auto: the k each sequence verified with, per step
+            for key, text in (("mean", "mean"), ("p50", "median"), ("p90", "90th percentile"),
+                              ("p99", "99th percentile")):
+                metric(f"dustin_budget_k_{key}", "gauge",
+                       f"--budget auto: {text} of the KV positions verified per sequence and step.", budget[key])
         lines.append("# HELP dustin_requests_total HTTP generation requests by outcome.")
         lines.append("# TYPE dustin_requests_total counter")
         for status in STATUSES:

@@ -94,6 +94,7 @@ def build_engine(args):
     from dustin.engine.llm_engine import LLMEngine, ServeConfig
 
     cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+                      budget_p=args.budget_p, budget_min=args.budget_min, budget_max=args.budget_max,
                       sparse_config=args.config,
                       max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                       prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
@@ -108,7 +109,8 @@ def run(args) -> int:
         _check_port(args.host, args.port)
     if args.config is not None and args.config != "builtin":
         from dustin.flags import check_sparse_config
-        check_sparse_config(args.config, [args.budget] if args.budget is not None else [])
+        check_sparse_config(args.config, [args.budget_max if args.budget == "auto" else args.budget]
+                            if args.budget is not None else [])
     engine = build_engine(args)  # under torchrun: joins the process group and loads this rank's shard
     if rank > 0:
         return _follow(engine)
