@@ -21,6 +21,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "defa
                    help="auto (bf16 on GPU and on CPUs that compute bf16 natively: AVX512-BF16 or AMX; else fp32), "
                         "bf16, fp32 or fp16")
     r.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"], help="attention backend")
+    r.add_argument("--rope-scaling", default=None, metavar="yarn:F",
+                   help="extend both models' context F times with YaRN (Qwen2.5: yarn:4 for 128k, as its model "
+                        "cards document)")
 
 
 def int_list(flag: str, text: str, low: int = 1) -> list[int]:

@@ -91,7 +91,8 @@ def add_arguments(p) -> None:
                    help="read each step back before queueing the next (A/B of Session.decode's one-step lookahead)")
     p.add_argument("--json-out", default=None,
                    help="results JSON (default $OUT/bench_e2e.json, with --real $OUT/bench_e2e_real.json)")
-    p.add_argument("--plot-out", default=None, help="PNG of tokens/s (and, --real, % of byte roofline) against context")
+    p.add_argument("--plot-out", default=None,
+                   help="PNG of tokens/s (and, --real, %% of byte roofline) against context")
 
 
 def _shape(name: str):
@@ -104,13 +105,17 @@ def _shape(name: str):
     return read_args(Path(name)) if os.path.isdir(name) else named_config(name)
 
 
-def _pairs(spec: str):
+def _pairs(spec: str, rope_scaling: str | None = None):
+    """(target name, draft name, target args, draft args) per pair; --rope-scaling applies to both shapes."""
+    from dustin.models.args import with_rope_scaling
+
     out = []
     for item in spec.split(","):
         if item.count(":") != 1:
             raise InputError(f"--pairs wants target:draft (named configs or model folders), got {item!r}")
         t, d = item.split(":")
-        out.append((os.path.basename(t.rstrip("/")), os.path.basename(d.rstrip("/")), _shape(t), _shape(d)))
+        out.append((os.path.basename(t.rstrip("/")), os.path.basename(d.rstrip("/")),
+                    with_rope_scaling(_shape(t), rope_scaling), with_rope_scaling(_shape(d), rope_scaling)))
     return out
 
 
@@ -347,7 +352,7 @@ def _run_random(a, plan: dict, results: list[dict], meta: dict) -> None:
     """Random-weight pairs of real shapes, noise-filled caches, acceptance control."""
     from dustin.parallel.tp import tp_rank_world
 
-    for t_name, d_name, t_args, d_args in _pairs(a.pairs):
+    for t_name, d_name, t_args, d_args in _pairs(a.pairs, a.rope_scaling):
         reach = max(plan["contexts"]) + 4096  # random weights: any position is fine, lift the context limit
         t_args = replace(t_args, max_position_embeddings=max(t_args.max_position_embeddings, reach))
         d_args = replace(d_args, max_position_embeddings=max(d_args.max_position_embeddings, reach))
@@ -367,7 +372,8 @@ def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
     from dustin.parallel.tp import is_main_process, tp_rank_world
 
     engine = Engine.from_pretrained(plan["load"][0], plan["load"][1], device=a.device, dtype=a.dtype,
-                                    attention=a.attention)
+                                    attention=a.attention,
+                                    rope_scaling=a.rope_scaling)
     if engine.tokenizer is None:
         raise InputError("the target model folder has no tokenizer: --real prompts are text")
     base = {"target": plan["target"], "draft": plan["draft"], "tp": tp_rank_world()[1]}

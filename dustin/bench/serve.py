@@ -197,7 +197,8 @@ def run(args) -> int:
     p = _plan(args)
     speculative = any(METHODS[m].speculative for m in p["methods"])
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
-                                    dtype=args.dtype, attention=args.attention)
+                                    dtype=args.dtype, attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     work = {sc["name"]: make_prompts(engine.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
                                      engine.vocab_limit) for sc in p["scenarios"]}
     bandwidth = _bandwidth(args.device)

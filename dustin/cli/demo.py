@@ -20,7 +20,8 @@ def run_demo(args) -> int:
     from dustin.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                    attention=args.attention)
+                                    attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     from dustin.parallel.tp import is_main_process
     console = Console(quiet=not is_main_process())  # under torchrun only rank 0 reports
     if engine.tokenizer is None:

@@ -146,8 +146,9 @@ def cmd_generate(args) -> int:
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "
                          f"specattn, snapkv, oracle); --method {args.method} verifies with the full cache")
     draft = args.draft if cfg.spec.speculative else None
-    precheck_prompts(args.target, draft, prompts, cfg, args.chat)  # before the (slow) model load
-    engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention)
+    precheck_prompts(args.target, draft, prompts, cfg, args.chat, args.rope_scaling)  # before the slow model load
+    engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     result = engine.generate(prompts, cfg, chat=args.chat)
     from dustin.parallel.tp import is_main_process
     if not is_main_process():  # tensor-parallel run: only rank 0 prints

@@ -126,7 +126,9 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
-                        dtype: str | None = None, attention: str = "auto") -> "Engine":
+                        dtype: str | None = None, attention: str = "auto",
+                        rope_scaling: str | None = None) -> "Engine":
+        """rope_scaling: "yarn:F" extends both models' context F times (`models.args.with_rope_scaling`)."""
         from dustin.models.fetch import resolve_model_path
 
         dev = parse_device(device)
@@ -137,11 +139,12 @@ class Engine:
         backend = AttentionBackend.for_device(dev, attention)
         t_path = resolve_model_path(str(target), "target")
         parallel = current_parallel()
-        t_model = load_model(t_path, dev, dt, backend, shard=parallel)  # each rank reads only its slices
+        t_model = load_model(t_path, dev, dt, backend, shard=parallel,  # each rank reads only its slices
+                             rope_scaling=rope_scaling)
         d_model = d_tok = None
         if draft is not None:
             d_path = resolve_model_path(str(draft), "draft")
-            d_model = load_model(d_path, dev, dt, backend)
+            d_model = load_model(d_path, dev, dt, backend, rope_scaling=rope_scaling)
             d_tok = _load_tokenizer(d_path)
         return cls(t_model, d_model, _load_tokenizer(t_path), d_tok, parallel=parallel)
 
@@ -394,16 +397,16 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
 
 
 def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
-                     chat: bool = False) -> None:
+                     chat: bool = False, rope_scaling: str | None = None) -> None:
     """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
     empty or over-long prompt fails in about a second instead of after both models loaded."""
     from dustin.models.fetch import resolve_model_path
     from dustin.models.loader import read_args
 
     t_path = resolve_model_path(str(target), "target")
-    context = read_args(t_path).max_position_embeddings
+    context = read_args(t_path, rope_scaling).max_position_embeddings
     if draft is not None and cfg.spec.speculative:
-        context = min(context, read_args(resolve_model_path(str(draft), "draft")).max_position_embeddings)
+        context = min(context, read_args(resolve_model_path(str(draft), "draft"), rope_scaling).max_position_embeddings)
     tokenizer = _load_tokenizer(t_path)
     if tokenizer is not None:
         check_prompts([encode_prompt(tokenizer, p, chat) for p in prompts], cfg, context)

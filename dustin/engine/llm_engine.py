@@ -252,7 +252,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
                         dtype: str | None = None, attention: str = "auto",
-                        config: ServeConfig | None = None) -> "LLMEngine":
+                        config: ServeConfig | None = None, rope_scaling: str | None = None) -> "LLMEngine":
         config = config or ServeConfig()
         spec = METHODS[config.method]
         from pathlib import Path
@@ -260,7 +260,7 @@ class LLMEngine:
         from dustin.models.fetch import resolve_model_path
 
         engine = Engine.from_pretrained(target, draft if spec.speculative else None, device=device, dtype=dtype,
-                                        attention=attention)
+                                        attention=attention, rope_scaling=rope_scaling)
         obj = cls(engine, config)
         obj.model_name = Path(resolve_model_path(str(target), "target")).name
         return obj

@@ -104,7 +104,8 @@ def run(args) -> int:
     if args.subsets < 3 or args.new_tokens < 1 or args.context < 64:
         raise InputError("--subsets must be >= 3, --new-tokens >= 1 and --context >= 64")
     engine = Engine.from_pretrained(args.target, None, device=args.device, dtype=args.dtype,
-                                    attention=args.attention)
+                                    attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     if engine.tokenizer is None:
         raise InputError("the target model folder has no tokenizer")
     text = long_texts(args.kind, "heldout", args.context, engine.tokenizer, 1, args.seed)[0]

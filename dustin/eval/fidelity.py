@@ -42,7 +42,8 @@ def run(args) -> int:
     from dustin.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                    attention=args.attention)
+                                    attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     from dustin.parallel.tp import is_main_process, tp_rank_world
     main = is_main_process()  # under torchrun only rank 0 reports
     if tp_rank_world()[1] > 1 and not args.no_arr:

@@ -104,7 +104,8 @@ def run(args) -> int:
         return 0
     speculative = any(METHODS[m].speculative for rows in todo.values() for m, _ in rows)
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
-                                    dtype=args.dtype, attention=args.attention)
+                                    dtype=args.dtype, attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     if engine.tokenizer is None:
         raise InputError("the target model folder has no tokenizer: needle prompts are text")
     main = is_main_process()  # under torchrun only rank 0 reports and writes

@@ -98,7 +98,8 @@ def run(args) -> int:
         methods = {m for m, _ in p["rows"]}
         speculative = any(METHODS[m].speculative for m in methods)
         engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
-                                        dtype=args.dtype, attention=args.attention)
+                                        dtype=args.dtype, attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
         if engine.tokenizer is None:
             raise InputError("the target model folder has no tokenizer: tasks are text")
         limit = engine.target.args.max_position_embeddings

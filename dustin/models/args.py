@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dustin.errors import CheckpointError
+from dustin.errors import CheckpointError, InputError
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
@@ -102,6 +102,33 @@ class ModelArgs:
             )
         except KeyError as e:
             raise CheckpointError(f"config.json is missing the field {e.args[0]!r}") from None
+
+
+def with_rope_scaling(args: ModelArgs, spec: str | None) -> ModelArgs:
+    """`--rope-scaling yarn:F`: extend a model's context F times with YaRN (over its configured context), as
+    Qwen2.5's model cards document for 128k (factor 4 over 32,768 positions; their config.json ships without it,
+    so that short inputs keep the unscaled rotary frequencies). None: the config as it is.
+
+    Refused with one line: another spec than yarn:F (F > 1), a model whose config already scales RoPE, and, for a
+    Qwen2 model of 32,768 positions (the Qwen2.5 family), any factor but the documented 4."""
+    if spec is None:
+        return args
+    kind, _, value = spec.partition(":")
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if kind != "yarn" or not factor > 1:
+        raise InputError(f"--rope-scaling takes yarn:FACTOR with FACTOR > 1 (e.g. yarn:4), got {spec!r}")
+    if args.rope_scaling and args.rope_scaling.get("rope_type", "default") != "default":
+        raise InputError(f"--rope-scaling: the model config already sets rope_scaling {args.rope_scaling}; "
+                         f"drop the flag")
+    orig = args.max_position_embeddings
+    if args.family == "qwen2" and orig == 32768 and factor != 4:
+        raise InputError(f"--rope-scaling {spec}: Qwen2.5 models document YaRN with factor 4 over 32,768 positions "
+                         f"(128k); use yarn:4")
+    rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
+    return replace(args, rope_scaling=rope, max_position_embeddings=int(orig * factor))
 
 
 def _qwen2(dim, layers, heads, kv, inter, vocab=152064, tie=False, eps=1e-6, max_pos=32768) -> ModelArgs:

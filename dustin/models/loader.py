@@ -10,12 +10,13 @@ from safetensors import safe_open
 
 from dustin.attention.backend import AttentionBackend
 from dustin.errors import CheckpointError, OutOfMemoryError
-from dustin.models.args import ModelArgs
+from dustin.models.args import ModelArgs, with_rope_scaling
 from dustin.models.rope import RotaryEmbedding
 from dustin.models.transformer import Transformer
 
 
-def read_args(folder: Path) -> ModelArgs:
+def read_args(folder: Path, rope_scaling: str | None = None) -> ModelArgs:
+    """The model's shape from its config.json; `rope_scaling` ("yarn:4"): see `with_rope_scaling`."""
     cfg_path = Path(folder) / "config.json"
     if not Path(folder).is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
@@ -25,7 +26,7 @@ def read_args(folder: Path) -> ModelArgs:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path} is not valid JSON ({e})") from None
-    return ModelArgs.from_hf_config(cfg)
+    return with_rope_scaling(ModelArgs.from_hf_config(cfg), rope_scaling)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -52,14 +53,14 @@ def _our_name(hf_name: str) -> str:
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                backend: AttentionBackend | None = None, shard=None, *, fused_ops: bool = True,
-               fuse: bool = True) -> Transformer:
+               fuse: bool = True, rope_scaling: str | None = None) -> Transformer:
     """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
     dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
     no process ever holds the whole checkpoint. fused_ops: see `Transformer`. fuse: concatenate the q/k/v and
     gate/up projections once loaded (and sharded), `Transformer.fuse_projections`; False keeps the checkpoint's
     separate modules (A/B, kernel counts)."""
     folder = Path(folder)
-    args = read_args(folder)
+    args = read_args(folder, rope_scaling)
     with torch.device("meta"):
         model = Transformer(args, backend, fused_ops=fused_ops)
         full = {n: t.shape for n, t in model.state_dict().items()}

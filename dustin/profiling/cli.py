@@ -74,7 +74,8 @@ def run(args) -> int:
     _validate(args)
     console = Console(stderr=True)
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                    attention=args.attention)
+                                    attention=args.attention,
+                                    rope_scaling=args.rope_scaling)
     if engine.draft is None:
         raise InputError("profiling needs a draft model (--draft)")
     if engine.tokenizer is None:

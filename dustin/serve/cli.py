@@ -100,7 +100,8 @@ def build_engine(args):
                       prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
     cfg.generation(1)  # Γ and the budget are checked there: fail before the model load
     return LLMEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                     attention=args.attention, config=cfg)
+                                     attention=args.attention, config=cfg,
+                                     rope_scaling=args.rope_scaling)
 
 
 def run(args) -> int:
