@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 runs behind docs/accuracy.md (issue 9), made right after the weight staging
+# The H200 runs behind docs/accuracy.md, made right after the weight staging
 # (../shared/tools/device-weights; the machine keeps /root only while warm):
 #   bash scripts/device_accuracy.sh first   # assemble + convert the pair, then the jobs below
 #   bash scripts/device_accuracy.sh more    # further calls: each job resumes from its JSON in /root/acc
