@@ -271,6 +271,19 @@ def test_killed_worker_leaves_no_model_folder(tiny, tmp_path, monkeypatch):
     assert list(out.iterdir()) == []
 
 
+def test_worker_errors_keep_their_type():
+    """What a worker reports comes back as the exception fetch.py words its message from."""
+    def roundtrip(error):
+        line = gguf_convert._error_report(7, error)
+        assert len(line.encode()) < 4096  # one atomic pipe write
+        return gguf_convert._rebuild_error(json.loads(line))
+    disk_full = roundtrip(OSError(28, "No space left on device", "/m/model.safetensors"))
+    assert isinstance(disk_full, OSError) and disk_full.errno == 28 and disk_full.filename == "/m/model.safetensors"
+    corrupt = roundtrip(CheckpointError("x.gguf: cannot dequantize blk.0.ffn_up.weight (corrupt?): " + "é" * 9000))
+    assert type(corrupt) is CheckpointError and str(corrupt).startswith("x.gguf: cannot dequantize blk.0.ffn_up")
+    assert "ValueError: bad" in str(roundtrip(ValueError("bad")))
+
+
 def test_worker_count(monkeypatch):
     monkeypatch.delenv(gguf_convert.WORKERS_ENV, raising=False)
     assert gguf_convert._worker_count(None, 1000) == (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

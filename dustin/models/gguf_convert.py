@@ -436,14 +436,22 @@ def _worker_main(path: str, dest: str, jobs_fd: str, results_fd: str) -> None:
         index = struct.unpack("<I", record)[0]
         try:
             _convert_tensor(src, out, jobs[index], path)
-            report = {"index": index}
-        except Exception as e:
-            report = {"index": index, "error": type(e).__name__, "message": str(e)[:2000],
-                      "errno": getattr(e, "errno", None), "strerror": getattr(e, "strerror", None),
-                      "filename": str(getattr(e, "filename", None) or "")}
-        os.write(results_fd, json.dumps(report).encode() + b"\n")
-        if "error" in report:
+        except Exception as e:  # reported, and this worker stops: the parent is about to stop them all
+            os.write(results_fd, _error_report(index, e).encode() + b"\n")
             return
+        os.write(results_fd, json.dumps({"index": index}).encode() + b"\n")
+
+
+def _error_report(index: int, error: Exception) -> str:
+    """One JSON line under PIPE_BUF (4096 bytes), so that it reaches the parent in one piece."""
+    message = str(error)
+    while True:
+        line = json.dumps({"index": index, "error": type(error).__name__, "message": message,
+                           "errno": getattr(error, "errno", None), "strerror": getattr(error, "strerror", None),
+                           "filename": str(getattr(error, "filename", None) or "")[:1000]})
+        if len(line) < 4000:
+            return line
+        message = message[:len(message) // 2] + "..."
 
 
 def _rebuild_error(report: dict) -> Exception:
