@@ -2,7 +2,9 @@
 checked against the reference implementation of the same files."""
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter in tests
 
@@ -60,6 +62,125 @@ def real_pair_or_skip():
         return resolve_model_path("default", "target"), resolve_model_path("default", "draft")
     except CheckpointError as e:
         pytest.skip(f"default pair not fetched: {e}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real default pair, loaded once and shared (issue 20, item 7). In fp32 it is 8.1 GB of weights (bf16: 4.1 GB);
+# each test loading its own copy made one pytest process peak at 21.7 GB (copies waiting for the garbage collector
+# overlapped). Now one Engine is held at a time: `real_pair` (tests that check ranges or compare the pair's output
+# with its own) and `real_pair_fp32` (tests that hold the output to an fp32 reference: near-tie epsilon 1e-4).
+# The real-pair tests run last, `real_pair` users first, so the pair is loaded at most twice (once where the two
+# dtypes coincide), and it is dropped (del + gc) right after its last user.
+# `real_pair`'s dtype: bf16 where the CPU computes bf16 natively (AVX512-BF16 / AMX: half the memory, 2.4x faster),
+# fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 3x slower than fp32 (dustin/runtime.py), and one fp32 pair
+# (~9.5 GB peak) fits the suite's 12 GB. The probe reads the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
+
+_REAL_PAIR_FIXTURES = ("real_pair", "real_pair_fp32", "real_pair_cli")
+
+
+class _RealPair:
+    """At most one loaded default pair; the CPU's every core while it is held (conftest sets 1 for tiny models)."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.dtype = None
+        self.loads = 0
+
+    def get(self, dtype: torch.dtype):
+        if self.engine is not None and self.dtype == dtype:
+            return self.engine
+        self.release()
+        real_pair_or_skip()
+        gc.collect()  # a model an earlier test loaded and left in a reference cycle must not stay beside this one
+        from dustin.engine.engine import Engine
+
+        torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core
+        self.engine = Engine.from_pretrained("default", "default", device="cpu",
+                                             dtype="fp32" if dtype == torch.float32 else "bf16")
+        self.dtype, self.loads = dtype, self.loads + 1
+        return self.engine
+
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine = self.dtype = None
+            # a failed test's traceback (kept by pytest as sys.last_traceback) holds its frames, and so the pair
+            sys.last_type = sys.last_value = sys.last_traceback = None
+            if hasattr(sys, "last_exc"):
+                sys.last_exc = None
+            gc.collect()
+            torch.set_num_threads(1)
+
+
+REAL_PAIR = _RealPair()
+
+
+def real_pair_dtype() -> torch.dtype:
+    """`real_pair`'s dtype: bf16 where this CPU computes it natively, else fp32 (see above)."""
+    from dustin.runtime import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+@pytest.fixture
+def real_pair():
+    """The shared default pair (Engine) in `real_pair_dtype()`: for tests that check ranges, structure, or the
+    pair's agreement with itself. Skips when the pair is not fetched."""
+    return REAL_PAIR.get(real_pair_dtype())
+
+
+@pytest.fixture
+def real_pair_fp32():
+    """The shared default pair in fp32: for tests whose output is held to an fp32 reference."""
+    return REAL_PAIR.get(torch.float32)
+
+
+@pytest.fixture
+def real_pair_cli(real_pair, monkeypatch):
+    """`real_pair`, also handed to every command that loads the default pair on the CPU with `--dtype auto` (the
+    commands load through Engine.from_pretrained): `dustin ...` end-to-end tests run on the shared pair instead of
+    loading their own. A draft-less load gets the shared target alone."""
+    from dustin.engine.engine import Engine
+
+    load = Engine.from_pretrained
+    target_dir, draft_dir = (str(p) for p in real_pair_or_skip())
+
+    def shared(cls, target, draft=None, **kw):
+        other = dict(kw)  # any other option (e.g. rope_scaling) must be unset for the shared pair to serve
+        plain = (str(other.pop("device", "cpu")) == "cpu" and other.pop("dtype", None) in (None, "auto")
+                 and other.pop("attention", "auto") == "auto" and all(v is None for v in other.values()))
+        if plain and str(target) in ("default", target_dir) and (draft is None or str(draft) in ("default", draft_dir)):
+            if draft is None:
+                return Engine(real_pair.target, None, real_pair.tokenizer)
+            return real_pair
+        return load(target, draft, **kw)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(shared))
+    return real_pair
+
+
+def _real_pair_group(item) -> int:
+    names = set(getattr(item, "fixturenames", ()))
+    if "real_pair_fp32" in names:
+        return 2
+    return 1 if names & set(_REAL_PAIR_FIXTURES) else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """The shared real pair's users run last, grouped by dtype (a stable sort: file order is kept within a group),
+    so that it is loaded once per dtype and no tiny-model test runs while it is held."""
+    items.sort(key=_real_pair_group)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After the last test that uses the shared pair (once its protocol is over: fixtures torn down, the test's
+    arguments dropped), free it; after any other real-model test, collect the models it may have left in reference
+    cycles (gc runs by object counts, not bytes: 8 GB of weights can wait there while the next test loads its own)."""
+    yield
+    if REAL_PAIR.engine is not None and (nextitem is None or _real_pair_group(nextitem) == 0):
+        REAL_PAIR.release()
+    elif item.get_closest_marker("realmodels") is not None and REAL_PAIR.engine is None:
+        gc.collect()
 
 
 # Tiny models: one thread avoids OpenMP hand-off costs that dominate small matmuls on a 2-core machine

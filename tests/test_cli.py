@@ -81,12 +81,7 @@ def test_sparse_flags_on_a_full_verification_method(capsys, flag):
 
 
 @pytest.mark.realmodels
-def test_generate_json_on_the_default_pair(capsys):
-    try:
-        from dustin.models.fetch import resolve_model_path
-        resolve_model_path("default", "target")
-    except CheckpointError:
-        pytest.skip("default pair not fetched")
+def test_generate_json_on_the_default_pair(capsys, real_pair_cli):
     code = main(["generate", "--method", "classic", "--prompt", "def fibonacci(n):", "--max-new-tokens", "12",
                  "--ignore-eos", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -114,7 +109,6 @@ def test_bench_e2e_bad_flags(capsys, argv, needle):
 def test_bad_prompt_is_rejected_before_the_models_load(capsys, monkeypatch, prompt, needle):
     """An empty or over-long prompt fails from config.json and the tokenizer alone (no weights read)."""
     from dustin.engine import engine as engine_module
-    from dustin.errors import CheckpointError
     from dustin.models.fetch import resolve_model_path
 
     try:

@@ -211,27 +211,55 @@ def test_real_tokenizer(tok, tmp_path, monkeypatch, name):
     assert "question 0 of" in text
 
 
+def _f1_by_hand(prediction: str, answer: str) -> float:
+    """LongBench's QA F1: lowercase, drop punctuation and the articles a/an/the, then word-overlap F1."""
+    import string
+    from collections import Counter
+
+    def words(t):
+        t = "".join(c for c in t.lower() if c not in string.punctuation)
+        return [w for w in t.split() if w not in ("a", "an", "the")]
+
+    p, r = words(prediction), words(answer)
+    same = sum((Counter(p) & Counter(r)).values())
+    return 0.0 if same == 0 else 2 * same / (len(p) + len(r))
+
+
 @pytest.mark.realmodels
 @pytest.mark.slow
-def test_eval_tasks_runs_longbench_files_end_to_end(tmp_path, capsys):
-    """`dustin eval tasks --tasks trec,hotpotqa --longbench-dir ...` on the real pair: the runner reads the files,
-    scores trec with the sample's own label set, and writes the table (vanilla only: ~1 minute on 2 cores)."""
+def test_eval_tasks_runs_longbench_files_end_to_end(tmp_path, capsys, real_pair_cli):
+    """`dustin eval tasks --tasks trec,hotpotqa --longbench-dir ...` on the (shared) real pair: the runner reads
+    the files, scores trec with the sample's own label set, and writes the table (vanilla only). The questions
+    are easy enough that the pair answers them, and each score is recomputed here from the prediction the
+    runner returns: trec 1 / (labels named on the answer's first line) when the right one is among them, hotpotqa
+    the word F1 by hand; the table's row is their mean."""
     from dustin.cli.main import main
-    from dustin.errors import CheckpointError
-    from dustin.models.fetch import resolve_model_path
 
-    try:
-        resolve_model_path("default", "target")
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
-    for name in ("trec", "hotpotqa"):
-        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record(name, 0)) + "\n")
+    examples = "".join(f"Question: {q}\nType: {t}\n" for q, t in (
+        ("Which animal says meow?", "Animal"), ("What color is grass?", "Color"),
+        ("Which food is made from milk?", "Food"), ("Which animal has a trunk?", "Animal")))
+    records = {
+        "trec": {"input": "Question: Which animal barks at the mailman?\nType:", "context": examples,
+                 "answers": ["Animal"], "all_classes": LABELS, "length": 5, "_id": "trec-0"},
+        "hotpotqa": {"input": "What is the name of the owl that lives in the old tower?",
+                     "context": "Passage 1:\nThe old tower is home to an owl named Hedwig.\nPassage 2:\nThe river "
+                                "flows past the mill.", "answers": ["Hedwig"], "length": 5, "_id": "hotpotqa-0"}}
+    for name, rec in records.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
     out = tmp_path / "lb.json"
     code = main(["eval", "tasks", "--tasks", "trec,hotpotqa", "--longbench-dir", str(tmp_path), "--contexts", "400",
                  "--samples", "1", "--methods", "vanilla", "--json-out", str(out)])
     assert code == 0, capsys.readouterr().err
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["task"] for r in rows} == {"trec", "hotpotqa"}
-    assert all(0.0 <= r["score"] <= 1.0 and r["prediction"] is not None for r in rows)
-    assert next(r for r in rows if r["task"] == "trec")["meta"]["all_classes"] == LABELS
-    assert "| vanilla |" in capsys.readouterr().out
+    rows = {r["task"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"trec", "hotpotqa"}
+    assert rows["trec"]["meta"]["all_classes"] == LABELS
+    first_line = rows["trec"]["prediction"].lstrip("\n").split("\n")[0]
+    named = [c for c in LABELS if c in first_line]
+    assert rows["trec"]["score"] == (1 / len(named) if "Animal" in named else 0.0)
+    assert rows["hotpotqa"]["score"] == pytest.approx(_f1_by_hand(rows["hotpotqa"]["prediction"], "Hedwig"))
+    assert "Hedwig" in rows["hotpotqa"]["prediction"] and rows["hotpotqa"]["score"] > 0  # the pair can read
+    assert "Animal" in first_line and rows["trec"]["score"] > 0
+    t, h = 100 * rows["trec"]["score"], 100 * rows["hotpotqa"]["score"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| vanilla |"))
+    cells = [c.split()[0] for c in line.strip("| ").split(" | ")]  # a score cell's first word: its mean
+    assert cells == ["vanilla", f"{t:.1f}", f"{h:.1f}", f"{(t + h) / 2:.1f}", "-", "-"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -762,8 +761,8 @@ def test_profile_rejects_a_pair_without_a_shared_tokenizer(tiny_pair, tmp_path, 
 
 @pytest.mark.realmodels
 @pytest.mark.slow
-def test_profile_all_on_the_real_pair(tmp_path, capsys):
-    """`dustin profile all` end to end at tiny sizes on the CPU (~2-3 minutes on 2 cores)."""
+def test_profile_all_on_the_real_pair(tmp_path, capsys, real_pair_cli):
+    """`dustin profile all` end to end at tiny sizes on the CPU, on the shared pair."""
     from dustin.cli.main import main
 
     folders = real_pair_or_skip()
@@ -776,12 +775,7 @@ def test_profile_all_on_the_real_pair(tmp_path, capsys):
     argv = ["profile", "all", "--contexts", "400", "--depths", "2", "--needles", "1", "--srh-max-new-tokens", "16",
             "--trace-contexts", "200", "--trace-kinds", "essays", "--steps", "2", "--stride", "4",
             "--optuna-trials", "3", "--budget", "64", "--search-m", "16,32", "--out", str(out)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        code = main(argv)
-    finally:
-        torch.set_num_threads(threads)
+    code = main(argv)
     err = capsys.readouterr().err
     assert code == 0, err
     _check_profile(out, folders)

@@ -3,13 +3,11 @@ one tiny run on the real default pair (skipped unless fetched)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
 from dustin.cli.main import main
-from dustin.errors import CheckpointError, InputError
+from dustin.errors import InputError
 
 NO_MODEL = ["--target", "/nonexistent/model"]  # reaching the model load would fail differently
 
@@ -70,23 +68,14 @@ def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tok):
 
 @pytest.mark.realmodels
 @pytest.mark.slow
-def test_needles_on_the_real_pair(tmp_path, capsys):
-    from dustin.models.fetch import resolve_model_path
-    try:
-        resolve_model_path("default", "target"), resolve_model_path("default", "draft")
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
+def test_needles_on_the_real_pair(tmp_path, capsys, real_pair_cli):
     out = tmp_path / "needles.json"
     argv = ["eval", "needles", "--contexts", "400", "--depths", "1", "--kinds", "single", "--methods",
             "vanilla,dustin", "--budgets", "64", "--max-new-tokens", "8", "--json-out", str(out)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core (conftest sets 1)
     try:
         code = main(argv)
     except InputError as e:  # the held-out essays could not be downloaded
         pytest.skip(str(e))
-    finally:
-        torch.set_num_threads(threads)
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert data["settings"]["max_new_tokens"] == 8

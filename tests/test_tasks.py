@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from dustin.errors import InputError
-from tests.conftest import real_pair_or_skip
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -91,9 +89,11 @@ def test_summary_table_and_oracle_best():
     assert summary[("a", 100, "oracle-best", 64)]["score"] == 1.0  # dustin-d's 1.0
     assert summary[("b", 100, "oracle-best", 64)]["score"] == 1.0  # dustin-t's 1.0
     md = markdown(summary, p)
-    assert "| dustin@64 | 75.0 | 50.0 | 62.5 | 2.00 | 50% |" in md
+    # graded scores of one sample: a zero-width bootstrap interval; a 0/1 score of one sample: Wilson's [21, 100]
+    assert "| dustin@64 | 75.0 [75, 75] | 50.0 [50, 50] | 62.5 [62.5, 62.5] | 2.00 | 50% |" in md
     assert "| oracle-best@64 | 100.0 | 100.0 | 100.0 | - | - |" in md
-    assert "| vanilla | 100.0 | 100.0 | 100.0 | - | - |" in md
+    assert "| vanilla | 100.0 [21, 100] | 100.0 [21, 100] | 100.0 [100.0, 100.0] | - | - |" in md
+    assert "n = 1 samples per task" in md and summary[("a", 100, "vanilla", None)]["n"] == 1
 
 
 def test_arr_kl_study_on_a_tiny_model(tiny_qwen2):
@@ -112,28 +112,56 @@ def test_arr_kl_study_on_a_tiny_model(tiny_qwen2):
         study(model, prompt, budget=300, subsets=3, new_tokens=2, seed=0)
 
 
+def _indel_ratio(a: str, b: str) -> float:
+    """fuzzywuzzy's ratio / 100 by hand: 2 x LCS / (|a| + |b|) rounded to a whole percent; 1 equal, 0 one empty."""
+    if a == b:
+        return 1.0
+    if not a or not b:
+        return 0.0
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev = row[:]
+        for j, y in enumerate(b, 1):
+            row[j] = prev[j - 1] + 1 if x == y else max(prev[j], row[j - 1])
+    return round(100 * 2 * row[-1] / (len(a) + len(b))) / 100
+
+
 @pytest.mark.realmodels
 @pytest.mark.slow
-def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys):
+def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys, real_pair_cli, tok):
+    """`dustin eval tasks` on the real pair (the shared one), resumed; every number of its rows recomputed here:
+    the prediction is the decoded tokens, the score is the edit similarity of the prediction's first code line
+    to the reference (by hand: 2 x LCS / total length, whole percent), exact match, dustin's agreement (its
+    common prefix with vanilla's tokens over vanilla's length), and the table row that summarizes them."""
     from dustin.cli.main import main
 
-    real_pair_or_skip()
     out = tmp_path / "tasks.json"
     argv = ["eval", "tasks", "--tasks", "code_completion", "--contexts", "700", "--samples", "1",
             "--methods", "vanilla,dustin", "--budgets", "64", "--json-out", str(out)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        assert main(argv) == 0, capsys.readouterr().err
-        first = out.read_text()
-        assert main(argv) == 0  # resumed: nothing left to run, the file is unchanged
-    finally:
-        torch.set_num_threads(threads)
+    assert main(argv) == 0, capsys.readouterr().err
+    first = out.read_text()
+    assert main(argv) == 0  # resumed: nothing left to run, the file is unchanged
     assert out.read_text() == first
     rows = json.loads(first)["rows"]
     assert {(r["method"], r["budget"]) for r in rows} == {("vanilla", None), ("dustin", 64)}
+    vanilla = next(r for r in rows if r["method"] == "vanilla")
     dustin = next(r for r in rows if r["method"] == "dustin")
-    assert 0.0 <= dustin["score"] <= 1.0 and dustin["tau"] >= 1.0 and 0.0 <= dustin["agreement"] <= 1.0
+    for r in rows:
+        assert r["prediction"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+        line = next((x for x in r["prediction"].lstrip("\n").split("\n")
+                     if "`" not in x and "#" not in x and "//" not in x), "").strip()
+        ref = r["references"][0]
+        assert r["metrics"] == {"edit_sim": _indel_ratio(line, ref), "exact_match": float(line == ref.strip())}
+        assert r["score"] == r["metrics"]["edit_sim"] and 1 <= len(r["token_ids"]) <= 64
+    n = 0
+    while n < min(len(vanilla["token_ids"]), len(dustin["token_ids"])) and \
+            vanilla["token_ids"][n] == dustin["token_ids"][n]:
+        n += 1
+    assert dustin["agreement"] == n / len(vanilla["token_ids"])
+    assert vanilla["tau"] is None and vanilla["agreement"] is None and 1.0 <= dustin["tau"] <= 5.0  # Γ = 4
     assert dustin["sparse_config"].startswith("tuned:") and set(dustin["metrics"]) == {"edit_sim", "exact_match"}
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
-    assert "| dustin@64 |" in capsys.readouterr().out
+    s = 100 * dustin["score"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| dustin@64 |"))
+    cells = [c.split()[0] for c in line.strip("| ").split(" | ")]  # a score cell's first word: its mean
+    assert cells == ["dustin@64", f"{s:.1f}", f"{s:.1f}", f"{dustin['tau']:.2f}", f"{100 * dustin['agreement']:.0f}%"]
