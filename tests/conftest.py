@@ -65,7 +65,7 @@ def real_pair_or_skip():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The real default pair, loaded once and shared (issue 20, item 7). In fp32 it is 8.1 GB of weights (bf16: 4.1 GB);
+# The real default pair, loaded once and shared. In fp32 it is 8.1 GB of weights (bf16: 4.1 GB);
 # each test loading its own copy made one pytest process peak at 21.7 GB (copies waiting for the garbage collector
 # overlapped). Now one Engine is held at a time: `real_pair` (tests that check ranges or compare the pair's output
 # with its own) and `real_pair_fp32` (tests that hold the output to an fp32 reference: near-tie epsilon 1e-4).
