@@ -10,19 +10,22 @@ model: it builds a numpy memmap view per vocabulary string), the same parse agai
   * worker processes (default: one per usable CPU) convert the tensors, largest first; each reads its
     tensor's bytes with `pread`, converts them in chunks of 4M values and `pwrite`s the bf16 bytes into the
     tensor's slot of the pre-sized safetensors file, so no tensor data crosses a pipe and a worker's memory
-    does not grow with the tensor (88 MB peak RSS each, measured);
+    does not grow with the tensor (~90 MB peak RSS each, measured);
   * fp32 -> bf16 rounding (nearest even, as torch does) and the NaN/inf check are plain numpy;
   * while the workers run, this process imports transformers, writes config.json and builds the tokenizer.
 Every output file is byte-identical to the serial converter's (sha256 of all six files, both default models;
 tests/test_fetch.py compares workers=1 with workers=2). The folder is still written under a temporary name
 and renamed into place; a failing, killed or interrupted worker stops the others and the folder is removed.
 
-Measured 2026-12-01 on a 2-core CPU (no GPU), `convert_gguf(gguf, tmp, progress=False)` timed in a fresh
-`python3` (two runs each, the serial converter imported from a copy of the previous version of this file):
-    qwen2.5-coder-1.5b-instruct   42.3 / 45.4 s -> 9.4 / 9.7 s   peak RSS 4.3 GB -> 0.62 GB (summed over the
-    qwen2.5-coder-0.5b-instruct   26.3 / 26.5 s -> 4.6 / 4.6 s   parent, 0.44 GB, and 2 workers, 88 MB each)
-and `python3 -m dustin models fetch --home <folder holding only the two GGUFs>` (re-hash both, convert both):
-16.2 s. On one core the new code is 2.5-3x faster (workers=1, in-process: 17.9 s and 8.6 s).
+Measured 2026-12-01 on a 2-core CPU (no GPU, shared with other jobs, so wall times vary by ~20%):
+`convert_gguf(gguf, tmp, progress=False)` timed in a fresh `python3`, the serial converter imported from a
+copy of the previous version of this file, 2 workers; CPU = user + sys of all processes; peak RSS summed over
+the parent and its workers (sampled every 50 ms):
+    qwen2.5-coder-1.5b-instruct  wall 42-50 s -> 9.9-11.8 s   CPU 51 s -> 18-22 s   peak RSS 4.3 GB -> 0.6 GB
+    qwen2.5-coder-0.5b-instruct  wall 26-27 s -> 5.5-6.3 s    CPU 28 s -> 10-12 s   peak RSS 2.9 GB -> 0.6 GB
+(the new peak is the parent, 0.44 GB, mostly torch and transformers, plus ~90 MB per worker). The whole
+`python3 -m dustin models fetch --home <folder holding only the two GGUFs>` (re-hash both, convert both) took
+16.2 s on a quiet machine, 25 s beside another job's test run. With one worker, in this process: 17.9 s and 8.6 s.
 """
 from __future__ import annotations
 
@@ -324,10 +327,10 @@ class _TensorWriter:
     The workers are plain `python -c` subprocesses, not multiprocessing: spawn/forkserver re-import the
     caller's main script (a script without an `if __name__ == "__main__"` guard would run again), and fork
     copies our threads and locks (torch's, rich's) in whatever state they are in. They share two pipes: one
-    holding every job index as a 4-byte record (each worker reads the next record when it is free, so the
-    big tensors do not pile up on one worker), and one they report on, one line per tensor; both writes are
-    shorter than PIPE_BUF, so they never interleave. They run in their own session: Ctrl-C reaches only
-    us, and we terminate them.
+    holding every job index as a 4-byte record, all written before any worker starts, so each 4-byte read
+    takes one whole record (a worker takes the next job when it is free, so the big tensors do not pile up
+    on one worker); and one they report on, one line per tensor, each shorter than PIPE_BUF, so lines never
+    interleave. They run in their own session: Ctrl-C reaches only us, and we terminate them.
     """
 
     def __init__(self, plan, dest: Path, path: Path, workers: int):
@@ -349,7 +352,7 @@ class _TensorWriter:
             out.truncate(8 + len(blob) + offset)  # the slots the workers fill
 
     def __enter__(self) -> "_TensorWriter":
-        if self.workers == 1:
+        if self.workers == 1 or not sys.executable:  # no interpreter to start (embedded Python): convert here
             return self
         import subprocess
         jobs_r, jobs_w = os.pipe()
