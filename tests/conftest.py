@@ -2,7 +2,9 @@
 checked against the reference implementation of the same files."""
 from __future__ import annotations
 
+import ctypes
 import gc
+import importlib
 import os
 import sys
 
@@ -65,15 +67,16 @@ def real_pair_or_skip():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The real default pair, loaded once and shared. In fp32 it is 8.1 GB of weights (bf16: 4.1 GB);
-# each test loading its own copy made one pytest process peak at 21.7 GB (copies waiting for the garbage collector
-# overlapped). Now one Engine is held at a time: `real_pair` (tests that check ranges or compare the pair's output
+# The real default pair, loaded once and shared. In fp32 it is 8.1 GB of weights (bf16: 4.1 GB), and loading it
+# peaks at 11.1 GB RSS (bf16: 5.1 GB); each test loading its own copy cost ~20 s a load, and one pytest process
+# peaked at 21.7 GB where an earlier copy was still reachable (below: FastAPI's caches). Now one Engine is held at
+# a time: `real_pair` (tests that check ranges or compare the pair's output
 # with its own) and `real_pair_fp32` (tests that hold the output to an fp32 reference: near-tie epsilon 1e-4).
 # The real-pair tests run last, `real_pair` users first, so the pair is loaded at most twice (once where the two
 # dtypes coincide), and it is dropped (del + gc) right after its last user.
 # `real_pair`'s dtype: bf16 where the CPU computes bf16 natively (AVX512-BF16 / AMX: half the memory, 2.4x faster),
 # fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 3x slower than fp32 (dustin/runtime.py), and one fp32 pair
-# (~9.5 GB peak) fits the suite's 12 GB. The probe reads the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
+# fits the suite's 12 GB. The probe reads the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
 
 _REAL_PAIR_FIXTURES = ("real_pair", "real_pair_fp32", "real_pair_cli")
 
@@ -91,7 +94,7 @@ class _RealPair:
             return self.engine
         self.release()
         real_pair_or_skip()
-        gc.collect()  # a model an earlier test loaded and left in a reference cycle must not stay beside this one
+        _drop_leaked_models()  # a model an earlier test loaded and left behind must not stay beside this one
         from dustin.engine.engine import Engine
 
         torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core
@@ -108,10 +111,34 @@ class _RealPair:
             if hasattr(sys, "last_exc"):
                 sys.last_exc = None
             gc.collect()
+            _trim_heap()
             torch.set_num_threads(1)
 
 
 REAL_PAIR = _RealPair()
+
+
+def _drop_leaked_models() -> None:
+    """Free models that finished tests left reachable. FastAPI (0.165) keeps every endpoint function it has seen in
+    module-level lru_caches (fastapi.dependencies.models), and `dustin serve`'s endpoints close over the engine: a
+    test that served the real pair kept its 10 GB alive for the rest of the session (measured), so the shared pair
+    came on top of it. Those caches only save re-inspecting endpoints; then a collection for reference cycles."""
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in dir(models) if models is not None else ():
+        clear = getattr(getattr(models, name), "cache_clear", None)
+        if callable(clear):
+            clear()
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim): memory a model's threads freed stays in their
+    malloc arenas otherwise (measured: 2.3 GB of RSS left after the served real pair was freed)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def real_pair_dtype() -> torch.dtype:
@@ -175,13 +202,22 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     """After the last test that uses the shared pair (once its protocol is over: fixtures torn down, the test's
     arguments dropped), free it; after any other real-model test, collect the models it may have left in reference
-    cycles (gc runs by object counts, not bytes: 8 GB of weights can wait there while the next test loads its own)."""
+    cycles or in FastAPI's caches (gc runs by object counts, not bytes: 8 GB of weights can wait there while the next
+    test loads its own)."""
     yield
     if REAL_PAIR.engine is not None and (nextitem is None or _real_pair_group(nextitem) == 0):
         REAL_PAIR.release()
     elif item.get_closest_marker("realmodels") is not None and REAL_PAIR.engine is None:
-        gc.collect()
+        _drop_leaked_models()
 
+
+# optuna keeps the ImportErrors of its optional integrations, tracebacks included, for later (optuna._imports):
+# imported first inside `dustin profile` (search._tune_m), those tracebacks held that call's frames, and so the
+# real pair, until the process ended (measured: a bf16 pair beside the fp32 one). Imported here, they hold nothing.
+try:
+    importlib.import_module("optuna")
+except ImportError:
+    pass
 
 # Tiny models: one thread avoids OpenMP hand-off costs that dominate small matmuls on a 2-core machine
 # (measured: a 144x64 matmul 15 ms with 2 threads under load vs 20 us with 1). The real-pair tests raise it.
