@@ -315,8 +315,13 @@ class LLMEngine:
         else:
             self._send(plan, then_execute=True)
         outputs = self._collect()
+        if not self._by_id and self._inflight is not None:
+            # nothing left to serve: read the last launched step back now (its rows have all stopped, it books
+            # nothing), so an idle engine holds no step in flight and needs no further step() call
+            self.session.complete(self._inflight)
+            self._inflight = None
         s = self.session
-        if outputs or s.active_rows or s.prefilling_rows or self._inflight is not None:
+        if outputs or s.active_rows or s.prefilling_rows:
             self.counters["busy_s"] += time.perf_counter() - t0
         return outputs
 
