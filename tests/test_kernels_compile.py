@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_verify_attention_split_kernel",
            "_verify_attention_combine_kernel", "_sparse_verify_split_kernel", "_sparse_verify_combine_kernel",
            "_score_pass1_kernel", "_score_pass2_kernel", "_mask_scores_kernel",
-           "_assemble_kernel", "_page_minmax_kernel", "_page_scores_kernel", "_prefill_attention_kernel"}
+           "_assemble_kernel", "_page_minmax_kernel", "_page_scores_kernel", "_prefill_attention_kernel",
+           "_linear_kernel", "_gate_up_kernel", "_qkv_rope_kernel"}
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90)
 
 

@@ -55,6 +55,28 @@ def compile_launches(compiled: list[Compiled]):
         JITFunction.run = saved
 
 
+def compile_decode_layers(decode_linear) -> None:
+    """The fused decode-layer kernels at the default pair's shapes: the 0.5B draft (dim 896, 14/2 heads, D 64,
+    SwiGLU 4864) at 16 and 32 rows, the 1.5B target (1536, 12/2, D 128, 8960) at 16 rows (vanilla) and 80
+    (a verify of Γ = 4 at batch 16); every projection with the tiles the engine picks."""
+    bf = torch.bfloat16
+    for dim, hq, hkv, d, inter, bias in ((896, 14, 2, 64, 4864, True), (1536, 12, 2, 128, 8960, True)):
+        for b, t in ((16, 1), (16, 2), (16, 5)):
+            x = torch.zeros(b, t, dim, dtype=bf)
+            nw = torch.ones(dim, dtype=bf)
+            cos = torch.zeros(b, t, d)
+            cache = torch.zeros(2, b, hkv, 64, d, dtype=bf)
+            decode_linear.qkv_rope(x, torch.zeros((hq + 2 * hkv) * d, dim, dtype=bf),
+                                   torch.zeros((hq + 2 * hkv) * d, dtype=bf) if bias else None, cos, cos,
+                                   torch.zeros(b, t, dtype=torch.long), cache[0], cache[1], n_heads=hq,
+                                   n_kv_heads=hkv, norm_weight=nw, eps=1e-6)
+            attn = torch.zeros(b, hq, t, d, dtype=bf)
+            decode_linear.decode_linear(attn, torch.zeros(dim, hq * d, dtype=bf), residual=x, heads=hq)
+            decode_linear.gate_up_silu(x, torch.zeros(2 * inter, dim, dtype=bf), norm_weight=nw, eps=1e-6)
+            decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
+                                        residual=x)
+
+
 def compile_all_kernels() -> list[Compiled]:
     """Launch every kernel of dustin/kernels through its Python wrapper, at the shapes and options the engine
     uses on the GPU (bf16 caches, Qwen2.5-32B / 1.5B / 0.5B head layouts, Γ = 4), compiling instead of
@@ -62,6 +84,7 @@ def compile_all_kernels() -> list[Compiled]:
     import os
 
     from dustin.kernels import (
+        decode_linear,
         fused_ops,
         prefill_attention,
         quest,
@@ -117,6 +140,7 @@ def compile_all_kernels() -> list[Compiled]:
         for n in (4864, 8960, 27648 // 2):  # SwiGLU epilogue: 0.5B, 1.5B, 32B over 2 ranks; halves of gate_up
             fused_ops.silu_mul(*torch.zeros(B, 5, 2 * n, dtype=bf).chunk(2, dim=-1))
         selection.select_streaming(L, 512)
+        compile_decode_layers(decode_linear)
         # packed chunked prefill: the 1.5B target (12 heads on 2, D 128), the 0.5B draft (14 on 2, D 64)
         plan = prefill_attention.PrefillPlan.build([(0, 0, 100), (1, 300, 64)], "cpu")
         for hq, hkv, d in ((12, 2, 128), (14, 2, 64)):

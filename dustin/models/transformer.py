@@ -130,6 +130,12 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             cache.write(self.layer, k, v, ctx.positions, ctx.rows)
+        out = self.attend(q, k, v, k_cache, v_cache, ctx, backend)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+    def attend(self, q, k, v, k_cache, v_cache, ctx: ForwardContext, backend: AttentionBackend) -> torch.Tensor:
+        """q [B, Hq, T, D] (rotated; k and v already in the cache) -> [B, Hq, T, D]: the query observers, this
+        layer's sparse plan, then the backend's prefill (fresh: over k, v), sparse or dense verify."""
         for obs in ctx.observers:
             if self.layer in obs.layers:
                 obs(self.layer, q, k_cache, ctx)
@@ -137,14 +143,11 @@ class Attention(nn.Module):
         if plan is not None and not isinstance(plan, SparsePlan):
             plan = plan.plan_layer(self.layer, q, ctx)
         if ctx.fresh:
-            out = backend.prefill(q, k, v)
-        elif plan is not None:
-            out = backend.sparse_verify(q, k_cache, v_cache, ctx.lengths, plan, max_len=ctx.max_len)
-        else:
-            out = backend.verify(q, k_cache, v_cache, ctx.lengths, sinks=ctx.sinks, window=ctx.window,
-                                 max_len=ctx.max_len)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
-
+            return backend.prefill(q, k, v)
+        if plan is not None:
+            return backend.sparse_verify(q, k_cache, v_cache, ctx.lengths, plan, max_len=ctx.max_len)
+        return backend.verify(q, k_cache, v_cache, ctx.lengths, sinks=ctx.sinks, window=ctx.window,
+                              max_len=ctx.max_len)
 
     def _packed_prefill(self, q, k, v, cos, sin, k_cache, v_cache, ctx: ForwardContext,
                         backend: AttentionBackend) -> torch.Tensor:
@@ -215,6 +218,23 @@ class DecoderLayer(nn.Module):
         residual, x = self.post_attention_layernorm.add_forward(residual, h)
         return self.mlp(x), residual
 
+    def decode_forward(self, r: torch.Tensor, cos, sin, ctx: ForwardContext, backend: AttentionBackend):
+        """The residual stream r [B, T, dim] (T new tokens per row, B * T <= decode_linear.MAX_ROWS) -> the next
+        layer's, in three fused kernels and the attention (dustin/kernels/decode_linear.py): norm + q/k/v + RoPE
+        + KV-cache write; attention; o_proj + residual; norm + gate/up + SiLU·up; down_proj + residual. The same
+        math as `forward` (fp32: within rounding; see the kernels' module doc for bf16)."""
+        from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope
+        attn, mlp, a = self.self_attn, self.mlp, self.self_attn.args
+        k_cache, v_cache = ctx.cache.k[attn.layer], ctx.cache.v[attn.layer]
+        q = qkv_rope(r, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, ctx.positions, k_cache, v_cache,
+                     n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, norm_weight=self.input_layernorm.weight,
+                     eps=self.input_layernorm.eps)
+        out = attn.attend(q, None, None, k_cache, v_cache, ctx, backend)
+        r = decode_linear(out, attn.o_proj.weight, residual=r, heads=a.n_heads)
+        x = gate_up_silu(r, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+                         eps=self.post_attention_layernorm.eps)
+        return decode_linear(x, mlp.down_proj.weight, residual=r)
+
 
 class Transformer(nn.Module):
     """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head) until `fuse_projections`.
@@ -224,6 +244,9 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None, *, fused_ops: bool = True) -> None:
         super().__init__()
         self.args = args
+        # GPU decode / verify forwards of <= decode_linear.MAX_ROWS rows take DecoderLayer.decode_forward (3
+        # fused kernels + attention per layer) once the projections are fused; False keeps `forward` (A/B)
+        self.decode_kernels = fused_ops
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(DecoderLayer(args, i, fused_ops) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, fused_ops)
@@ -238,12 +261,32 @@ class Transformer(nn.Module):
         """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T)."""
         h, residual = self.embed_tokens(tokens), None
         cos, sin = self.rotary(ctx.positions)
+        if self._takes_decode_kernels(h, ctx):
+            return self.decode_logits(h, cos, sin, ctx, logits_at)
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, ctx, self.backend)
         if logits_at is not None:
             rows = torch.arange(h.shape[0], device=h.device)
             h, residual = h[rows, logits_at], residual[rows, logits_at]
         return self.lm_head(self.norm.add_forward(residual, h)[1]).float()
+
+    def decode_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` after the embedding, through `DecoderLayer.decode_forward` (its conditions:
+        `_takes_decode_kernels`)."""
+        for layer in self.layers:
+            h = layer.decode_forward(h, cos, sin, ctx, self.backend)
+        if logits_at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
+        return self.lm_head(self.norm(h)).float()
+
+    def _takes_decode_kernels(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Decode and verify forwards on a GPU: few rows, new tokens appended to every row's cache (no prefill,
+        no packed chunks), fused projections, and no tensor parallelism (its all-reduce sits between o_proj /
+        down_proj and the residual add)."""
+        from dustin.kernels.decode_linear import MAX_ROWS
+        return (self.decode_kernels and h.is_cuda and not ctx.fresh and ctx.packed is None and ctx.rows is None
+                and h.shape[0] * h.shape[1] <= MAX_ROWS and self.projections_fused
+                and type(self.layers[0].self_attn.o_proj) is Linear and type(self.layers[0].mlp.down_proj) is Linear)
 
     def fuse_projections(self) -> Transformer:
         """Concatenate each layer's q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj: two GEMM

@@ -1,0 +1,374 @@
+"""Linear layers of a decode or verify forward (a few rows) with their neighbours fused in: three kernels and
+the attention make one decoder layer.
+
+Why: a decode step has B * T <= 128 rows (T = 1 for a draft pass or vanilla, Γ + 1 for a verify). Each GEMM then
+reads a weight matrix of a few MB once, in a few µs, and each elementwise kernel around it (RMSNorm, RoPE, the
+KV-cache write, SiLU·up, the residual add, a split-K reduction) costs a launch of its own: ~11 kernels per layer,
+~1,700 per speculative step. These kernels fold that work into the GEMM that needs it:
+
+- `qkv_rope`: RMSNorm as the prologue of the q/k/v projection, bias, RoPE of q and k, and the write of k and v
+  into the KV cache in its epilogue (one program per head and slice of half-dims, so RoPE's pairs (d, d + D/2)
+  are two accumulators of one program);
+- `decode_linear`: o_proj and down_proj with the residual add in the epilogue, optionally split over K, the
+  partial sums reduced by the program that finishes last, in a fixed order (deterministic: no atomic adds of
+  values, the result does not depend on which program finished when);
+- `gate_up_silu`: RMSNorm prologue, the gate and up halves as two accumulators, SiLU(gate)·up in the epilogue.
+
+The layout is "swap AB": a program multiplies a [BN, BK] tile of the weight ([N, K], nn.Linear's layout, K
+contiguous) by the [BK, BM] transposed activations, so the MMA's large side is the weight and BM (the rows,
+padded to a power of two >= 16) is its small side.
+
+RMSNorm in the prologue uses norm(x) @ W^T = rstd * ((x * g) @ W^T): the sum of squares is accumulated in the
+same pass over K as the product, so no program reads its rows twice. Rounding therefore differs from
+`dustin.models.transformer.rms_norm` (which rounds x * rstd before the weight): in fp32 by the last bits, in
+bf16 by up to one ulp of the normalized input; everything after the GEMM rounds where the PyTorch ops it replaces
+round (the projection's output to the activation dtype, then RoPE / SiLU·up / the residual add in fp32).
+fp32 inputs use IEEE fp32 dot products (no TF32).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 128  # more rows: the plain path (cuBLAS amortizes the weight read there)
+_FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
+
+
+@triton.jit
+def _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD: tl.constexpr):
+    """The [BK, BM] tile of x transposed: rows at offsets xrow, column k at (k // HD) * sx_h + k % HD (an
+    attention output [B, H, T, D] is read in place as [B * T, H * D])."""
+    cols = (kk // HD) * sx_h + kk % HD
+    return tl.load(x_ptr + xrow[None, :] + cols[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM: tl.constexpr):
+    """x * g (the norm's weight) for the product, and the rows' running sum of squares (rstd comes after)."""
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, 0)
+        g = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = (xf * g[:, None]).to(x.dtype)
+    return x, ss
+
+
+@triton.jit
+def _wdot(acc, w_ptr, wrow, w_ok, kk, k_ok, x, K, F32DOT: tl.constexpr):
+    """acc + W[wrow, kk] @ x. F32DOT: an IEEE fp32 product (fp32 models; and the CPU interpreter, whose bf16
+    tl.dot multiplies raw bit patterns)."""
+    w = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+    if F32DOT:
+        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, x, acc)
+
+
+@triton.jit
+def _rows(T, sx_b, sx_t, M, BM: tl.constexpr):
+    rows = tl.arange(0, BM)
+    return rows, rows < M, (rows // T) * sx_b + (rows % T) * sx_t
+
+
+@triton.jit
+def _scaled(acc, ss, K, eps, HAS_NORM: tl.constexpr):
+    if HAS_NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[None, :]
+    return acc
+
+
+@triton.jit
+def _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
+    acc = _scaled(acc, ss, K, eps, HAS_NORM)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y = acc.to(out_ptr.dtype.element_ty)  # the projection's output, rounded as a separate GEMM would round it
+    ok = n_ok[:, None] & row_ok[None, :]
+    if HAS_RES:  # residual + y in fp32, rounded once (as the add of the residual stream rounds)
+        r = tl.load(r_ptr + rows[None, :] * sr_m + n[:, None], mask=ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y, mask=ok)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, ws_ptr, cnt_ptr,
+                   M, N, K, T, sx_b, sx_t, sx_h, sr_m, so_m, eps,
+                   HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+    """out[m, n] = [residual +] [bias +] x[m] . W[n] (x normed first with HAS_NORM). Grid (N tiles, SPLIT)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    k_lo = pid_s * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < k_hi
+        x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD)
+        x, ss = _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM)
+        acc = _wdot(acc, w_ptr, n, n_ok, kk, k_ok, x, K, F32DOT)
+    if SPLIT == 1:
+        _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
+                    HAS_BIAS, HAS_RES, HAS_NORM)
+    else:
+        tiles = tl.num_programs(0)
+        tl.store(ws_ptr + ((pid_s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :], acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last split of this tile: reduce all partials in split order
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(ws_ptr + ((s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :],
+                               cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
+            _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
+                        HAS_BIAS, HAS_RES, HAS_NORM)
+
+
+@triton.jit
+def _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, K, eps,
+               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+    """W[w1] @ norm?(x)^T and W[w2] @ norm?(x)^T ([BN, BM] each, rstd applied) in one pass over K: two weight
+    tiles share each activation tile (gate and up; the two halves of RoPE's pairs)."""
+    acc1 = tl.zeros([BN, BM], dtype=tl.float32)
+    acc2 = tl.zeros([BN, BM], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < K
+        x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, 0, 1 << 30)
+        x, ss = _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM)
+        acc1 = _wdot(acc1, w_ptr, w1, w_ok, kk, k_ok, x, K, F32DOT)
+        acc2 = _wdot(acc2, w_ptr, w2, w_ok, kk, k_ok, x, K, F32DOT)
+    return _scaled(acc1, ss, K, eps, HAS_NORM), _scaled(acc2, ss, K, eps, HAS_NORM)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, INTER, K, T, sx_b, sx_t, so_m, eps,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+    """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up])."""
+    rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < INTER
+    acc_g, acc_u = _two_tiles(x_ptr, xrow, row_ok, w_ptr, n, INTER + n, n_ok, nw_ptr, K, eps,
+                              BN, BM, BK, HAS_NORM, F32DOT)
+    dt = out_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u  # as dustin.kernels.fused_ops.silu_mul: fp32, rounded once
+    tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y.to(dt), mask=n_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                     M, K, T, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+    """One program per (head of [q | k | v], DB of the HALF half-dims): the head's dims j and HALF + j
+    (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads rotated
+    and v heads as they are written into the KV cache at each token's position."""
+    pid = tl.program_id(0)
+    h = pid // (HALF // DB)
+    j = (pid % (HALF // DB)) * DB + tl.arange(0, DB)
+    rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
+    w1 = h * (2 * HALF) + j
+    w_ok = j < HALF
+    acc1, acc2 = _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w1 + HALF, w_ok, nw_ptr, K, eps,
+                            DB, BM, BK, HAS_NORM, F32DOT)
+    if HAS_BIAS:
+        acc1 += tl.load(b_ptr + w1).to(tl.float32)[:, None]
+        acc2 += tl.load(b_ptr + w1 + HALF).to(tl.float32)[:, None]
+    dt = q_ptr.dtype.element_ty
+    y1 = acc1.to(dt).to(tl.float32)  # the projection's output as the separate GEMM rounds it
+    y2 = acc2.to(dt).to(tl.float32)
+    b = rows // T
+    t = rows % T
+    ok = row_ok[None, :]
+    if h < HQ + HKV:  # RoPE as dustin.kernels.fused_ops.rope_qk computes it
+        cs = (b * sc_b + t * sc_t)[None, :] + j[:, None]
+        c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0)
+        s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0)
+        y1, y2 = y1 * c1 - y2 * s1, y2 * c2 + y1 * s2
+    if h < HQ:
+        dst = q_ptr + ((b * HQ + h) * T + t)[None, :] * (2 * HALF) + j[:, None]
+        tl.store(dst, y1.to(dt), mask=ok)
+        tl.store(dst + HALF, y2.to(dt), mask=ok)
+    else:
+        pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int64)
+        hk = h - HQ
+        cache = kc_ptr
+        if hk >= HKV:
+            hk -= HKV
+            cache = vc_ptr
+        dst = cache + (b.to(tl.int64) * s_row + hk * s_head + pos * s_pos)[None, :] + j[:, None]
+        tl.store(dst, y1.to(cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, y2.to(cache.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one projection: BN weight rows (per half for gate_up / RoPE pairs) and BK of K per
+    iteration, `split` programs along K, warps and pipeline stages."""
+    bn: int
+    bk: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 4
+
+
+_TARGET_PROGRAMS = 264  # two programs per SM of an H100/H200: enough loads in flight to stream the weights
+
+
+def _block_rows(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+_SHARED_BUDGET = 200 * 1024  # of the 227 KiB per block on sm_90, for the pipeline's weight + activation tiles
+
+
+def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: int = 1) -> Tiles:
+    """BK and pipeline stages for a program that streams `weight_rows` weight rows against m activation rows:
+    wide K steps for few rows, up to 4 stages, within the shared-memory budget."""
+    bm, size = _block_rows(m), dtype.itemsize
+    bk = min(256 if bm <= 32 and size <= 2 else 128, max(16, triton.next_power_of_2(K)))
+    stages = max(1, min(4, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
+    while stages < 2 and bk > 32:
+        bk //= 2
+        stages = max(1, min(4, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
+    return Tiles(bn, bk, split, 4, stages)
+
+
+def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool, halves: int = 1) -> Tiles:
+    """Tiles for a projection of N outputs (per half: gate_up and RoPE programs compute `halves` = 2 tiles of
+    BN rows): the widest BN (16-64) that still gives ~2 programs per SM, then a split of K (each part >= 512
+    wide) when even BN = 16 leaves SMs idle."""
+    bn = 64
+    while bn > 16 and triton.cdiv(N, bn) < _TARGET_PROGRAMS:
+        bn //= 2
+    split = 1
+    if splittable:
+        while split < 8 and triton.cdiv(N, bn) * split * 2 <= _TARGET_PROGRAMS and K // (split * 2) >= 512:
+            split *= 2
+    return _fit(halves * bn, M, K, dtype, bn, split)
+
+
+def _f32dot(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_rows(x2_rows: int, K: int, w: torch.Tensor) -> None:
+    if not 0 < x2_rows <= MAX_ROWS:
+        raise ValueError(f"decode kernels take 1..{MAX_ROWS} rows, got {x2_rows}")
+    if w.dim() != 2 or w.shape[1] != K or w.stride(1) != 1 or w.stride(0) != K:
+        raise ValueError(f"weight must be a contiguous [N, {K}] matrix, got {tuple(w.shape)}")
+
+
+class _Counters:
+    """Per-device arrival counters of split-K tiles: zeros, and left at zero by every launch (the last program
+    of a tile resets its counter). Allocated eagerly, never inside a CUDA graph capture: a capture that finds
+    none runs unsplit."""
+    _by_device: dict[torch.device, torch.Tensor] = {}
+    SIZE = 4096
+
+    @classmethod
+    def get(cls, device: torch.device) -> torch.Tensor | None:
+        c = cls._by_device.get(device)
+        if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            c = cls._by_device[device] = torch.zeros(cls.SIZE, dtype=torch.int32, device=device)
+        return c
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  heads: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """[residual +] [bias +] norm?(x) @ weight.T for <= MAX_ROWS rows; returns [..rows.., N] in x's dtype.
+
+    x: [B, T, K] (last dim contiguous), or with `heads` an attention output [B, heads, T, D] read in place as
+    [B, T, heads * D]. residual: [B, T, N] (last dim contiguous). norm_weight: RMSNorm of x first (eps)."""
+    if heads is not None:
+        B, H, T, D = x.shape
+        assert H == heads and x.stride(-1) == 1
+        sx_b, sx_t, sx_h, hd, K = x.stride(0), x.stride(2), x.stride(1), D, H * D
+    else:
+        B, T, K = x.shape
+        assert x.stride(-1) == 1
+        sx_b, sx_t, sx_h, hd = x.stride(0), x.stride(1), 0, _FLAT
+    M, N = B * T, weight.shape[0]
+    _check_rows(M, K, weight)
+    out = torch.empty(B, T, N, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.stride(-1) == 1 and residual.stride(0) == T * residual.stride(1)
+    t = tiles or linear_tiles(M, N, K, x.dtype, splittable=norm_weight is None)
+    counters = _Counters.get(x.device) if t.split > 1 else None
+    if counters is None or triton.cdiv(N, t.bn) > _Counters.SIZE:
+        t = Tiles(t.bn, t.bk, 1, t.warps, t.stages)
+    grid_n, bm = triton.cdiv(N, t.bn), _block_rows(M)
+    ws = torch.empty(t.split * grid_n * t.bn * bm if t.split > 1 else 1, dtype=torch.float32, device=x.device)
+    dummy = out
+    _linear_kernel[(grid_n, t.split)](
+        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy, out, ws, counters if counters is not None else ws,
+        M, N, K, T, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
+        HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, F32DOT=_f32dot(x),
+        num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0, tiles: Tiles | None = None) -> torch.Tensor:
+    """silu(gate) * up of norm?(x) with weight = [gate; up] ([2I, K]): [B, T, I] in x's dtype."""
+    B, T, K = x.shape
+    assert x.stride(-1) == 1 and weight.shape[0] % 2 == 0
+    M, inter = B * T, weight.shape[0] // 2
+    _check_rows(M, K, weight)
+    t = tiles or linear_tiles(M, inter, K, x.dtype, splittable=False, halves=2)
+    out = torch.empty(B, T, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
+        x, weight, norm_weight if norm_weight is not None else out, out, M, inter, K, T, x.stride(0), x.stride(1),
+        inter, eps, BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm_weight is not None,
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+             sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+             n_heads: int, n_kv_heads: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+             tiles: Tiles | None = None) -> torch.Tensor:
+    """The attention's input half of a decoder layer in one launch: q, k, v = norm?(x) @ weight.T (+ bias) with
+    weight = [q; k; v] ([(Hq + 2 Hkv) D, K]), RoPE (cos/sin [B, T, D] fp32) on q and k, k and v written into
+    the caches ([B, Hkv, S, D] views of one layer, same strides) at `positions` [B, T]. Returns the rotated q
+    [B, Hq, T, D] (contiguous), as `dustin.kernels.fused_ops.rope_qk` does for a decode step."""
+    B, T, K = x.shape
+    M = B * T
+    D = weight.shape[0] // (n_heads + 2 * n_kv_heads)
+    half = D // 2
+    assert D * (n_heads + 2 * n_kv_heads) == weight.shape[0] and half & (half - 1) == 0 and half >= 16
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[-1] == D
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and positions.shape == (B, T)
+    assert k_cache.shape[0] == B and k_cache.shape[1] == n_kv_heads
+    _check_rows(M, K, weight)
+    t = tiles or _fit(2 * 16, M, K, x.dtype, 16)
+    q = torch.empty(B, n_heads, T, D, dtype=x.dtype, device=x.device)
+    grid = ((n_heads + 2 * n_kv_heads) * (half // t.bn),)
+    _qkv_rope_kernel[grid](
+        x, weight, bias if bias is not None else q, norm_weight if norm_weight is not None else q, cos, sin,
+        positions, q, k_cache, v_cache, M, K, T, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1),
+        positions.stride(0), positions.stride(1), *k_cache.stride()[:3], eps,
+        HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk, HAS_BIAS=bias is not None,
+        HAS_NORM=norm_weight is not None, F32DOT=_f32dot(x),
+        num_warps=t.warps, num_stages=t.stages)
+    return q
