@@ -51,6 +51,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument("--no-decode-kernels", action="store_true",
+                   help="decode/verify forwards through the unfused layer (A/B of dustin/kernels/decode_linear.py)")
     e2e.add_arguments(p)
     a = p.parse_args()
     t_name, d_name = a.pair.split(":")
@@ -61,6 +63,7 @@ def main() -> int:
     d_args = replace(d_args, max_position_embeddings=max(d_args.max_position_embeddings, reach))
     a.tau = a.tau if a.tau is not None else e2e.DEFAULT_TAU
     engine = e2e.build_engine(t_args, d_args, "cuda")
+    engine.target.decode_kernels = engine.draft.decode_kernels = not a.no_decode_kernels
     bw = a.copy_bw = copy_bandwidth()
     print(f"# {a.pair} B={a.batch} ctx={a.context} tau={a.tau} gamma={a.gamma} | {torch.cuda.get_device_name()} "
           f"| copy {bw / 1e12:.2f} TB/s | {time.strftime('%Y-%m-%d')} | random weights, acceptance-controlled")
@@ -97,7 +100,8 @@ def main() -> int:
         for k in row["top_kernels"]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"anatomy_{t_name}{'_no_overlap' if a.no_overlap else ''}.json").write_text(json.dumps(
+        tag = ("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
+        Path(os.environ["OUT"], f"anatomy_{t_name}{tag}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,
              "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
