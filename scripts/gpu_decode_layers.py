@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SHAPES = {"qwen2.5-0.5b": (16, 32), "qwen2.5-1.5b": (16, 80)}  # rows: draft passes / vanilla and verify
+SHAPES = {"qwen2.5-0.5b": (16, 32), "qwen2.5-1.5b": (16, 32)}  # rows: decode passes of batch 16 (1, 2 tokens)
 
 
 def emit(rows: list, row: dict) -> None:
@@ -56,7 +56,7 @@ def graph_us(fn, *args, iters: int = 50) -> float:
 
 
 def check_kernels(rows: list) -> None:
-    from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope
+    from dustin.kernels.decode_linear import RowNorm, decode_linear, gate_up_silu, qkv_rope, row_sumsq
     from dustin.models.args import named_config
     from dustin.models.rope import RotaryEmbedding, apply_rope
     from dustin.models.transformer import rms_norm
@@ -93,11 +93,12 @@ def check_kernels(rows: list) -> None:
                 def ref_down(x, w, r):
                     return r + F.linear(x, w)
 
+                norm = RowNorm(nw, 1e-6, row_sumsq(x))
                 cases = {
                     "qkv_rope": (qkv_rope(x, wqkv, bqkv, cos, sin, pos, kc, vc, n_heads=hq, n_kv_heads=hkv,
-                                          norm_weight=nw, eps=1e-6), ref_qkv, (x, nw, wqkv, bqkv, cos, sin)),
+                                          norm=norm), ref_qkv, (x, nw, wqkv, bqkv, cos, sin)),
                     "o_proj": (decode_linear(attn, wo, residual=res, heads=hq), ref_o, (attn, wo, res)),
-                    "gate_up": (gate_up_silu(x, wgu, norm_weight=nw, eps=1e-6), ref_gu, (x, nw, wgu)),
+                    "gate_up": (gate_up_silu(x, wgu, norm=norm), ref_gu, (x, nw, wgu)),
                     "down": (decode_linear(inter, wd, residual=res), ref_down, (inter, wd, res)),
                 }
                 for kname, (out, ref, args) in cases.items():
@@ -140,7 +141,7 @@ def check_models(rows: list) -> None:
         a = replace(named_config(name), n_layers=6)
         model = random_model(a, "cuda", torch.float32, seed=3, backend=AttentionBackend.for_device("cuda"))
         B, P = 16, 700
-        for T in (1, m2 // 16):
+        for T in (1, m2 // 16):  # decode passes of 1 and 2 tokens per row
             cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, 1024, torch.float32, "cuda")
             g = torch.Generator(device="cuda").manual_seed(T)
             with torch.no_grad():
@@ -205,7 +206,7 @@ def time_forwards(rows: list, bw: float) -> None:
 
 
 def sweep(rows: list, bw: float) -> None:
-    from dustin.kernels.decode_linear import _fit, linear_tiles
+    from dustin.kernels.decode_linear import RowNorm, _fit, linear_tiles
     from dustin.models.args import named_config
 
     bf, copies = torch.bfloat16, 24
@@ -221,18 +222,19 @@ def sweep(rows: list, bw: float) -> None:
             pos = 1000 + torch.arange(T, device="cuda")[None].expand(B, T)
             cos = torch.randn(B, T, D, device="cuda")
             kc = torch.zeros(B, hkv, 2048, D, device="cuda", dtype=bf)
+            norm = RowNorm(nw, 1e-6, torch.ones(dim // 64, m, device="cuda"))
             projs = {  # name: (N, K, run(w, tiles), candidate tiles (None: the BN x split grid), GEMM input)
-                "qkv_rope": ((hq + 2 * hkv) * D, dim, partial(_qkv, x, cos, pos, kc, hq, hkv, nw),
+                "qkv_rope": ((hq + 2 * hkv) * D, dim, partial(_qkv, x, cos, pos, kc, hq, hkv, norm),
                              [None] + [_fit(2 * bn, m, dim, bf, bn) for bn in (16, 32)], x),
                 "o_proj": (dim, hq * D, partial(_o, attn, x, hq), None, attn.transpose(1, 2).reshape(B, T, -1)),
-                "gate_up": (2 * inter, dim, partial(_gu, x, nw),
-                            [None] + [_fit(2 * bn, m, dim, bf, bn) for bn in (16, 32, 64)], x),
+                "gate_up": (2 * inter, dim, partial(_gu, x, norm),
+                            [None] + [_fit(2 * bn, m, dim, bf, bn) for bn in (32, 64, 128)], x),
                 "down": (dim, inter, partial(_down, xi, x), None, xi),
             }
             for pname, (n, k, run, cands, gemm_in) in projs.items():
                 ws = [torch.randn(n, k, device="cuda", dtype=bf) * 0.02 for _ in range(copies)]
                 if cands is None:
-                    cands = [None] + [_fit(bn, m, k, bf, bn, split) for bn in (16, 32, 64) for split in (1, 2, 4, 8)
+                    cands = [None] + [_fit(bn, m, k, bf, bn, split) for bn in (32, 64, 128) for split in (1, 2, 4, 8)
                                       if k // split >= 256]
                 heur = linear_tiles(m, n if pname != "gate_up" else inter, k, bf,
                                     splittable=pname in ("o_proj", "down"), halves=2 if pname == "gate_up" else 1)
@@ -255,9 +257,9 @@ def sweep(rows: list, bw: float) -> None:
                 del ws
 
 
-def _qkv(x, cos, pos, kc, hq, hkv, nw, w, t):
+def _qkv(x, cos, pos, kc, hq, hkv, norm, w, t):
     from dustin.kernels.decode_linear import qkv_rope
-    qkv_rope(x, w, None, cos, cos, pos, kc, kc, n_heads=hq, n_kv_heads=hkv, norm_weight=nw, eps=1e-6, tiles=t)
+    qkv_rope(x, w, None, cos, cos, pos, kc, kc, n_heads=hq, n_kv_heads=hkv, norm=norm, tiles=t)
 
 
 def _o(attn, x, hq, w, t):
@@ -265,9 +267,9 @@ def _o(attn, x, hq, w, t):
     decode_linear(attn, w, residual=x, heads=hq, tiles=t)
 
 
-def _gu(x, nw, w, t):
+def _gu(x, norm, w, t):
     from dustin.kernels.decode_linear import gate_up_silu
-    gate_up_silu(x, w, norm_weight=nw, eps=1e-6, tiles=t)
+    gate_up_silu(x, w, norm=norm, tiles=t)
 
 
 def _down(xi, x, w, t):

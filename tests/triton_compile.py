@@ -57,24 +57,25 @@ def compile_launches(compiled: list[Compiled]):
 
 def compile_decode_layers(decode_linear) -> None:
     """The fused decode-layer kernels at the default pair's shapes: the 0.5B draft (dim 896, 14/2 heads, D 64,
-    SwiGLU 4864) at 16 and 32 rows, the 1.5B target (1536, 12/2, D 128, 8960) at 16 rows (vanilla) and 80
-    (a verify of Γ = 4 at batch 16); every projection with the tiles the engine picks."""
+    SwiGLU 4864) and the 1.5B target (1536, 12/2, D 128, 8960), at 16 and 32 rows (decode passes of batch 16 and
+    32, a draft pass of 2 tokens), with the tiles the engine picks."""
     bf = torch.bfloat16
-    for dim, hq, hkv, d, inter, bias in ((896, 14, 2, 64, 4864, True), (1536, 12, 2, 128, 8960, True)):
-        for b, t in ((16, 1), (16, 2), (16, 5)):
+    for dim, hq, hkv, d, inter in ((896, 14, 2, 64, 4864), (1536, 12, 2, 128, 8960)):
+        for b, t in ((16, 1), (16, 2)):
             x = torch.zeros(b, t, dim, dtype=bf)
-            nw = torch.ones(dim, dtype=bf)
+            norm = decode_linear.RowNorm(torch.ones(dim, dtype=bf), 1e-6, torch.zeros(dim // 64, b * t))
             cos = torch.zeros(b, t, d)
             cache = torch.zeros(2, b, hkv, 64, d, dtype=bf)
             decode_linear.qkv_rope(x, torch.zeros((hq + 2 * hkv) * d, dim, dtype=bf),
-                                   torch.zeros((hq + 2 * hkv) * d, dtype=bf) if bias else None, cos, cos,
+                                   torch.zeros((hq + 2 * hkv) * d, dtype=bf), cos, cos,
                                    torch.zeros(b, t, dtype=torch.long), cache[0], cache[1], n_heads=hq,
-                                   n_kv_heads=hkv, norm_weight=nw, eps=1e-6)
+                                   n_kv_heads=hkv, norm=norm)
             attn = torch.zeros(b, hq, t, d, dtype=bf)
-            decode_linear.decode_linear(attn, torch.zeros(dim, hq * d, dtype=bf), residual=x, heads=hq)
-            decode_linear.gate_up_silu(x, torch.zeros(2 * inter, dim, dtype=bf), norm_weight=nw, eps=1e-6)
+            decode_linear.decode_linear(attn, torch.zeros(dim, hq * d, dtype=bf), residual=x, heads=hq,
+                                        emit_sumsq=True)
+            decode_linear.gate_up_silu(x, torch.zeros(2 * inter, dim, dtype=bf), norm=norm)
             decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
-                                        residual=x)
+                                        residual=x, emit_sumsq=True)
 
 
 def compile_all_kernels() -> list[Compiled]:

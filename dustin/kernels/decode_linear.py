@@ -1,7 +1,7 @@
 """Linear layers of a decode or verify forward (a few rows) with their neighbours fused in: three kernels and
 the attention make one decoder layer.
 
-Why: a decode step has B * T <= 128 rows (T = 1 for a draft pass or vanilla, Γ + 1 for a verify). Each GEMM then
+Why: a decode pass has B * T <= 32 rows (T = 1 or 2 for a draft pass or vanilla). Each GEMM then
 reads a weight matrix of a few MB once, in a few µs, and each elementwise kernel around it (RMSNorm, RoPE, the
 KV-cache write, SiLU·up, the residual add, a split-K reduction) costs a launch of its own: ~11 kernels per layer,
 ~1,700 per speculative step. These kernels fold that work into the GEMM that needs it:
@@ -18,8 +18,10 @@ The layout is "swap AB": a program multiplies a [BN, BK] tile of the weight ([N,
 contiguous) by the [BK, BM] transposed activations, so the MMA's large side is the weight and BM (the rows,
 padded to a power of two >= 16) is its small side.
 
-RMSNorm in the prologue uses norm(x) @ W^T = rstd * ((x * g) @ W^T): the sum of squares is accumulated in the
-same pass over K as the product, so no program reads its rows twice. Rounding therefore differs from
+RMSNorm in the prologue uses norm(x) @ W^T = rstd * ((x * g) @ W^T): rstd comes from the rows' sums of squares,
+which the kernel that wrote x (the residual add's epilogue) left as one partial sum per output tile
+(`RowNorm`), so no program reduces over its rows inside its K loop (a reduction per step stalls the load
+pipeline: measured 2-3x slower). Rounding therefore differs from
 `dustin.models.transformer.rms_norm` (which rounds x * rstd before the weight): in fp32 by the last bits, in
 bf16 by up to one ulp of the normalized input; everything after the GEMM rounds where the PyTorch ops it replaces
 round (the projection's output to the activation dtype, then RoPE / SiLU·up / the residual add in fp32).
@@ -29,12 +31,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 128  # more rows: the plain path (cuBLAS amortizes the weight read there)
+MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
 _FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
 
 
@@ -47,14 +50,12 @@ def _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD: tl.constexpr):
 
 
 @triton.jit
-def _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM: tl.constexpr):
-    """x * g (the norm's weight) for the product, and the rows' running sum of squares (rstd comes after)."""
+def _normed(x, nw_ptr, kk, k_ok, HAS_NORM: tl.constexpr):
+    """x * g (the norm's weight) for the product; rstd scales the product afterwards (`_scaled`)."""
     if HAS_NORM:
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, 0)
         g = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        x = (xf * g[:, None]).to(x.dtype)
-    return x, ss
+        x = (x.to(tl.float32) * g[:, None]).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -74,16 +75,22 @@ def _rows(T, sx_b, sx_t, M, BM: tl.constexpr):
 
 
 @triton.jit
-def _scaled(acc, ss, K, eps, HAS_NORM: tl.constexpr):
+def _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr):
+    """acc * rstd per row. The rows' sums of squares come as NT partial sums [NT, M] (written by the kernel
+    that produced x: one per N tile of its epilogue), added here in tile order."""
     if HAS_NORM:
+        t = tl.arange(0, NT_PAD)
+        ss = tl.sum(tl.load(ss_ptr + t[:, None] * M + rows[None, :], mask=(t < NT)[:, None] & row_ok[None, :],
+                            other=0.0), 0)
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[None, :]
     return acc
 
 
 @triton.jit
-def _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
-                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr):
-    acc = _scaled(acc, ss, K, eps, HAS_NORM)
+def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m, so_m, K,
+                eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                NT_PAD: tl.constexpr, EMIT_SS: tl.constexpr):
+    acc = _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(out_ptr.dtype.element_ty)  # the projection's output, rounded as a separate GEMM would round it
@@ -92,21 +99,25 @@ def _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_
         r = tl.load(r_ptr + rows[None, :] * sr_m + n[:, None], mask=ok, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y, mask=ok)
+    if EMIT_SS:  # this tile's share of each row's sum of squares, for the next layer's RMSNorm prologue
+        yf = tl.where(ok, y.to(tl.float32), 0.0)
+        tl.store(sso_ptr + pid_n * M + rows, tl.sum(yf * yf, 0), mask=row_ok)
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, ws_ptr, cnt_ptr,
-                   M, N, K, T, sx_b, sx_t, sx_h, sr_m, so_m, eps,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, ss_ptr, out_ptr, sso_ptr, ws_ptr, cnt_ptr,
+                   M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
                    HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
-    """out[m, n] = [residual +] [bias +] x[m] . W[n] (x normed first with HAS_NORM). Grid (N tiles, SPLIT)."""
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
+                   EMIT_SS: tl.constexpr, F32DOT: tl.constexpr):
+    """out[m, n] = [residual +] [bias +] x[m] . W[n] (x normed first with HAS_NORM; EMIT_SS: also the tile's
+    partial sums of squares of out's rows). Grid (N tiles, SPLIT)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    ss = tl.zeros([BM], dtype=tl.float32)
     k_per = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
     k_lo = pid_s * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
@@ -114,11 +125,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, ws_ptr, cnt_ptr,
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < k_hi
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD)
-        x, ss = _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM)
+        x = _normed(x, nw_ptr, kk, k_ok, HAS_NORM)
         acc = _wdot(acc, w_ptr, n, n_ok, kk, k_ok, x, K, F32DOT)
     if SPLIT == 1:
-        _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
-                    HAS_BIAS, HAS_RES, HAS_NORM)
+        _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m, so_m,
+                    K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_SS)
     else:
         tiles = tl.num_programs(0)
         tl.store(ws_ptr + ((pid_s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :], acc)
@@ -130,38 +141,39 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, ws_ptr, cnt_ptr,
                 acc += tl.load(ws_ptr + ((s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :],
                                cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
-            _linear_out(acc, ss, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sr_m, so_m, K, eps,
-                        HAS_BIAS, HAS_RES, HAS_NORM)
+            _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m,
+                        so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_SS)
 
 
 @triton.jit
-def _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, K, eps,
-               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
+               F32DOT: tl.constexpr):
     """W[w1] @ norm?(x)^T and W[w2] @ norm?(x)^T ([BN, BM] each, rstd applied) in one pass over K: two weight
     tiles share each activation tile (gate and up; the two halves of RoPE's pairs)."""
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc2 = tl.zeros([BN, BM], dtype=tl.float32)
-    ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < K
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, 0, 1 << 30)
-        x, ss = _normed(x, nw_ptr, kk, k_ok, ss, HAS_NORM)
+        x = _normed(x, nw_ptr, kk, k_ok, HAS_NORM)
         acc1 = _wdot(acc1, w_ptr, w1, w_ok, kk, k_ok, x, K, F32DOT)
         acc2 = _wdot(acc2, w_ptr, w2, w_ok, kk, k_ok, x, K, F32DOT)
-    return _scaled(acc1, ss, K, eps, HAS_NORM), _scaled(acc2, ss, K, eps, HAS_NORM)
+    return (_scaled(acc1, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD),
+            _scaled(acc2, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD))
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, INTER, K, T, sx_b, sx_t, so_m, eps,
+def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+                    HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr):
     """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up])."""
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < INTER
-    acc_g, acc_u = _two_tiles(x_ptr, xrow, row_ok, w_ptr, n, INTER + n, n_ok, nw_ptr, K, eps,
-                              BN, BM, BK, HAS_NORM, F32DOT)
+    acc_g, acc_u = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, n, INTER + n, n_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+                              BN, BM, BK, HAS_NORM, NT_PAD, F32DOT)
     dt = out_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -170,11 +182,11 @@ def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, INTER, K, T, sx_b, sx_t, s
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                     M, K, T, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                     M, K, T, NT, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, F32DOT: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr):
     """One program per (head of [q | k | v], DB of the HALF half-dims): the head's dims j and HALF + j
     (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads rotated
     and v heads as they are written into the KV cache at each token's position."""
@@ -184,8 +196,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, cos_ptr, sin_ptr, pos_ptr, q_p
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     w1 = h * (2 * HALF) + j
     w_ok = j < HALF
-    acc1, acc2 = _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w1 + HALF, w_ok, nw_ptr, K, eps,
-                            DB, BM, BK, HAS_NORM, F32DOT)
+    acc1, acc2 = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w1 + HALF, w_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+                            DB, BM, BK, HAS_NORM, NT_PAD, F32DOT)
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + w1).to(tl.float32)[:, None]
         acc2 += tl.load(b_ptr + w1 + HALF).to(tl.float32)[:, None]
@@ -229,7 +241,7 @@ class Tiles:
     stages: int = 4
 
 
-_TARGET_PROGRAMS = 264  # two programs per SM of an H100/H200: enough loads in flight to stream the weights
+_SMS = 132  # an H100/H200's SMs: split-K stops at one wave of programs
 
 
 def _block_rows(m: int) -> int:
@@ -252,15 +264,13 @@ def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: i
 
 
 def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool, halves: int = 1) -> Tiles:
-    """Tiles for a projection of N outputs (per half: gate_up and RoPE programs compute `halves` = 2 tiles of
-    BN rows): the widest BN (16-64) that still gives ~2 programs per SM, then a split of K (each part >= 512
-    wide) when even BN = 16 leaves SMs idle."""
-    bn = 64
-    while bn > 16 and triton.cdiv(N, bn) < _TARGET_PROGRAMS:
-        bn //= 2
-    split = 1
+    """Tiles for a projection of N outputs (per half: gate_up programs compute `halves` = 2 tiles of BN rows).
+    64 weight rows a program (narrower tiles re-read the activations more often than they gain), then K split
+    while the programs still fit in one wave on the SMs and each part keeps >= 1024 of K. Measured on an
+    H200 at the default pair's shapes (scripts/gpu_decode_layers.py --sweep)."""
+    bn, split = 64, 1
     if splittable:
-        while split < 8 and triton.cdiv(N, bn) * split * 2 <= _TARGET_PROGRAMS and K // (split * 2) >= 512:
+        while split < 8 and triton.cdiv(N, bn) * split * 2 <= _SMS and K // (split * 2) >= 1024:
             split *= 2
     return _fit(halves * bn, M, K, dtype, bn, split)
 
@@ -291,13 +301,37 @@ class _Counters:
         return c
 
 
+class RowNorm(NamedTuple):
+    """RMSNorm of a kernel's input rows, done in its prologue: the norm's weight and eps, and the rows' sums of
+    squares as [NT, M] fp32 partial sums (from the producing kernel's `emit_sumsq`, or `row_sumsq`)."""
+    weight: torch.Tensor
+    eps: float
+    sumsq: torch.Tensor
+
+
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """[1, M] fp32 sums of squares of x's rows ([..., K]): the statistics of a `RowNorm` whose input no decode
+    kernel produced (the embedding output of the first layer)."""
+    return x.float().pow(2).sum(-1).reshape(1, -1)
+
+
+def _norm_args(norm: RowNorm | None, M: int, dummy: torch.Tensor):
+    """(weight, sumsq, NT, NT_PAD, eps) kernel arguments of an optional RowNorm."""
+    if norm is None:
+        return dummy, dummy, 1, 1, 0.0
+    nt = norm.sumsq.shape[0]
+    assert norm.sumsq.shape == (nt, M) and norm.sumsq.dtype == torch.float32 and norm.sumsq.is_contiguous()
+    return norm.weight, norm.sumsq, nt, triton.next_power_of_2(nt), norm.eps
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                  heads: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
-    """[residual +] [bias +] norm?(x) @ weight.T for <= MAX_ROWS rows; returns [..rows.., N] in x's dtype.
+                  residual: torch.Tensor | None = None, norm: RowNorm | None = None, emit_sumsq: bool = False,
+                  heads: int | None = None, tiles: Tiles | None = None):
+    """[residual +] [bias +] norm?(x) @ weight.T for <= MAX_ROWS rows; returns out [B, T, N] in x's dtype, or
+    (out, sums of squares of out's rows as [NT, M] partials) with emit_sumsq (the next RowNorm's statistics).
 
     x: [B, T, K] (last dim contiguous), or with `heads` an attention output [B, heads, T, D] read in place as
-    [B, T, heads * D]. residual: [B, T, N] (last dim contiguous). norm_weight: RMSNorm of x first (eps)."""
+    [B, T, heads * D]. residual: [B, T, N] (last dim contiguous)."""
     if heads is not None:
         B, H, T, D = x.shape
         assert H == heads and x.stride(-1) == 1
@@ -311,25 +345,26 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
     out = torch.empty(B, T, N, dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == out.shape and residual.stride(-1) == 1 and residual.stride(0) == T * residual.stride(1)
-    t = tiles or linear_tiles(M, N, K, x.dtype, splittable=norm_weight is None)
+    t = tiles or linear_tiles(M, N, K, x.dtype, splittable=True)
     counters = _Counters.get(x.device) if t.split > 1 else None
     if counters is None or triton.cdiv(N, t.bn) > _Counters.SIZE:
         t = Tiles(t.bn, t.bk, 1, t.warps, t.stages)
     grid_n, bm = triton.cdiv(N, t.bn), _block_rows(M)
     ws = torch.empty(t.split * grid_n * t.bn * bm if t.split > 1 else 1, dtype=torch.float32, device=x.device)
-    dummy = out
+    sso = torch.empty(grid_n, M, dtype=torch.float32, device=x.device) if emit_sumsq else ws
+    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, ws)
     _linear_kernel[(grid_n, t.split)](
-        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy, out, ws, counters if counters is not None else ws,
-        M, N, K, T, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, nw, ss, out, sso,
+        ws, counters if counters is not None else ws,
+        M, N, K, T, nt, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
         HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, F32DOT=_f32dot(x),
-        num_warps=t.warps, num_stages=t.stages)
-    return out
+        HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_SS=emit_sumsq,
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
+    return (out, sso) if emit_sumsq else out
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0, tiles: Tiles | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, norm: RowNorm | None = None,
+                 tiles: Tiles | None = None) -> torch.Tensor:
     """silu(gate) * up of norm?(x) with weight = [gate; up] ([2I, K]): [B, T, I] in x's dtype."""
     B, T, K = x.shape
     assert x.stride(-1) == 1 and weight.shape[0] % 2 == 0
@@ -337,17 +372,17 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     _check_rows(M, K, weight)
     t = tiles or linear_tiles(M, inter, K, x.dtype, splittable=False, halves=2)
     out = torch.empty(B, T, inter, dtype=x.dtype, device=x.device)
+    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, out)
     _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
-        x, weight, norm_weight if norm_weight is not None else out, out, M, inter, K, T, x.stride(0), x.stride(1),
-        inter, eps, BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm_weight is not None,
+        x, weight, nw, ss, out, M, inter, K, T, nt, x.stride(0), x.stride(1), inter, eps,
+        BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm is not None, NT_PAD=nt_pad,
         F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
     return out
 
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-             n_heads: int, n_kv_heads: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             tiles: Tiles | None = None) -> torch.Tensor:
+             n_heads: int, n_kv_heads: int, norm: RowNorm | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """The attention's input half of a decoder layer in one launch: q, k, v = norm?(x) @ weight.T (+ bias) with
     weight = [q; k; v] ([(Hq + 2 Hkv) D, K]), RoPE (cos/sin [B, T, D] fp32) on q and k, k and v written into
     the caches ([B, Hkv, S, D] views of one layer, same strides) at `positions` [B, T]. Returns the rotated q
@@ -363,12 +398,12 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     _check_rows(M, K, weight)
     t = tiles or _fit(2 * 16, M, K, x.dtype, 16)
     q = torch.empty(B, n_heads, T, D, dtype=x.dtype, device=x.device)
+    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, q)
     grid = ((n_heads + 2 * n_kv_heads) * (half // t.bn),)
     _qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else q, norm_weight if norm_weight is not None else q, cos, sin,
-        positions, q, k_cache, v_cache, M, K, T, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1),
-        positions.stride(0), positions.stride(1), *k_cache.stride()[:3], eps,
-        HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk, HAS_BIAS=bias is not None,
-        HAS_NORM=norm_weight is not None, F32DOT=_f32dot(x),
+        x, weight, bias if bias is not None else q, nw, ss, cos, sin, positions, q, k_cache, v_cache, M, K, T, nt,
+        x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
+        *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk,
+        HAS_BIAS=bias is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, F32DOT=_f32dot(x),
         num_warps=t.warps, num_stages=t.stages)
     return q
