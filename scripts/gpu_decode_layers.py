@@ -205,7 +205,14 @@ def time_forwards(rows: list, bw: float) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(rows: list, bw: float) -> None:
+def _pipeline_tiles(bns, splits=(1,)):
+    """Tiles that vary the load pipeline: BK x stages x warps for each BN (and split)."""
+    from dustin.kernels.decode_linear import Tiles
+    return [Tiles(bn, bk, sp, w, st) for bn in bns for sp in splits
+            for bk, st in ((64, 6), (64, 8), (128, 4), (128, 3)) for w in (4, 8)]
+
+
+def sweep(rows: list, bw: float, pipeline: bool = False) -> None:
     from dustin.kernels.decode_linear import RowNorm, _fit, linear_tiles
     from dustin.models.args import named_config
 
@@ -213,7 +220,7 @@ def sweep(rows: list, bw: float) -> None:
     for name, ms in SHAPES.items():
         a = named_config(name)
         D, hq, hkv, dim, inter = a.head_dim, a.n_heads, a.n_kv_heads, a.dim, a.intermediate_size
-        for m in ms:
+        for m in ms[:1] if pipeline else ms:
             B, T = 16, m // 16
             x = torch.randn(B, T, dim, device="cuda", dtype=bf)
             nw = torch.ones(dim, device="cuda", dtype=bf)
@@ -231,13 +238,21 @@ def sweep(rows: list, bw: float) -> None:
                             [None] + [_fit(2 * bn, m, dim, bf, bn) for bn in (32, 64, 128)], x),
                 "down": (dim, inter, partial(_down, xi, x), None, xi),
             }
+            if pipeline:  # the load pipeline of each kernel; gate_up also without its norm prologue
+                projs = {
+                    "qkv_rope": projs["qkv_rope"][:3] + (_pipeline_tiles((16, 32)), x),
+                    "gate_up": projs["gate_up"][:3] + (_pipeline_tiles((32, 64)), x),
+                    "gate_up_no_norm": (2 * inter, dim, partial(_gu, x, None), _pipeline_tiles((32, 64)), x),
+                    "down": projs["down"][:3] + (_pipeline_tiles((64,), (4,)), xi),
+                }
             for pname, (n, k, run, cands, gemm_in) in projs.items():
                 ws = [torch.randn(n, k, device="cuda", dtype=bf) * 0.02 for _ in range(copies)]
                 if cands is None:
                     cands = [None] + [_fit(bn, m, k, bf, bn, split) for bn in (32, 64, 128) for split in (1, 2, 4, 8)
                                       if k // split >= 256]
-                heur = linear_tiles(m, n if pname != "gate_up" else inter, k, bf,
-                                    splittable=pname in ("o_proj", "down"), halves=2 if pname == "gate_up" else 1)
+                gu = pname.startswith("gate_up")
+                heur = linear_tiles(m, inter if gu else n, k, bf, splittable=pname in ("o_proj", "down"),
+                                    halves=2 if gu else 1)
                 for t in cands:
                     try:
                         us = graph_us(_each, run, ws, t, iters=20) / copies
@@ -281,6 +296,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip part 1")
+    p.add_argument("--no-forward", action="store_true", help="skip part 2")
+    p.add_argument("--pipeline", action="store_true", help="sweep BK x stages x warps instead (16 rows)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     from dustin.bench.decode import copy_bandwidth
@@ -294,9 +311,10 @@ def main() -> int:
             part(rows)
         except Exception as e:  # report and go on to the timing parts
             emit(rows, {"part": part.__name__, "error": repr(e)[:500]})
-    time_forwards(rows, bw)
-    if a.sweep:
-        sweep(rows, bw)
+    if not a.no_forward:
+        time_forwards(rows, bw)
+    if a.sweep or a.pipeline:
+        sweep(rows, bw, a.pipeline)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         Path(a.out, "decode_layers.json").write_text(json.dumps(rows, indent=1))
