@@ -56,7 +56,7 @@ def graph_us(fn, *args, iters: int = 50) -> float:
 
 
 def check_kernels(rows: list) -> None:
-    from dustin.kernels.decode_linear import RowNorm, decode_linear, gate_up_silu, qkv_rope, row_sumsq
+    from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope, row_norm
     from dustin.models.args import named_config
     from dustin.models.rope import RotaryEmbedding, apply_rope
     from dustin.models.transformer import rms_norm
@@ -93,12 +93,12 @@ def check_kernels(rows: list) -> None:
                 def ref_down(x, w, r):
                     return r + F.linear(x, w)
 
-                norm = RowNorm(nw, 1e-6, row_sumsq(x))
+                norm = row_norm(x, nw, 1e-6)
                 cases = {
-                    "qkv_rope": (qkv_rope(x, wqkv, bqkv, cos, sin, pos, kc, vc, n_heads=hq, n_kv_heads=hkv,
-                                          norm=norm), ref_qkv, (x, nw, wqkv, bqkv, cos, sin)),
+                    "qkv_rope": (qkv_rope(norm, wqkv, bqkv, cos, sin, pos, kc, vc, n_heads=hq, n_kv_heads=hkv),
+                                 ref_qkv, (x, nw, wqkv, bqkv, cos, sin)),
                     "o_proj": (decode_linear(attn, wo, residual=res, heads=hq), ref_o, (attn, wo, res)),
-                    "gate_up": (gate_up_silu(x, wgu, norm=norm), ref_gu, (x, nw, wgu)),
+                    "gate_up": (gate_up_silu(norm, wgu), ref_gu, (x, nw, wgu)),
                     "down": (decode_linear(inter, wd, residual=res), ref_down, (inter, wd, res)),
                 }
                 for kname, (out, ref, args) in cases.items():
@@ -223,13 +223,12 @@ def sweep(rows: list, bw: float, pipeline: bool = False) -> None:
         for m in ms[:1] if pipeline else ms:
             B, T = 16, m // 16
             x = torch.randn(B, T, dim, device="cuda", dtype=bf)
-            nw = torch.ones(dim, device="cuda", dtype=bf)
             attn = torch.randn(B, hq, T, D, device="cuda", dtype=bf)
             xi = torch.randn(B, T, inter, device="cuda", dtype=bf)
             pos = 1000 + torch.arange(T, device="cuda")[None].expand(B, T)
             cos = torch.randn(B, T, D, device="cuda")
             kc = torch.zeros(B, hkv, 2048, D, device="cuda", dtype=bf)
-            norm = RowNorm(nw, 1e-6, torch.ones(dim // 64, m, device="cuda"))
+            norm = RowNorm(x, torch.ones(dim // 64, m, device="cuda"), 1e-6)
             projs = {  # name: (N, K, run(w, tiles), candidate tiles (None: the BN x split grid), GEMM input)
                 "qkv_rope": ((hq + 2 * hkv) * D, dim, partial(_qkv, x, cos, pos, kc, hq, hkv, norm),
                              [None] + [_fit(2 * bn, m, dim, bf, bn) for bn in (16, 32)], x),
@@ -274,7 +273,7 @@ def sweep(rows: list, bw: float, pipeline: bool = False) -> None:
 
 def _qkv(x, cos, pos, kc, hq, hkv, norm, w, t):
     from dustin.kernels.decode_linear import qkv_rope
-    qkv_rope(x, w, None, cos, cos, pos, kc, kc, n_heads=hq, n_kv_heads=hkv, norm=norm, tiles=t)
+    qkv_rope(norm, w, None, cos, cos, pos, kc, kc, n_heads=hq, n_kv_heads=hkv, tiles=t)
 
 
 def _o(attn, x, hq, w, t):
@@ -284,7 +283,7 @@ def _o(attn, x, hq, w, t):
 
 def _gu(x, norm, w, t):
     from dustin.kernels.decode_linear import gate_up_silu
-    gate_up_silu(x, w, norm=norm, tiles=t)
+    gate_up_silu(norm if norm is not None else x, w, tiles=t)
 
 
 def _down(xi, x, w, t):

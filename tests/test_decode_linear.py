@@ -14,7 +14,7 @@ from dustin.kernels.decode_linear import (
     gate_up_silu,
     linear_tiles,
     qkv_rope,
-    row_sumsq,
+    row_norm,
 )
 from dustin.models.args import ModelArgs
 from dustin.models.rope import RotaryEmbedding, apply_rope
@@ -86,9 +86,9 @@ def test_normed_linear_and_gate_up(b, t, k, n, dtype):
         gate, up = normed(x, nw, w).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    norm = RowNorm(nw, 1e-6, row_sumsq(x))
-    lin = decode_linear(x, w, norm=norm, tiles=Tiles(16, 32, split=2))
-    out = gate_up_silu(x, w, norm=norm, tiles=Tiles(16, 64))
+    norm = row_norm(x, nw, 1e-6)
+    lin = decode_linear(norm, w, tiles=Tiles(16, 32, split=2))
+    out = gate_up_silu(norm, w, tiles=Tiles(16, 64))
     assert out.shape == (b, t, n)
     if dtype == torch.float32:
         torch.testing.assert_close(lin, normed(x, nw, w), **F32)
@@ -113,8 +113,8 @@ def test_qkv_rope_writes_the_cache_and_rotates_q(hq, hkv, d, t, dtype):
     bias = _randn((hq + 2 * hkv) * d, gen=g, dtype=dtype, scale=0.5)
     cache = _randn(2, B, hkv, S, d, gen=g, dtype=dtype)  # stale contents that must stay where not written
     kc, vc = cache[0].clone(), cache[1].clone()
-    q = qkv_rope(x, w, bias, cos, sin, positions, kc, vc, n_heads=hq, n_kv_heads=hkv,
-                 norm=RowNorm(nw, 1e-6, row_sumsq(x)), tiles=Tiles(bn=16, bk=32))
+    q = qkv_rope(row_norm(x, nw, 1e-6), w, bias, cos, sin, positions, kc, vc, n_heads=hq, n_kv_heads=hkv,
+                 tiles=Tiles(bn=16, bk=32))
     qkv = F.linear(rms_norm(x, nw, 1e-6), w, bias)
     rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     rq = apply_rope(rq.view(B, t, hq, d).transpose(1, 2), cos, sin)
@@ -131,19 +131,22 @@ def test_qkv_rope_writes_the_cache_and_rotates_q(hq, hkv, d, t, dtype):
     assert torch.equal(kc[~written[:, None, :].expand(B, hkv, S)], cache[0][~written[:, None, :].expand(B, hkv, S)])
 
 
-def test_emitted_sums_of_squares_are_the_next_norms_statistics():
-    """The residual add's epilogue leaves per-tile partial sums of squares of its output rows: summed, they are
-    the rows' sums of squares (split or not), and a RowNorm built from them normalizes like rms_norm."""
+def test_residual_add_prepares_the_next_norms_input():
+    """With next_norm, the residual add's epilogue also writes out * g and per-tile partial sums of squares of
+    its output rows: summed, they are the rows' sums of squares (split or not), and the next projection of that
+    RowNorm normalizes like rms_norm."""
     g = torch.Generator().manual_seed(11)
     x, w, res = torch.randn(4, 2, 80, generator=g), torch.randn(72, 80, generator=g) * 0.1, torch.randn(4, 2, 72,
                                                                                                        generator=g)
+    nw, w2 = 1 + 0.1 * torch.randn(72, generator=g), torch.randn(24, 72, generator=g)
     for split in (1, 2):
-        out, ss = decode_linear(x, w, residual=res, emit_sumsq=True, tiles=Tiles(16, 32, split=split))
-        assert ss.shape == (5, 8)  # ceil(72 / 16) tiles x 8 rows
-        torch.testing.assert_close(ss.sum(0), out.pow(2).sum(-1).reshape(-1), **F32)
-        nw, w2 = 1 + 0.1 * torch.randn(72, generator=g), torch.randn(24, 72, generator=g)
-        torch.testing.assert_close(decode_linear(out, w2, norm=RowNorm(nw, 1e-5, ss), tiles=Tiles(16, 32)),
-                                   F.linear(rms_norm(out, nw, 1e-5), w2), **F32)
+        out, rows = decode_linear(x, w, residual=res, next_norm=(nw, 1e-5), tiles=Tiles(16, 32, split=split))
+        assert isinstance(rows, RowNorm) and rows.sumsq.shape == (5, 8)  # ceil(72 / 16) tiles x 8 rows
+        torch.testing.assert_close(out, res + F.linear(x, w), **F32)
+        torch.testing.assert_close(rows.sumsq.sum(0), out.pow(2).sum(-1).reshape(-1), **F32)
+        torch.testing.assert_close(rows.scaled, out * nw, **F32)
+        torch.testing.assert_close(decode_linear(rows, w2, tiles=Tiles(16, 32)), F.linear(rms_norm(out, nw, 1e-5), w2),
+                                   **F32)
 
 
 def test_tiles_split_long_k_narrow_outputs_only():

@@ -63,19 +63,21 @@ def compile_decode_layers(decode_linear) -> None:
     for dim, hq, hkv, d, inter in ((896, 14, 2, 64, 4864), (1536, 12, 2, 128, 8960)):
         for b, t in ((16, 1), (16, 2)):
             x = torch.zeros(b, t, dim, dtype=bf)
-            norm = decode_linear.RowNorm(torch.ones(dim, dtype=bf), 1e-6, torch.zeros(dim // 64, b * t))
+            norm = decode_linear.RowNorm(x, torch.zeros(dim // 64, b * t), 1e-6)
             cos = torch.zeros(b, t, d)
             cache = torch.zeros(2, b, hkv, 64, d, dtype=bf)
-            decode_linear.qkv_rope(x, torch.zeros((hq + 2 * hkv) * d, dim, dtype=bf),
+            decode_linear.qkv_rope(norm, torch.zeros((hq + 2 * hkv) * d, dim, dtype=bf),
                                    torch.zeros((hq + 2 * hkv) * d, dtype=bf), cos, cos,
                                    torch.zeros(b, t, dtype=torch.long), cache[0], cache[1], n_heads=hq,
-                                   n_kv_heads=hkv, norm=norm)
+                                   n_kv_heads=hkv)
             attn = torch.zeros(b, hq, t, d, dtype=bf)
             decode_linear.decode_linear(attn, torch.zeros(dim, hq * d, dtype=bf), residual=x, heads=hq,
-                                        emit_sumsq=True)
-            decode_linear.gate_up_silu(x, torch.zeros(2 * inter, dim, dtype=bf), norm=norm)
+                                        next_norm=(torch.ones(dim, dtype=bf), 1e-6))
+            decode_linear.gate_up_silu(norm, torch.zeros(2 * inter, dim, dtype=bf))
             decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
-                                        residual=x, emit_sumsq=True)
+                                        residual=x, next_norm=(torch.ones(dim, dtype=bf), 1e-6))
+            decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
+                                        residual=x)
 
 
 def compile_all_kernels() -> list[Compiled]:

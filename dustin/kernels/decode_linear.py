@@ -18,10 +18,11 @@ The layout is "swap AB": a program multiplies a [BN, BK] tile of the weight ([N,
 contiguous) by the [BK, BM] transposed activations, so the MMA's large side is the weight and BM (the rows,
 padded to a power of two >= 16) is its small side.
 
-RMSNorm in the prologue uses norm(x) @ W^T = rstd * ((x * g) @ W^T): rstd comes from the rows' sums of squares,
-which the kernel that wrote x (the residual add's epilogue) left as one partial sum per output tile
-(`RowNorm`), so no program reduces over its rows inside its K loop (a reduction per step stalls the load
-pipeline: measured 2-3x slower). Rounding therefore differs from
+RMSNorm before a projection uses norm(x) @ W^T = rstd * ((x * g) @ W^T): the kernel that writes x (the residual
+add's epilogue) also writes x * g and one partial sum of squares per row and output tile (`RowNorm`); the
+projection's K loop then streams x * g into the MMA untouched (as a plain GEMM does) and scales the product by
+rstd. Measured on the H200: a sum of squares reduced inside the K loop made these kernels 2-3x slower, and x * g
+computed there ~30% slower. Rounding therefore differs from
 `dustin.models.transformer.rms_norm` (which rounds x * rstd before the weight): in fp32 by the last bits, in
 bf16 by up to one ulp of the normalized input; everything after the GEMM rounds where the PyTorch ops it replaces
 round (the projection's output to the activation dtype, then RoPE / SiLU·up / the residual add in fp32).
@@ -47,15 +48,6 @@ def _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD: tl.constexpr):
     attention output [B, H, T, D] is read in place as [B * T, H * D])."""
     cols = (kk // HD) * sx_h + kk % HD
     return tl.load(x_ptr + xrow[None, :] + cols[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-
-
-@triton.jit
-def _normed(x, nw_ptr, kk, k_ok, HAS_NORM: tl.constexpr):
-    """x * g (the norm's weight) for the product; rstd scales the product afterwards (`_scaled`)."""
-    if HAS_NORM:
-        g = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * g[:, None]).to(x.dtype)
-    return x
 
 
 @triton.jit
@@ -87,9 +79,9 @@ def _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM: tl.constexpr, NT
 
 
 @triton.jit
-def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m, so_m, K,
-                eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-                NT_PAD: tl.constexpr, EMIT_SS: tl.constexpr):
+def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, pid_n,
+                sr_m, so_m, K, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                NT_PAD: tl.constexpr, EMIT_NORM: tl.constexpr):
     acc = _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -99,19 +91,23 @@ def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr
         r = tl.load(r_ptr + rows[None, :] * sr_m + n[:, None], mask=ok, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y, mask=ok)
-    if EMIT_SS:  # this tile's share of each row's sum of squares, for the next layer's RMSNorm prologue
+    if EMIT_NORM:  # the next RMSNorm's input: out * g, and this tile's share of each row's sum of squares
         yf = tl.where(ok, y.to(tl.float32), 0.0)
+        g = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(xg_ptr + rows[None, :] * so_m + n[:, None], (yf * g[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=ok)
         tl.store(sso_ptr + pid_n * M + rows, tl.sum(yf * yf, 0), mask=row_ok)
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, ss_ptr, out_ptr, sso_ptr, ws_ptr, cnt_ptr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, ws_ptr, cnt_ptr,
                    M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
                    HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
-                   EMIT_SS: tl.constexpr, F32DOT: tl.constexpr):
-    """out[m, n] = [residual +] [bias +] x[m] . W[n] (x normed first with HAS_NORM; EMIT_SS: also the tile's
-    partial sums of squares of out's rows). Grid (N tiles, SPLIT)."""
+                   EMIT_NORM: tl.constexpr, F32DOT: tl.constexpr):
+    """out[m, n] = [residual +] [bias +] [rstd[m] *] x[m] . W[n] (HAS_NORM: x is already scaled by the norm's
+    weight; EMIT_NORM: also out * g and the tile's partial sums of squares of out's rows, the next norm's
+    input). Grid (N tiles, SPLIT)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
@@ -125,11 +121,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, ss_ptr, out_ptr, sso_ptr,
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < k_hi
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD)
-        x = _normed(x, nw_ptr, kk, k_ok, HAS_NORM)
         acc = _wdot(acc, w_ptr, n, n_ok, kk, k_ok, x, K, F32DOT)
     if SPLIT == 1:
-        _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m, so_m,
-                    K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_SS)
+        _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, pid_n,
+                    sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
     else:
         tiles = tl.num_programs(0)
         tl.store(ws_ptr + ((pid_s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :], acc)
@@ -141,12 +136,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, ss_ptr, out_ptr, sso_ptr,
                 acc += tl.load(ws_ptr + ((s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :],
                                cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
-            _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, sso_ptr, pid_n, sr_m,
-                        so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_SS)
+            _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr,
+                        pid_n, sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
 
 
 @triton.jit
-def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, ss_ptr, NT, M, K, eps,
                BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
                F32DOT: tl.constexpr):
     """W[w1] @ norm?(x)^T and W[w2] @ norm?(x)^T ([BN, BM] each, rstd applied) in one pass over K: two weight
@@ -157,7 +152,6 @@ def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, ss_ptr, N
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < K
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, 0, 1 << 30)
-        x = _normed(x, nw_ptr, kk, k_ok, HAS_NORM)
         acc1 = _wdot(acc1, w_ptr, w1, w_ok, kk, k_ok, x, K, F32DOT)
         acc2 = _wdot(acc2, w_ptr, w2, w_ok, kk, k_ok, x, K, F32DOT)
     return (_scaled(acc1, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD),
@@ -165,14 +159,14 @@ def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, nw_ptr, ss_ptr, N
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
+def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr):
     """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up])."""
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < INTER
-    acc_g, acc_u = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, n, INTER + n, n_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+    acc_g, acc_u = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, n, INTER + n, n_ok, ss_ptr, NT, M, K, eps,
                               BN, BM, BK, HAS_NORM, NT_PAD, F32DOT)
     dt = out_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
@@ -182,7 +176,7 @@ def _gate_up_kernel(x_ptr, w_ptr, nw_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, s
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                      M, K, T, NT, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr,
@@ -196,7 +190,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, ss_ptr, cos_ptr, sin_ptr, pos_
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     w1 = h * (2 * HALF) + j
     w_ok = j < HALF
-    acc1, acc2 = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w1 + HALF, w_ok, nw_ptr, ss_ptr, NT, M, K, eps,
+    acc1, acc2 = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w1 + HALF, w_ok, ss_ptr, NT, M, K, eps,
                             DB, BM, BK, HAS_NORM, NT_PAD, F32DOT)
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + w1).to(tl.float32)[:, None]
@@ -251,12 +245,13 @@ def _block_rows(m: int) -> int:
 _SHARED_BUDGET = 200 * 1024  # of the 227 KiB per block on sm_90, for the pipeline's weight + activation tiles
 
 
-def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: int = 1) -> Tiles:
-    """BK and pipeline stages for a program that streams `weight_rows` weight rows against m activation rows:
-    wide K steps for few rows, up to 4 stages, within the shared-memory budget."""
+def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: int = 1, bk: int = 256,
+         stages: int = 4) -> Tiles:
+    """The tiles, with BK and the pipeline's stages cut to the shared-memory budget for a program that streams
+    `weight_rows` weight rows against m activation rows (fp32 or many rows: BK <= 128)."""
     bm, size = _block_rows(m), dtype.itemsize
-    bk = min(256 if bm <= 32 and size <= 2 else 128, max(16, triton.next_power_of_2(K)))
-    stages = max(1, min(4, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
+    bk = min(bk if bm <= 32 and size <= 2 else min(bk, 128), max(16, triton.next_power_of_2(K)))
+    stages = max(1, min(stages, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
     while stages < 2 and bk > 32:
         bk //= 2
         stages = max(1, min(4, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
@@ -266,13 +261,19 @@ def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: i
 def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool, halves: int = 1) -> Tiles:
     """Tiles for a projection of N outputs (per half: gate_up programs compute `halves` = 2 tiles of BN rows).
     64 weight rows a program (narrower tiles re-read the activations more often than they gain), then K split
-    while the programs still fit in one wave on the SMs and each part keeps >= 1024 of K. Measured on an
-    H200 at the default pair's shapes (scripts/gpu_decode_layers.py --sweep)."""
+    while the programs still fit in one wave on the SMs and each part keeps >= 1024 of K. Two tiles a program
+    (gate_up) stream BK = 128 through 3-4 stages. Measured on an H200 at the default pair's shapes
+    (scripts/gpu_decode_layers.py --sweep / --pipeline)."""
     bn, split = 64, 1
     if splittable:
         while split < 8 and triton.cdiv(N, bn) * split * 2 <= _SMS and K // (split * 2) >= 1024:
             split *= 2
-    return _fit(halves * bn, M, K, dtype, bn, split)
+    if halves == 2:
+        return _fit(2 * bn, M, K, dtype, bn, split, bk=128, stages=4 if K <= 1024 else 3)
+    return _fit(bn, M, K, dtype, bn, split)
+
+
+QKV_TILES = Tiles(bn=16, bk=64, split=1, warps=4, stages=6)  # 16 of the half-dims a program (measured)
 
 
 def _f32dot(x: torch.Tensor) -> bool:
@@ -302,36 +303,42 @@ class _Counters:
 
 
 class RowNorm(NamedTuple):
-    """RMSNorm of a kernel's input rows, done in its prologue: the norm's weight and eps, and the rows' sums of
-    squares as [NT, M] fp32 partial sums (from the producing kernel's `emit_sumsq`, or `row_sumsq`)."""
-    weight: torch.Tensor
-    eps: float
+    """Rows ready for an RMSNorm prologue: `scaled` = x * g (the norm's weight, rounded to x's dtype), the GEMM
+    input; `sumsq` = x's rows' sums of squares as [NT, M] fp32 partials (one per output tile of the kernel that
+    wrote x, `decode_linear(next_norm=...)`); rstd is applied to the product. norm(x) @ W^T = rstd * (x g) @ W^T."""
+    scaled: torch.Tensor
     sumsq: torch.Tensor
+    eps: float
 
 
-def row_sumsq(x: torch.Tensor) -> torch.Tensor:
-    """[1, M] fp32 sums of squares of x's rows ([..., K]): the statistics of a `RowNorm` whose input no decode
-    kernel produced (the embedding output of the first layer)."""
-    return x.float().pow(2).sum(-1).reshape(1, -1)
+def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> RowNorm:
+    """The RowNorm of rows that no decode kernel wrote (the embedding output of the first layer), by PyTorch."""
+    xf = x.float()
+    return RowNorm((xf * weight.float()).to(x.dtype), xf.pow(2).sum(-1).reshape(1, -1), eps)
+
+
+def _input(x: torch.Tensor | RowNorm) -> tuple[torch.Tensor, RowNorm | None]:
+    return (x.scaled, x) if isinstance(x, RowNorm) else (x, None)
 
 
 def _norm_args(norm: RowNorm | None, M: int, dummy: torch.Tensor):
-    """(weight, sumsq, NT, NT_PAD, eps) kernel arguments of an optional RowNorm."""
+    """(sumsq, NT, NT_PAD, eps) kernel arguments of an optional RowNorm."""
     if norm is None:
-        return dummy, dummy, 1, 1, 0.0
+        return dummy, 1, 1, 0.0
     nt = norm.sumsq.shape[0]
     assert norm.sumsq.shape == (nt, M) and norm.sumsq.dtype == torch.float32 and norm.sumsq.is_contiguous()
-    return norm.weight, norm.sumsq, nt, triton.next_power_of_2(nt), norm.eps
+    return norm.sumsq, nt, triton.next_power_of_2(nt), norm.eps
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, norm: RowNorm | None = None, emit_sumsq: bool = False,
+def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, next_norm: tuple[torch.Tensor, float] | None = None,
                   heads: int | None = None, tiles: Tiles | None = None):
-    """[residual +] [bias +] norm?(x) @ weight.T for <= MAX_ROWS rows; returns out [B, T, N] in x's dtype, or
-    (out, sums of squares of out's rows as [NT, M] partials) with emit_sumsq (the next RowNorm's statistics).
+    """[residual +] [bias +] x @ weight.T (x a RowNorm: norm(x)) for <= MAX_ROWS rows; returns out [B, T, N] in
+    x's dtype, or with next_norm = (g, eps) (out, RowNorm of out for that norm), the next kernel's input.
 
     x: [B, T, K] (last dim contiguous), or with `heads` an attention output [B, heads, T, D] read in place as
     [B, T, heads * D]. residual: [B, T, N] (last dim contiguous)."""
+    x, norm = _input(x)
     if heads is not None:
         B, H, T, D = x.shape
         assert H == heads and x.stride(-1) == 1
@@ -351,42 +358,49 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor |
         t = Tiles(t.bn, t.bk, 1, t.warps, t.stages)
     grid_n, bm = triton.cdiv(N, t.bn), _block_rows(M)
     ws = torch.empty(t.split * grid_n * t.bn * bm if t.split > 1 else 1, dtype=torch.float32, device=x.device)
-    sso = torch.empty(grid_n, M, dtype=torch.float32, device=x.device) if emit_sumsq else ws
-    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, ws)
+    if next_norm is not None:
+        g, next_eps = next_norm
+        assert g.shape == (N,)
+        xg, sso = torch.empty_like(out), torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
+    else:
+        g, xg, sso = out, out, ws
+    ss, nt, nt_pad, eps = _norm_args(norm, M, ws)
     _linear_kernel[(grid_n, t.split)](
-        x, weight, bias if bias is not None else out, residual if residual is not None else out, nw, ss, out, sso,
-        ws, counters if counters is not None else ws,
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, ss, out, g, xg,
+        sso, ws, counters if counters is not None else ws,
         M, N, K, T, nt, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
         HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_SS=emit_sumsq,
+        HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_NORM=next_norm is not None,
         F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
-    return (out, sso) if emit_sumsq else out
+    return (out, RowNorm(xg, sso, next_eps)) if next_norm is not None else out
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, norm: RowNorm | None = None,
-                 tiles: Tiles | None = None) -> torch.Tensor:
-    """silu(gate) * up of norm?(x) with weight = [gate; up] ([2I, K]): [B, T, I] in x's dtype."""
+def gate_up_silu(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, tiles: Tiles | None = None) -> torch.Tensor:
+    """silu(gate) * up of x (a RowNorm: of norm(x)) with weight = [gate; up] ([2I, K]): [B, T, I] in x's dtype."""
+    x, norm = _input(x)
     B, T, K = x.shape
     assert x.stride(-1) == 1 and weight.shape[0] % 2 == 0
     M, inter = B * T, weight.shape[0] // 2
     _check_rows(M, K, weight)
     t = tiles or linear_tiles(M, inter, K, x.dtype, splittable=False, halves=2)
     out = torch.empty(B, T, inter, dtype=x.dtype, device=x.device)
-    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, out)
+    ss, nt, nt_pad, eps = _norm_args(norm, M, out)
     _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
-        x, weight, nw, ss, out, M, inter, K, T, nt, x.stride(0), x.stride(1), inter, eps,
+        x, weight, ss, out, M, inter, K, T, nt, x.stride(0), x.stride(1), inter, eps,
         BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm is not None, NT_PAD=nt_pad,
         F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
     return out
 
 
-def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+def qkv_rope(x: torch.Tensor | RowNorm, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
              sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-             n_heads: int, n_kv_heads: int, norm: RowNorm | None = None, tiles: Tiles | None = None) -> torch.Tensor:
-    """The attention's input half of a decoder layer in one launch: q, k, v = norm?(x) @ weight.T (+ bias) with
+             n_heads: int, n_kv_heads: int, tiles: Tiles | None = None) -> torch.Tensor:
+    """The attention's input half of a decoder layer in one launch: q, k, v = x @ weight.T (+ bias) (x a
+    RowNorm: norm(x)) with
     weight = [q; k; v] ([(Hq + 2 Hkv) D, K]), RoPE (cos/sin [B, T, D] fp32) on q and k, k and v written into
     the caches ([B, Hkv, S, D] views of one layer, same strides) at `positions` [B, T]. Returns the rotated q
     [B, Hq, T, D] (contiguous), as `dustin.kernels.fused_ops.rope_qk` does for a decode step."""
+    x, norm = _input(x)
     B, T, K = x.shape
     M = B * T
     D = weight.shape[0] // (n_heads + 2 * n_kv_heads)
@@ -396,12 +410,12 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and positions.shape == (B, T)
     assert k_cache.shape[0] == B and k_cache.shape[1] == n_kv_heads
     _check_rows(M, K, weight)
-    t = tiles or _fit(2 * 16, M, K, x.dtype, 16)
+    t = tiles or _fit(2 * QKV_TILES.bn, M, K, x.dtype, QKV_TILES.bn, bk=QKV_TILES.bk, stages=QKV_TILES.stages)
     q = torch.empty(B, n_heads, T, D, dtype=x.dtype, device=x.device)
-    nw, ss, nt, nt_pad, eps = _norm_args(norm, M, q)
+    ss, nt, nt_pad, eps = _norm_args(norm, M, q)
     grid = ((n_heads + 2 * n_kv_heads) * (half // t.bn),)
     _qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else q, nw, ss, cos, sin, positions, q, k_cache, v_cache, M, K, T, nt,
+        x, weight, bias if bias is not None else q, ss, cos, sin, positions, q, k_cache, v_cache, M, K, T, nt,
         x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
         *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, F32DOT=_f32dot(x),

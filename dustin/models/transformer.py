@@ -218,23 +218,27 @@ class DecoderLayer(nn.Module):
         residual, x = self.post_attention_layernorm.add_forward(residual, h)
         return self.mlp(x), residual
 
-    def decode_forward(self, r: torch.Tensor, sumsq: torch.Tensor, cos, sin, ctx: ForwardContext,
-                       backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, sumsq) -> the next layer's: the residual stream r [B, T, dim] (B * T <= decode_linear.MAX_ROWS)
-        and its rows' sums of squares (partials [NT, B * T]), in three fused kernels and the attention
-        (dustin/kernels/decode_linear.py): norm + q/k/v + RoPE + KV-cache write; attention; o_proj + residual;
-        norm + gate/up + SiLU·up; down_proj + residual. The same math as `forward` (fp32: within rounding; see
-        the kernels' module doc for bf16)."""
-        from dustin.kernels.decode_linear import RowNorm, decode_linear, gate_up_silu, qkv_rope
+    def decode_forward(self, r: torch.Tensor, normed, cos, sin, ctx: ForwardContext, backend: AttentionBackend,
+                       next_norm: RMSNorm | None):
+        """(r, normed) -> the next layer's: the residual stream r [B, T, dim] (B * T <= decode_linear.MAX_ROWS)
+        and `normed`, r ready for this layer's input norm (a decode_linear.RowNorm), in three fused kernels and
+        the attention (dustin/kernels/decode_linear.py): q/k/v + RoPE + KV-cache write; attention; o_proj +
+        residual; gate/up + SiLU·up; down_proj + residual. Each residual add also prepares the next norm's input
+        (`next_norm`: the next layer's input norm; None after the last layer). The same math as `forward` (fp32: within
+        rounding; see the kernels' module doc for bf16)."""
+        from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope
         attn, mlp, a = self.self_attn, self.mlp, self.self_attn.args
         k_cache, v_cache = ctx.cache.k[attn.layer], ctx.cache.v[attn.layer]
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        q = qkv_rope(r, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, ctx.positions, k_cache, v_cache,
-                     n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, norm=RowNorm(ln1.weight, ln1.eps, sumsq))
+        ln2 = self.post_attention_layernorm
+        q = qkv_rope(normed, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, ctx.positions, k_cache, v_cache,
+                     n_heads=a.n_heads, n_kv_heads=a.n_kv_heads)
         out = attn.attend(q, None, None, k_cache, v_cache, ctx, backend)
-        r, sumsq = decode_linear(out, attn.o_proj.weight, residual=r, heads=a.n_heads, emit_sumsq=True)
-        x = gate_up_silu(r, mlp.gate_up_proj.weight, norm=RowNorm(ln2.weight, ln2.eps, sumsq))
-        return decode_linear(x, mlp.down_proj.weight, residual=r, emit_sumsq=True)
+        r, normed = decode_linear(out, attn.o_proj.weight, residual=r, heads=a.n_heads,
+                                  next_norm=(ln2.weight, ln2.eps))
+        x = gate_up_silu(normed, mlp.gate_up_proj.weight)
+        if next_norm is None:
+            return decode_linear(x, mlp.down_proj.weight, residual=r), None
+        return decode_linear(x, mlp.down_proj.weight, residual=r, next_norm=(next_norm.weight, next_norm.eps))
 
 
 class Transformer(nn.Module):
@@ -274,10 +278,12 @@ class Transformer(nn.Module):
     def decode_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` after the embedding, through `DecoderLayer.decode_forward` (its conditions:
         `_takes_decode_kernels`)."""
-        from dustin.kernels.decode_linear import row_sumsq
-        sumsq = row_sumsq(h)
-        for layer in self.layers:
-            h, sumsq = layer.decode_forward(h, sumsq, cos, sin, ctx, self.backend)
+        from dustin.kernels.decode_linear import row_norm
+        ln = self.layers[0].input_layernorm
+        normed = row_norm(h, ln.weight, ln.eps)
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [None]
+        for layer, nxt in zip(self.layers, nexts, strict=True):
+            h, normed = layer.decode_forward(h, normed, cos, sin, ctx, self.backend, nxt)
         if logits_at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
         return self.lm_head(self.norm(h)).float()
