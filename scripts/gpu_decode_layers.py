@@ -165,6 +165,45 @@ def check_models(rows: list) -> None:
         torch.cuda.empty_cache()
 
 
+def check_bf16_accuracy(rows: list) -> None:
+    """bf16 random models (6 layers of each shape), decode forwards of 16 rows: the logits' error against the
+    same weights in fp32, with the decode kernels and with the plain path (is either path less accurate?)."""
+    import copy
+
+    from dustin.attention.backend import AttentionBackend
+    from dustin.attention.context import ForwardContext
+    from dustin.cache.kv_cache import KVCache
+    from dustin.models.args import named_config
+    from dustin.models.loader import random_model
+
+    for name in SHAPES:
+        a = replace(named_config(name), n_layers=6)
+        m32 = random_model(a, "cuda", torch.float32, seed=5, backend=AttentionBackend.for_device("cuda"))
+        m16 = copy.deepcopy(m32).to(torch.bfloat16)
+        B, P = 16, 700
+        g = torch.Generator(device="cuda").manual_seed(1)
+        toks = torch.randint(0, a.vocab_size, (B, P + 1), device="cuda", generator=g)
+        out = {}
+        for tag, model, dt, on in (("fp32", m32, torch.float32, False), ("bf16_plain", m16, torch.bfloat16, False),
+                                   ("bf16_decode_kernels", m16, torch.bfloat16, True)):
+            cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, 1024, dt, "cuda")
+            with torch.no_grad():
+                model.decode_kernels = False
+                model(toks[:, :P], ForwardContext(cache, torch.arange(P, device="cuda")[None].expand(B, P),
+                                                  cache.lengths.clone(), P, fresh=True))
+                cache.lengths.fill_(P)
+                model.decode_kernels = on
+                pos = torch.full((B, 1), P, device="cuda")
+                out[tag] = model(toks[:, P:], ForwardContext(cache, pos, cache.lengths.clone(), P + 1)).float()
+        for tag in ("bf16_plain", "bf16_decode_kernels"):
+            err = (out[tag] - out["fp32"]).abs()
+            emit(rows, {"part": "bf16_vs_fp32", "model": name, "path": tag, "max_abs_err": float(err.max()),
+                        "mean_abs_err": float(err.mean()), "logit_scale": float(out["fp32"].abs().max()),
+                        "argmax_equal_fp32": float((out[tag].argmax(-1) == out["fp32"].argmax(-1)).float().mean())})
+        del m32, m16
+        torch.cuda.empty_cache()
+
+
 def time_forwards(rows: list, bw: float) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -296,6 +335,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip part 1")
     p.add_argument("--no-forward", action="store_true", help="skip part 2")
+    p.add_argument("--bf16-only", action="store_true", help="only the bf16-vs-fp32 accuracy check")
     p.add_argument("--pipeline", action="store_true", help="sweep BK x stages x warps instead (16 rows)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -305,12 +345,13 @@ def main() -> int:
     bw = copy_bandwidth()
     emit(rows, {"part": "env", "device": torch.cuda.get_device_name(), "copy_bw_TBps": round(bw / 1e12, 3),
                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")})
-    for part in () if a.no_check else (check_kernels, check_models):
+    checks = (check_kernels, check_models, check_bf16_accuracy)
+    for part in (check_bf16_accuracy,) if a.bf16_only else () if a.no_check else checks:
         try:
             part(rows)
         except Exception as e:  # report and go on to the timing parts
             emit(rows, {"part": part.__name__, "error": repr(e)[:500]})
-    if not a.no_forward:
+    if not (a.no_forward or a.bf16_only):
         time_forwards(rows, bw)
     if a.sweep or a.pipeline:
         sweep(rows, bw, a.pipeline)
