@@ -24,7 +24,8 @@ from dustin.selection.oracle import topk_set
 SEARCH_M = (128, 192, 256)
 # Phase 2 stops when the best draft layer adds less ARR than this. Each added layer costs one read of that layer's
 # keys per step (estimation time), so raise it (--min-gain) for a leaner config: on the default pair the first 3
-# layers gave 0.692 and the next 8 only +0.006 (docs/profiling.md).
+# layers gave 0.692 and the next 8 only +0.006; --min-gain 0.003 stops after those 3 (docs/profiling.md, "A cheaper
+# S_draft"; `draft_layer_curve` shows what each layer buys).
 MIN_GAIN = 1e-4
 
 
@@ -122,6 +123,31 @@ def _tune_m(obj, t_layer, d_layers, budget, free, trials, seed, tick, start=()) 
 
     study.optimize(objective, n_trials=trials)
     return int(study.best_params["m"]), float(study.best_value)
+
+
+def draft_layer_curve(val: ARRObjective, held: ARRObjective | None, t_layer: int, order, budget: int = 512,
+                      search_m=SEARCH_M, optuna_trials: int = 40, seed: int = 0, budgets=(128, 256, 512)) -> list[dict]:
+    """What each draft layer buys, for choosing phase 2's stopping point: for n = 0 .. len(order), the config of
+    target layer t_layer and the first n draft layers of `order` (phase 2's order of addition), with m tuned by
+    phase 3 on `val` (the same trials and seed as `search`, so row n is the config a search stopped after n
+    layers would write). Each row: its phase-2 objective (mean ARR over search_m at k = budget) and its ARR at
+    each k in budgets (m scaled with k as `SparseConfig.with_budget` does), on `val` and on `held` if given."""
+    free = budget - val.sinks - val.window
+    ms = [m for m in search_m if m <= free] or [free // 2]
+    rows = []
+    for n in range(len(order) + 1):
+        layers = list(order[:n])
+        m = _tune_m(val, t_layer, layers, budget, free, optuna_trials, seed, lambda n=1: None, ms)[0]
+        row: dict = {"n": n, "draft_layers": layers, "draft_topm": m}
+        for split, obj in (("validation", val), ("heldout", held)):
+            if obj is None:
+                continue
+            row[split] = {"objective": sum(obj.arr([t_layer], layers, budget, x) for x in ms) / len(ms) if n else
+                          obj.arr([t_layer], [], budget, 0),
+                          "arr": {str(k): obj.arr([t_layer], layers, k, round(m / free * (k - obj.sinks - obj.window)))
+                                  for k in budgets}}
+        rows.append(row)
+    return rows
 
 
 def evaluate(obj: ARRObjective, t_layers, d_layers, m_share: float, budgets=(128, 256, 512)) -> dict:
