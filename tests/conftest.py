@@ -176,6 +176,7 @@ def real_pair_cli(real_pair, monkeypatch):
 
     def shared(cls, target, draft=None, **kw):
         other = dict(kw)  # any other option (e.g. rope_scaling) must be unset for the shared pair to serve
+        other.pop("tokenizer", None)  # `dustin generate` hands over the target's tokenizer: the pair has its own
         plain = (str(other.pop("device", "cpu")) == "cpu" and other.pop("dtype", None) in (None, "auto")
                  and other.pop("attention", "auto") == "auto" and all(v is None for v in other.values()))
         if plain and str(target) in ("default", target_dir) and (draft is None or str(draft) in ("default", draft_dir)):

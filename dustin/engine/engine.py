@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,10 @@ class GenerationResult:
     capture_s: float = 0.0  # one-time CUDA-graph capture, not in decode_s (nor in tokens_per_s)
     dtype: str = ""  # the weights' dtype (what --dtype auto chose, e.g. "bfloat16")
     budget_k: dict | None = None  # --budget auto: the k used per sequence and step (mean, p50, p90, p99, samples)
+    # the background compile of the first prefill's and decode step's kernels (GPU; dustin/engine/warmup.py): kernels
+    # planned, threads, plan_s, compile_s, prefill_wait_s, wait_s (what the first decode step waited for it: part of
+    # capture_s), errors
+    kernel_warmup: dict | None = None
 
     def to_json(self) -> dict:
         return {
@@ -58,6 +63,7 @@ class GenerationResult:
             "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3), "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4), "capture_s": round(self.capture_s, 4),
+            "kernel_warmup": self.kernel_warmup,
             "time_split_s": {k: round(v, 4) for k, v in self.time_split_s.items()},
             "sequences": [{"prompt_len": s.prompt_len, "token_ids": s.token_ids, "text": s.text}
                           for s in self.sequences],
@@ -127,8 +133,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
                         dtype: str | None = None, attention: str = "auto",
-                        rope_scaling: str | None = None) -> "Engine":
-        """rope_scaling: "yarn:F" extends both models' context F times (`models.args.with_rope_scaling`)."""
+                        rope_scaling: str | None = None, tokenizer=None) -> "Engine":
+        """rope_scaling: "yarn:F" extends both models' context F times (`models.args.with_rope_scaling`).
+        tokenizer: the target's tokenizer when the caller already loaded it (`precheck_prompts`), else loaded here.
+        On a GPU the draft and its tokenizer load on a second thread while the target loads (reading the files
+        and copying them to the device release the GIL); on a CPU one after the other (host memory is the
+        limit there, and both files' pages would be resident at once)."""
         from dustin.models.fetch import resolve_model_path
 
         dev = parse_device(device)
@@ -138,15 +148,27 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         backend = AttentionBackend.for_device(dev, attention)
         t_path = resolve_model_path(str(target), "target")
+        d_path = resolve_model_path(str(draft), "draft") if draft is not None else None
         parallel = current_parallel()
-        t_model = load_model(t_path, dev, dt, backend, shard=parallel,  # each rank reads only its slices
-                             rope_scaling=rope_scaling)
-        d_model = d_tok = None
-        if draft is not None:
-            d_path = resolve_model_path(str(draft), "draft")
-            d_model = load_model(d_path, dev, dt, backend, rope_scaling=rope_scaling)
-            d_tok = _load_tokenizer(d_path)
-        return cls(t_model, d_model, _load_tokenizer(t_path), d_tok, parallel=parallel)
+
+        def load_target():  # under tensor parallelism each rank reads only its slices
+            return load_model(t_path, dev, dt, backend, shard=parallel, rope_scaling=rope_scaling)
+
+        def load_draft():
+            if d_path is None:
+                return None, None
+            return load_model(d_path, dev, dt, backend, rope_scaling=rope_scaling), _load_tokenizer(d_path)
+
+        if d_path is not None and dev.type == "cuda":
+            with ThreadPoolExecutor(1, thread_name_prefix="dustin-draft-load") as pool:
+                pending = pool.submit(load_draft)
+                t_model = load_target()
+                d_model, d_tok = pending.result()
+        else:
+            t_model = load_target()
+            d_model, d_tok = load_draft()
+        tok = tokenizer if tokenizer is not None else _load_tokenizer(t_path)
+        return cls(t_model, d_model, tok, d_tok, parallel=parallel)
 
     @property
     def dtype_name(self) -> str:
@@ -195,9 +217,10 @@ class Engine:
         a shared `prefill_cache` (comparing methods over one prefill)."""
         ids = [self.encode(p, chat) for p in prompts]
         try:
+            own_policy = policy is None
             policy = policy or self.make_policy(cfg)
             if prefill_cache is None and policy.row_local:
-                s, outputs, timing = self._run_loop(ids, cfg, limits, policy)
+                s, outputs, timing = self._run_loop(ids, cfg, limits, policy, warmup=own_policy)
                 policy = s.policy
             else:
                 s, timing = self.session(ids, cfg, policy, prefill_cache, limits=limits).run(), None
@@ -215,18 +238,19 @@ class Engine:
         produced = st.produced if timing is None else timing["produced_after_prefill"]
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
-                                policy.budget_stats())
+                                policy.budget_stats(), None if timing is None else timing.get("kernel_warmup"))
 
     def _run_loop(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
-                  policy: SelectionPolicy) -> tuple[Session, list[list[int]], dict]:
+                  policy: SelectionPolicy, warmup: bool = True) -> tuple[Session, list[list[int]], dict]:
         """Generate through an `LLMEngine` of one slot per prompt. On a GPU the engine is kept: its KV caches,
         policy buffers and CUDA graphs outlive the call, so a second `generate` of the same method and batch size
         (and a context that fits) pays neither the allocation nor the graph capture again. One is kept; another
         method, batch size or a longer context replaces it. Capacity is rounded up to a multiple of
         `KEPT_ROUNDING` positions so that calls of similar lengths share it. `policy` (fresh, row-local) serves a
         new engine; a reused one keeps its own. The generator is reseeded per call, so a call's tokens do not
-        depend on earlier calls. Returns the session (stats, policy), the new tokens per prompt and the run's
-        timings."""
+        depend on earlier calls. A new engine on a GPU compiles its first prefill's and decode step's kernels in the
+        background (`warmup`: the policy is `make_policy`'s; dustin/engine/warmup.py). Returns the session (stats,
+        policy), the new tokens per prompt and the run's timings."""
         from dustin.engine.llm_engine import LLMEngine, ServeConfig
         from dustin.engine.request import SamplingParams
 
@@ -247,7 +271,7 @@ class Engine:
             serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=context, max_waiting=len(ids),
                                 draft_window=cfg.draft_window, seed=cfg.seed)
             core = LLMEngine(self, serve, generation=replace(cfg, max_new_tokens=cap), slots=len(ids),
-                             capacity=cap, policy=policy)
+                             capacity=cap, policy=policy, kernel_warmup=warmup)
             kept = (key, core)
             if self.keep_session:
                 self._kept = kept
@@ -261,6 +285,7 @@ class Engine:
                   for m in limits]
         outputs, timing = core.run_batch(ids, params)
         wall = time.perf_counter() - t0
+        timing["kernel_warmup"], core.warmup_stats = core.warmup_stats, None  # this call's only
         st = s.stats
         st.capture_s = s._capture_total() - c0
         st.prefill_s = timing["prefill_s"]
@@ -397,9 +422,12 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
 
 
 def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
-                     chat: bool = False, rope_scaling: str | None = None) -> None:
+                     chat: bool = False, rope_scaling: str | None = None) -> tuple[object, list[list[int]] | None]:
     """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
-    empty or over-long prompt fails in about a second instead of after both models loaded."""
+    empty or over-long prompt fails in about a second instead of after both models loaded. Returns the tokenizer
+    and the prompts' token ids (chat template applied with `chat`), which the caller passes on to
+    `Engine.from_pretrained` and `Engine.generate` instead of loading and encoding again; (None, None) when the
+    folder has no tokenizer."""
     from dustin.models.fetch import resolve_model_path
     from dustin.models.loader import read_args
 
@@ -408,8 +436,11 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     if draft is not None and cfg.spec.speculative:
         context = min(context, read_args(resolve_model_path(str(draft), "draft"), rope_scaling).max_position_embeddings)
     tokenizer = _load_tokenizer(t_path)
-    if tokenizer is not None:
-        check_prompts([encode_prompt(tokenizer, p, chat) for p in prompts], cfg, context)
+    if tokenizer is None:
+        return None, None
+    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
+    check_prompts(ids, cfg, context)
+    return tokenizer, ids
 
 
 def _free_memory(device: torch.device) -> int | None:

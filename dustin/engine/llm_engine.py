@@ -202,9 +202,14 @@ class LLMEngine:
     heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
 
     def __init__(self, engine: Engine, config: ServeConfig, *, generation: GenerationConfig | None = None,
-                 slots: int | None = None, capacity: int | None = None, policy=None) -> None:
+                 slots: int | None = None, capacity: int | None = None, policy=None,
+                 kernel_warmup: bool = True) -> None:
         """generation/slots/capacity/policy: `Engine.generate`'s batch run on this same loop (its own decoding
-        settings, one slot per prompt, the capacity its prompts need); the server leaves them None."""
+        settings, one slot per prompt, the capacity its prompts need); the server leaves them None.
+        kernel_warmup: on a GPU, compile the kernels of the first prefill forward and decode step in the
+        background from now on (dustin/engine/warmup.py; planned for the policy `engine.make_policy` gives, so a
+        caller passing another policy may turn it off); the first prefill waits for its own kernels, the first
+        decode step for the rest."""
         if engine.draft is None and METHODS[config.method].speculative:
             raise InputError(f"method {config.method!r} needs a draft model (--draft)")
         self.engine, self.config = engine, config
@@ -248,6 +253,13 @@ class LLMEngine:
         self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
         self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
         self._last_sent = time.monotonic()
+        # the first prefill's and decode step's kernels, compiling in the background (GPU; None when done or off)
+        self.kernel_warmup = None
+        self.warmup_stats: dict | None = None  # its stats once the first decode step waited for it
+        if kernel_warmup and self.world == 1:
+            from dustin.engine.warmup import start_kernel_warmup
+            self.kernel_warmup = start_kernel_warmup(engine, self.gen_cfg, self.max_slots, capacity,
+                                                     self.prefill_tokens, config.prefill_chunk)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
@@ -338,6 +350,8 @@ class LLMEngine:
         # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
         # reaches the host with this step's output)
         decode = any(not seq.prefilling for seq in sched.running.values())
+        if decode and prefill and self.kernel_warmup is not None and self.kernel_warmup.running:
+            decode = False  # the decode step's kernels are still compiling: prefill now, decode once they are ready
         return StepPlan(release, admit, prefill, decode)
 
     def _execute(self, plan: StepPlan) -> None:
@@ -351,10 +365,14 @@ class LLMEngine:
             if a.ignore_eos:
                 s.ignore_eos_rows.add(a.row)
         if plan.prefill:
+            if self.kernel_warmup is not None:
+                self.kernel_warmup.wait_prefill()  # the prefill forward's kernels are compiled first
             s.prefill(list(plan.prefill), pad_to=self.prefill_tokens)
             self.counters["prompt_tokens_total"] += sum(n for _, n in plan.prefill)
         slot = None
         if plan.decode:
+            if self.kernel_warmup is not None:
+                self._finish_kernel_warmup()
             slot = s.launch(overlapped=s.overlappable)
             self.counters["steps_total"] += 1
         if self._inflight is not None:
@@ -363,6 +381,13 @@ class LLMEngine:
         if slot is not None and not s.overlappable:
             s.complete(slot)
             self._inflight = None
+
+    def _finish_kernel_warmup(self) -> None:
+        """Before the first decode step: wait for the background compiles (a one-time cost, reported with the
+        first step's and the graph capture's as the session's capture time)."""
+        warmup, self.kernel_warmup = self.kernel_warmup, None
+        self.warmup_stats = warmup.wait()
+        self.session.add_one_time_s(self.warmup_stats["wait_s"])
 
     # ------------------------------------------------------------------ tensor parallelism
     def _send(self, plan: StepPlan, then_execute: bool = False) -> None:

@@ -12,6 +12,7 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +68,10 @@ class ModelRunner:
         the row's first `start` cached positions. One forward of exactly max(pad_to, real tokens) tokens, and
         logits at each chunk's last token through an lm_head of `logit_rows` (>= chunks) rows: fixed shapes, so
         every GEMM computes a row's numbers the same way whatever else is packed beside it. Returns [C, V]."""
+        return self.forward_packed(self.pack(chunks, pad_to, logit_rows), observers)
+
+    def pack(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int) -> "PackedPrefill":
+        """The host side of `prefill_packed`: its plan, tokens, positions and logit rows, sent to the device."""
         plan = PrefillPlan.build([(row, start, len(toks)) for row, start, toks in chunks], self.device)
         flat = [t for _, _, toks in chunks for t in toks]
         n_pad = max(pad_to, len(flat)) - len(flat)
@@ -77,6 +82,20 @@ class ModelRunner:
         pos = torch.cat([plan.token_pos, torch.zeros(n_pad, dtype=torch.long, device=self.device)])[None]
         C = len(chunks)
         last = torch.cat([plan.last, torch.zeros(max(logit_rows, C) - C, dtype=torch.long, device=self.device)])
-        ctx = ForwardContext(self.cache, pos, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
-                             packed=plan, observers=list(observers))
-        return self.model(toks, ctx, logits_at=last)[:C]
+        return PackedPrefill(plan, toks, pos, last, C)
+
+    @torch.inference_mode()
+    def forward_packed(self, packed: "PackedPrefill", observers=()) -> torch.Tensor:
+        """The device side of `prefill_packed` (the kernel warm-up runs it on a fake twin, `pack` outside)."""
+        ctx = ForwardContext(self.cache, packed.positions, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
+                             packed=packed.plan, observers=list(observers))
+        return self.model(packed.tokens, ctx, logits_at=packed.last)[:packed.chunks]
+
+
+@dataclass
+class PackedPrefill:
+    plan: PrefillPlan
+    tokens: torch.Tensor  # [1, N] long
+    positions: torch.Tensor  # [1, N] long
+    last: torch.Tensor  # [R] long: each chunk's last token, then padding rows of the lm_head
+    chunks: int

@@ -406,6 +406,11 @@ class Session:
         self.stats.capture_s = self._capture_total()
         self.stats.decode_s += time.perf_counter() - t0 - (self.stats.capture_s - c0)
 
+    def add_one_time_s(self, seconds: float) -> None:
+        """Count a one-time cost of the first decode step (the engine loop's wait for background kernel compiles)
+        with the capture time, not the decode time."""
+        self._warmup_s += seconds
+
     def _capture_total(self) -> float:
         """One-time graph cost so far: captures plus their warm-up runs (tokens of a warm-up step count)."""
         graphs = sum(r.capture_s for r in self.runners.values()) + sum(g.capture_s for g in self._graphs.values())

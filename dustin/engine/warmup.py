@@ -1,0 +1,603 @@
+"""Compile the Triton kernels of a new engine's first prefill forward and first decode step before they run, off
+the main thread.
+
+Why: Triton compiles a kernel for each new specialization the first time it is launched, and builds a small C
+launcher for each argument signature (with the host's C compiler, ~0.3 s each). A fresh process launches every
+kernel of the decode step (both models' layer kernels, dense and sparse verify attention, the score estimation
+and selection of the sparse methods) for the first time in its first step, which runs eagerly before the step's
+CUDA graph is captured: on the one-shot H200 run (16 prompts of ~29.5k tokens, `dustin`) that step took 10.6 s,
+most of it compiling on the main thread while the GPU waited; the first prefill forward likewise compiles its own.
+
+How:
+1. Plan (`plan_first_step`). A twin of the engine's session is built under PyTorch's FakeTensorMode: the same
+   models (their weights enter as fake copies: no memory), a fresh policy of the same method and sparse config,
+   caches and buffers of the real shapes that allocate nothing. One packed prefill forward of each model (its
+   host-side plan and tokens built for real, small) and one decode step run on it with every Triton launch
+   recorded instead of run (`record_launches`): the kernel, its arguments with each tensor replaced by a
+   placeholder of its dtype and 16-byte alignment (all that Triton specializes a pointer on; a fake tensor's
+   alignment is that of its storage offset, storages being allocated aligned), ints and constexprs as given.
+   The prefill also gives the policy's observers the state the first step reads (S_target's last prompt query).
+   So the plan is the code's own launches at the real sizes, not a list kept by hand: a kernel added to the
+   forward is planned too. Nothing runs on the device; the real session and policy are not touched, attributes
+   the dry run set on the models' modules are restored, and fake tensors it left in global dict caches (e.g. a
+   per-device buffer made on first use) are removed, since a real launch would read their address, 0
+   (`_sweep_fakes`; one left anywhere else raises `FakeTensorLeak`).
+2. Compile (`KernelWarmup`). Threads hand each planned launch, the prefill's first, to the kernel's
+   `run(..., warmup=True)`: Triton binds and specializes the arguments exactly as for a launch, compiles the
+   kernel (or loads it from its on-disk cache, ~/.triton/cache or $TRITON_CACHE_DIR) and stores it in the JIT's
+   per-device cache, launching nothing; the thread then builds the kernel's launcher and loads its binary, as the
+   first launch would. The real forwards then find every kernel ready. Compiling is CPU work (Python, MLIR, LLVM,
+   ptxas, the C compiler), mostly outside the GIL; the main thread meanwhile prefills, releasing the GIL in every
+   CUDA call. No thread but the main one launches kernels. Each kernel's per-device JIT state is created on the
+   main thread before the threads start (two threads creating it at once could each keep a different one).
+3. The engine loop (`LLMEngine`) waits for the prefill's kernels before its first prefill, prefills while the
+   rest compile, holds decode steps back until they are done, and waits for them before its first decode step
+   (the waits are reported: `prefill_wait_s`, and `wait_s` with the one-time costs).
+
+On the CPU (Triton's interpreter, or no Triton) nothing is compiled: `start_kernel_warmup` returns None. The
+plan itself runs on the CPU too, which is how tests/test_warmup.py checks it against the launches of a real
+prefill and first step. `DUSTIN_KERNEL_WARMUP=0` turns the warm-up off; `DUSTIN_COMPILE_THREADS` sets its
+thread count.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import os
+import threading
+import time
+import types
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+_SPEC_INT32 = (-(2 ** 31), 2 ** 31 - 1)
+
+
+# ------------------------------------------------------------------------------------------------ recording
+class _KernelParams:
+    """Per parameter of a kernel: name, constexpr, and Triton's do_not_specialize(_on_alignment) flags."""
+
+    def __init__(self, kernel) -> None:
+        fn = kernel.fn
+        sig = inspect.signature(fn)
+        opts = getattr(kernel, "kwargs", {}) or {}  # the interpreter keeps jit's keywords here
+
+        def named(attr: str) -> set:
+            given = getattr(kernel, attr, None)
+            given = given if given is not None else opts.get(attr) or []
+            names = list(sig.parameters)
+            return {names[x] if isinstance(x, int) else x for x in given}
+
+        no_spec, no_align = named("do_not_specialize"), named("do_not_specialize_on_alignment")
+        self.names = list(sig.parameters)
+        self.constexpr = {n for n, p in sig.parameters.items() if "constexpr" in str(p.annotation)}
+        self.no_spec, self.no_align = no_spec, no_align
+
+
+_PARAMS: dict[int, _KernelParams] = {}
+
+
+def _params(kernel) -> _KernelParams:
+    p = _PARAMS.get(id(kernel))
+    if p is None:
+        p = _PARAMS[id(kernel)] = _KernelParams(kernel)
+    return p
+
+
+def _is_tensor_like(x) -> bool:
+    return hasattr(x, "data_ptr") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _aligned(t) -> bool:
+    """Whether a tensor argument's address is a multiple of 16 bytes. A fake tensor has no address: its storage
+    is taken as aligned (PyTorch's allocators align every block to at least 64 bytes) and its offset decides."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if isinstance(t, torch.Tensor) and is_fake(t):
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
+_POINTER_CLASS = None
+
+
+def _pointer(dtype, aligned: bool):
+    """A stand-in for a tensor argument that Triton binds like the tensor: its dtype, and an address that is or
+    is not a multiple of 16 (Triton's MockTensor, which `JITFunction.warmup` passes, is always aligned)."""
+    global _POINTER_CLASS
+    if _POINTER_CLASS is None:
+        from triton.runtime.jit import MockTensor
+
+        class Pointer(MockTensor):
+            def __init__(self, dtype, ptr: int) -> None:
+                super().__init__(dtype)
+                self._ptr = ptr
+
+            def data_ptr(self) -> int:
+                return self._ptr
+
+            def __repr__(self) -> str:
+                return f"*{str(self.dtype).removeprefix('torch.')}{'' if self._ptr % 16 == 0 else ' (unaligned)'}"
+
+        _POINTER_CLASS = Pointer
+    return _POINTER_CLASS(dtype, 0 if aligned else 8)
+
+
+def _int_spec(v: int, specialize: bool) -> tuple:
+    kind = "i32" if _SPEC_INT32[0] <= v <= _SPEC_INT32[1] else "i64" if v < 2 ** 63 else "u64"
+    if not specialize:
+        return (kind,)
+    return (kind, "1" if v == 1 else "D" if v % 16 == 0 else "")
+
+
+def _plain(v):
+    """A constexpr or option value in a comparable, printable form."""
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    return str(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as Triton will specialize it: `kernel` (a JITFunction, or the interpreter's function),
+    `args` (tensors replaced by placeholders of their dtype and alignment) and `kwargs` (constexprs, options)."""
+
+    kernel: Any
+    args: tuple
+    kwargs: tuple
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    @property
+    def signature(self) -> tuple:
+        """What Triton's specialization depends on, per argument: a pointer's dtype and 16-byte alignment; an int's
+        width and whether it is 1 or a multiple of 16 (unless do_not_specialize); a constexpr's or an option's value.
+        Equal signatures compile to the same kernel."""
+        p = _params(self.kernel)
+        out = [self.name]
+        bound = list(zip(p.names, self.args, strict=False)) + list(self.kwargs)
+        for name, v in bound:
+            if name in p.constexpr or name not in p.names:
+                out.append((name, "=", _plain(v)))
+            elif _is_tensor_like(v):
+                aligned = name in p.no_align or v.data_ptr() % 16 == 0
+                out.append((name, "*", str(v.dtype).removeprefix("torch."), "D" if aligned else ""))
+            elif isinstance(v, bool):
+                out.append((name, "u1"))
+            elif isinstance(v, int):
+                out.append((name,) + _int_spec(v, name not in p.no_spec))
+            elif isinstance(v, float):
+                out.append((name, "fp32"))
+            else:
+                out.append((name, "=", _plain(v)))
+        return tuple(out)
+
+    @property
+    def key(self) -> tuple:
+        """Equal for launches Triton compiles to the same kernel: the kernel object and the signature."""
+        return (id(self.kernel), self.signature)
+
+    def compile(self):
+        """Compile (or load from Triton's disk cache) into the JIT's cache of the calling thread's current device,
+        launching nothing."""
+        return self.kernel.run(*self.args, grid=None, warmup=True, **dict(self.kwargs))
+
+
+class _Recorder:
+    def __init__(self, execute: bool) -> None:
+        self.execute = execute
+        self.launches: list[Launch] = []
+        self._seen: set = set()
+
+    def add(self, kernel, args, kwargs) -> None:
+        placeholder = lambda v: _pointer(v.dtype, _aligned(v)) if _is_tensor_like(v) else v  # noqa: E731
+        launch = Launch(kernel, tuple(placeholder(a) for a in args),
+                        tuple((k, placeholder(v)) for k, v in kwargs.items()))
+        if launch.key not in self._seen:
+            self._seen.add(launch.key)
+            self.launches.append(launch)
+
+
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patched: dict[type, Any] = {}
+_patch_users = 0
+
+
+def _kernel_classes() -> list[type]:
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover - every Triton we support has the interpreter
+        pass
+    return classes
+
+
+def _recording_run(original):
+    def run(self, *args, grid, warmup, **kwargs):
+        rec = getattr(_local, "recorder", None)
+        if rec is None or warmup:  # other threads, and compiles, pass straight through
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        rec.add(self, args, kwargs)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs) if rec.execute else None
+
+    run.__wrapped__ = original
+    return run
+
+
+@contextlib.contextmanager
+def record_launches(execute: bool = False):
+    """Within the block, this thread's Triton kernel launches are recorded (`Launch`, one per distinct
+    specialization, in order) and, unless `execute`, not run. Yields the list. Other threads' launches are not
+    affected (the hook is installed for the block's duration and looks at the calling thread)."""
+    global _patch_users
+    rec = _Recorder(execute)
+    with _patch_lock:
+        if _patch_users == 0:
+            for cls in _kernel_classes():
+                _patched[cls] = cls.run
+                cls.run = _recording_run(cls.run)
+        _patch_users += 1
+    outer, _local.recorder = getattr(_local, "recorder", None), rec
+    try:
+        yield rec.launches
+    finally:
+        _local.recorder = outer
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for cls, original in _patched.items():
+                    cls.run = original
+                _patched.clear()
+
+
+# ------------------------------------------------------------------------------------------------ planning
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def _module_state(models) -> list[tuple[torch.nn.Module, dict, dict]]:
+    """A shallow snapshot of every module's attributes (and parameter, buffer and submodule tables)."""
+    return [(m, dict(vars(m)), {d: dict(getattr(m, d)) for d in _MODULE_DICTS})
+            for model in models if model is not None for m in model.modules()]
+
+
+def _restore_modules(state) -> None:
+    """Undo what a dry run set on the models' modules (a lazily built buffer would hold a fake tensor)."""
+    for m, attrs, tables in state:
+        for d, before in tables.items():
+            table = getattr(m, d)
+            if table.keys() != before.keys() or any(table[k] is not v for k, v in before.items()):
+                table.clear()
+                table.update(before)
+        now = vars(m)
+        for k in set(now) - set(attrs):
+            delattr(m, k)
+        for k, v in attrs.items():
+            if now.get(k) is not v and k not in _MODULE_DICTS:
+                now[k] = v
+
+
+@contextlib.contextmanager
+def _track_fakes():
+    """Within the block, a weak reference to every fake tensor created (yields the list)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    refs: list[weakref.ref] = []
+    original = FakeTensor.__dict__["__new__"]
+
+    def new(cls, *args, **kwargs):
+        t = original.__func__(cls, *args, **kwargs)
+        refs.append(weakref.ref(t))
+        return t
+
+    FakeTensor.__new__ = staticmethod(new)
+    try:
+        yield refs
+    finally:
+        FakeTensor.__new__ = original
+
+
+def _sweep_fakes(refs: list[weakref.ref]) -> tuple[list[str], list[str]]:
+    """Fake tensors of a finished dry run that are still referenced were stored by the code it ran somewhere that
+    outlives it: a global cache (e.g. a per-device buffer made on first use). A real launch would later read that
+    fake tensor's address (0). Dict entries holding one are deleted (the code makes a real one on its next use);
+    returns (where entries were deleted, where fake tensors are still held)."""
+    gc.collect()
+    removed: list[str] = []
+    for ref in refs:
+        if ref() is not None:
+            _drop_from_dicts(ref(), removed)
+    if not removed and all(ref() is None for ref in refs):
+        return removed, []
+    gc.collect()
+    left = [_holders(ref()) for ref in refs if ref() is not None]
+    return removed, left
+
+
+def _drop_from_dicts(t, removed: list[str]) -> None:
+    for holder in gc.get_referrers(t):
+        if isinstance(holder, dict):
+            for key in [k for k, v in holder.items() if v is t]:
+                del holder[key]
+                removed.append(f"{_owner(holder)}[{key!r}]")
+
+
+def _holders(t) -> str:
+    return ", ".join(sorted({type(h).__name__ for h in gc.get_referrers(t) if not isinstance(h, types.FrameType)}))
+
+
+def _owner(d: dict) -> str:
+    """What holds dict d, for messages: "Class.attr" or "module.attr" (else "a dict")."""
+    for o in gc.get_referrers(d):
+        if isinstance(o, dict):
+            key = next((k for k, v in o.items() if v is d), None)
+            for oo in gc.get_referrers(o):
+                if isinstance(oo, (type, types.ModuleType)) and oo.__dict__.get(key) is d:
+                    return f"{getattr(oo, '__qualname__', oo.__name__)}.{key}"
+    return "a dict"
+
+
+class FakeTensorLeak(RuntimeError):
+    """The dry run left a fake tensor where the engine may later use it (a real launch would read address 0)."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """The launches of a session's first packed prefill forward (`prefill`, target and draft) and of its first
+    decode step (`step`, what the prefill launched left out), one per specialization; what the dry run cost."""
+
+    prefill: list[Launch]
+    step: list[Launch]
+    dry_run_s: float = 0.0
+    sweep_s: float = 0.0
+    fakes_removed: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def launches(self) -> list[Launch]:
+        return self.prefill + self.step
+
+
+def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+                    prefill_chunk: int = 512) -> Plan:
+    """The Triton launches of the first prefill forward (`prefill_tokens` tokens of `prefill_chunk`-token chunks, as
+    the engine loop packs them) and first decode step of a `Session` of `slots` rows and `capacity` positions running
+    `cfg` on `engine`'s models, found by running them on a fake twin (module docstring): one specialization each.
+    The models are left as they were, and fake tensors the code left in dict caches are removed. Raises
+    RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor is left anywhere else."""
+    draft = engine.draft if cfg.spec.speculative else None
+    state = _module_state([engine.target, draft])
+    error, t0 = None, time.perf_counter()
+    prefill: list[Launch] = []
+    step: list[Launch] = []
+    with _track_fakes() as fakes:
+        try:
+            prefill, step = _dry_run(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+        except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            _restore_modules(state)
+            state = None
+    t1 = time.perf_counter()
+    removed, left = _sweep_fakes(fakes)  # the dry run's frame is gone: what holds a fake tensor now outlives it
+    if left:
+        raise FakeTensorLeak(f"the warm-up's dry run left fake tensors held by {'; '.join(left)} (removed from "
+                             f"dict caches: {removed or 'none'})")
+    if error is not None:
+        raise RuntimeError(f"the warm-up's dry run failed: {error}")
+    return Plan(prefill, step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4), removed)
+
+
+def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
+             ) -> tuple[list[Launch], list[Launch]]:
+    """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
+    makes is local to this call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dustin.engine.session import Session
+    from dustin.engine.timing import NullTimer
+
+    draft = engine.draft if cfg.spec.speculative else None
+    policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, torch.inference_mode():
+        twin = Session(engine.target, draft, [], cfg, engine.eos_ids, engine.vocab_limit, policy, slots=slots,
+                       capacity=capacity)
+        twin.timer = NullTimer()
+    # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
+    # gives the policy's observers the state the first step reads (e.g. S_target's last query)
+    n = min(prefill_chunk, prefill_tokens, capacity - 1)
+    packed = {name: r.pack([(0, 0, [0] * n)], prefill_tokens, slots) for name, r in twin.runners.items()}
+    with mode, torch.inference_mode(), warnings.catch_warnings():
+        # estimators.stacked_cache compares storage addresses, which fake tensors share (all 0): views of one fake
+        # cache are recognised as such, as the real ones are
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with record_launches(execute=False) as prefill:
+            observers = policy.target_observers(twin)
+            for name, runner in twin.runners.items():
+                runner.forward_packed(packed[name], observers if name == "target" else ())
+        with record_launches(execute=False) as launched:
+            twin._device_step(twin._graph_max_len, graphed_forwards=False)
+    seen = {x.key for x in prefill}
+    return prefill, [x for x in launched if x.key not in seen]
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+_sinks: list = []
+_tap_lock = threading.Lock()
+
+
+def watch_compiles(sink):
+    """Call `sink(thread_name, kernel_name, cache_hit, seconds)` after each Triton compile in this process
+    (cache_hit: loaded from Triton's on-disk cache instead of compiled; seconds: Triton's own timing of it), through
+    Triton's compilation listener (any listener already set keeps being called). Returns a function that removes
+    the sink."""
+    from triton import knobs
+
+    with _tap_lock:
+        current = knobs.compilation.listener
+        if not getattr(current, "_dustin_tap", False):
+            def tap(*, src, metadata, metadata_group, times, cache_hit, _previous=current) -> None:
+                name = getattr(src, "name", "?")
+                us = times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results
+                for fn in list(_sinks):
+                    fn(threading.current_thread().name, name, cache_hit, us / 1e6)
+                if _previous is not None:
+                    _previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                              cache_hit=cache_hit)
+
+            tap._dustin_tap = True
+            knobs.compilation.listener = tap
+        _sinks.append(sink)
+    return lambda: _sinks.remove(sink) if sink in _sinks else None
+
+
+def compiles_here(device: torch.device) -> bool:
+    """Whether kernels are compiled on this device: a CUDA GPU with Triton's compiler (not its interpreter)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_threads() -> int:
+    """Compile threads: DUSTIN_COMPILE_THREADS, else 4 (at most the CPU count less one for the main thread)."""
+    env = os.environ.get("DUSTIN_COMPILE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+class KernelWarmup:
+    """Compiles a plan's launches on background threads (`start`), the prefill's first; `wait_prefill` and `wait`
+    block until those, or all, are ready, and `wait` returns the stats. Each kernel is compiled (or loaded from
+    Triton's disk cache) and then made launchable: its launcher (a small C module Triton builds with the host's C
+    compiler per argument signature, ~0.3 s each, cached on disk too) built and its binary loaded into the CUDA
+    context. Without that, the first launch on the main thread does both."""
+
+    def __init__(self, plan: Plan, device: torch.device, threads: int | None = None, plan_s: float = 0.0) -> None:
+        self.plan, self.device = plan, torch.device(device)
+        self.threads = threads or default_threads()
+        self.started = self.finished = None  # perf_counter of the compile pool's start and end
+        self.stats = {"kernels": len(plan.launches), "prefill_kernels": len(plan.prefill), "threads": self.threads,
+                      "plan_s": round(plan_s, 4), "dry_run_s": plan.dry_run_s, "sweep_s": plan.sweep_s,
+                      "compiled": 0, "from_disk_cache": 0, "compile_s": 0.0, "prefill_wait_s": 0.0, "wait_s": 0.0,
+                      "errors": 0, "first_error": None, "fakes_removed": plan.fakes_removed}
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._prefill_done = threading.Event()
+        self._prefill_left = len(plan.prefill)
+        self._lock = threading.Lock()
+        if not plan.prefill:
+            self._prefill_done.set()
+
+    def start(self) -> "KernelWarmup":
+        """Create each kernel's per-device JIT state here (main thread), then compile on background threads."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._index = index
+        for launch in self.plan.launches:
+            caches = getattr(launch.kernel, "device_caches", None)
+            if caches is not None:
+                caches[index]  # noqa: B018  (defaultdict: builds the binder and the kernel cache now)
+        self._thread = threading.Thread(target=self._run, name="dustin-kernel-warmup", daemon=True)
+        self._thread.start()
+        return self
+
+    def _bind(self) -> None:
+        torch.cuda.set_device(self._index)
+
+    def _compile_one(self, item: tuple[int, Launch]) -> None:
+        i, launch = item
+        try:
+            kernel = launch.compile()
+            init = getattr(kernel, "_init_handles", None)
+            if init is not None:  # the launcher and the module, as the first launch would make them
+                init()
+        except Exception as e:  # the real launch compiles it again and raises there if it is broken
+            with self._lock:
+                self.stats["errors"] += 1
+                if self.stats["first_error"] is None:
+                    self.stats["first_error"] = f"{launch.name}: {type(e).__name__}: {str(e)[:300]}"
+        finally:
+            if i < len(self.plan.prefill):
+                with self._lock:
+                    self._prefill_left -= 1
+                    if self._prefill_left == 0:
+                        self._prefill_done.set()
+
+    def _count(self, thread: str, kernel: str, cache_hit: bool, seconds: float) -> None:
+        if thread.startswith("dustin-compile"):
+            with self._lock:
+                self.stats["from_disk_cache" if cache_hit else "compiled"] += 1
+
+    def _run(self) -> None:
+        t0 = self.started = time.perf_counter()
+        unwatch = watch_compiles(self._count)
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="dustin-compile",
+                                    initializer=self._bind) as pool:
+                list(pool.map(self._compile_one, enumerate(self.plan.launches)))  # FIFO: the prefill's first
+        except Exception as e:  # pragma: no cover - e.g. a thread that cannot be started
+            self.stats["errors"] += 1
+            self.stats["first_error"] = self.stats["first_error"] or f"{type(e).__name__}: {e}"
+        finally:
+            unwatch()
+            self.finished = time.perf_counter()
+            self.stats["compile_s"] = round(self.finished - t0, 4)
+            self._prefill_done.set()
+            self._done.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._done.is_set()
+
+    def wait_prefill(self) -> None:
+        """Block until the prefill forward's kernels are ready (the first call waits; `prefill_wait_s`)."""
+        if not self._prefill_done.is_set():
+            t0 = time.perf_counter()
+            self._prefill_done.wait()
+            self.stats["prefill_wait_s"] = round(self.stats["prefill_wait_s"] + time.perf_counter() - t0, 4)
+
+    def wait(self) -> dict:
+        """Block until every planned kernel is ready; the stats (the wait itself in `wait_s`)."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+        self.stats["wait_s"] = round(self.stats["wait_s"] + time.perf_counter() - t0, 4)
+        return self.stats
+
+
+def warmup_enabled() -> bool:
+    return os.environ.get("DUSTIN_KERNEL_WARMUP", "1") != "0"
+
+
+def start_kernel_warmup(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+                        prefill_chunk: int = 512) -> KernelWarmup | None:
+    """Plan a session's first prefill forward and decode step (`plan_first_step`) and start compiling them in the
+    background, when kernels are compiled on the engine's device (a GPU without Triton's interpreter) and the
+    warm-up is on; else, or if the plan fails (the steps then compile their kernels themselves, as without a
+    warm-up), None. A plan that left a fake tensor where the engine may use it raises (`FakeTensorLeak`)."""
+    if not warmup_enabled() or not compiles_here(engine.device) or engine.parallel is not None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        plan = plan_first_step(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+        return KernelWarmup(plan, engine.device, plan_s=time.perf_counter() - t0).start()
+    except FakeTensorLeak:
+        raise
+    except Exception:  # e.g. a dry run the fake tensors cannot follow: no warm-up, nothing else changes
+        return None

@@ -1,0 +1,297 @@
+"""The kernel warm-up (dustin/engine/warmup.py): its plan is exactly the set of Triton launches (kernel and
+specialization) of a real first decode step, it leaves the models and other threads alone, its placeholders bind
+like the tensors they stand for, it is inert on the CPU, and the engine loop prefills while it compiles and
+decodes only after waiting for it.
+
+Kernels run in Triton's interpreter here (conftest), which compiles nothing; the launches are recorded all the
+same, so the plan is checked against real steps on the CPU (the fused layer kernels, used for CUDA tensors only,
+are not in these steps: on a GPU scripts/gpu_first_step_compile.py counts what the first step still compiles)."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.session import Session
+from dustin.engine.warmup import Launch, plan_first_step, record_launches, start_kernel_warmup
+
+SPARSE = dict(budget=24, draft_window=32)
+
+
+@pytest.fixture(scope="module")
+def triton_pair(tmp_path_factory):
+    """A tiny pair with head_dim 16 (the Triton kernels' smallest), on the Triton attention backend."""
+    from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+    root = tmp_path_factory.mktemp("warmup_pair")
+    target = make_tiny_checkpoint(root / "t", "qwen2", layers=3, heads=4, kv_heads=2, seed=1)
+    draft = make_tiny_draft(target, root / "d", noise=0.1)
+    return Engine.from_pretrained(str(target), str(draft), attention="triton")
+
+
+def _cfg(method: str, cap: int) -> GenerationConfig:
+    return GenerationConfig(method=method, max_new_tokens=cap, stop_at_eos=False,
+                            **(SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_window": 32}))
+
+
+PAD = 256  # tokens per packed prefill forward in these sessions
+
+
+def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
+    """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
+    the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
+    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, [], cfg, engine.eos_ids,
+                engine.vocab_limit, engine.make_policy(cfg), slots=slots, capacity=cap)
+    rng = random.Random(0)
+    lens = [40 + 13 * r for r in range(slots)]
+    for r, n in enumerate(lens):
+        s.admit(r, [rng.randrange(3, 90) for _ in range(n)], 8)
+    with record_launches(execute=True) as launches:
+        s.prefill(list(enumerate(lens)), pad_to=PAD)
+    out = [{x.signature for x in launches}]
+    for _ in range(steps):
+        with record_launches(execute=True) as launches:
+            s.complete(s.launch(overlapped=s.overlappable))
+        out.append({x.signature for x in launches})
+    return out
+
+
+def _plan(engine, cfg, slots: int, cap: int):
+    return plan_first_step(engine, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "magicdec", "dustin", "streaming"])
+def test_plan_is_the_first_launches(triton_pair, method):
+    """Every launch of a real first prefill forward and first decode step is in the plan (the warm-up leaves
+    nothing to compile), the prefill's in its prefill part, and the plan holds nothing they and the second step do
+    not launch. The plan is the code's own: the dustin step's score estimation (target and draft), selection and
+    sparse verify kernels are all there."""
+    slots, cap = 3, 200
+    cfg = _cfg(method, cap)
+    plan = _plan(triton_pair, cfg, slots, cap)
+    planned = {x.signature for x in plan.launches}
+    prefill, first, second = _real_run(triton_pair, cfg, slots, cap)
+    assert prefill <= {x.signature for x in plan.prefill} and first <= planned
+    assert planned <= prefill | first | second
+    names = {sig[0] for sig in planned}
+    assert "_prefill_attention_kernel" in {sig[0] for sig in prefill}
+    if method == "dustin":
+        assert {"_score_pass1_kernel", "_score_pass2_kernel", "_mask_scores_kernel", "_assemble_kernel",
+                "_sparse_verify_split_kernel", "_verify_attention_split_kernel"} <= names
+        assert sum(sig[0] == "_score_pass1_kernel" for sig in planned) == 2  # S_target and S_draft
+    elif method == "vanilla":
+        assert names == {"_prefill_attention_kernel", "_verify_attention_split_kernel"}
+
+
+def test_a_plan_for_other_sizes_misses_launches(triton_pair):
+    """The comparison above can fail: a plan for another batch size (grid-derived constexprs of the estimation)
+    or another capacity (its ints' divisibility by 16) misses launches of the real step."""
+    cfg = _cfg("dustin", 200)
+    _, first = _real_run(triton_pair, cfg, 3, 200, steps=1)
+    assert first <= {x.signature for x in _plan(triton_pair, cfg, 3, 200).launches}
+    assert not first <= {x.signature for x in _plan(triton_pair, cfg, 2, 200).launches}
+    assert not first <= {x.signature for x in _plan(triton_pair, _cfg("dustin", 208), 3, 208).launches}
+
+
+def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
+    """Planning neither changes the models (parameters, buffers, attributes) nor what a real session then
+    generates; attributes a dry run adds to a module are removed again."""
+    from dustin.engine.warmup import _module_state, _restore_modules
+
+    model = triton_pair.target
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    keys = set(vars(model.layers[0]))
+    cfg = GenerationConfig(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
+    ref = triton_pair.generate([[5, 6, 7] * 12], cfg).sequences[0].token_ids
+    _plan(triton_pair, _cfg("dustin", 200), 3, 200)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    assert set(vars(model.layers[0])) == keys
+    assert triton_pair.generate([[5, 6, 7] * 12], cfg).sequences[0].token_ids == ref
+
+    state = _module_state([model])
+    model.layers[0].lazy = torch.zeros(1)
+    model.layers[0].register_buffer("lazy_buffer", torch.zeros(1))
+    _restore_modules(state)
+    assert not hasattr(model.layers[0], "lazy") and "lazy_buffer" not in model.layers[0]._buffers
+
+
+def _silu_args(n: int = 40, offset: int = 0):
+    from dustin.kernels.fused_ops import _silu_mul_kernel
+
+    g = torch.randn(2, n + offset)[:, offset:]
+    u = torch.randn(2, n)
+    return _silu_mul_kernel, (g, u, torch.empty(2, n), n, g.stride(0), u.stride(0)), {"BLOCK": 64, "num_warps": 4}
+
+
+def test_recording_is_per_thread():
+    """While one thread records without running, another thread's launch of the same kernel runs as usual; with
+    execute=True the recorded launch runs too."""
+    kernel, args, kw = _silu_args()
+    _, other, _ = _silu_args()
+    args[2].fill_(7.0)
+    with record_launches(execute=False) as launches:
+        kernel[(2, 1)](*args, **kw)
+        t = threading.Thread(target=lambda: kernel[(2, 1)](*other, **kw))
+        t.start()
+        t.join()
+    g, u, out = other[:3]
+    assert torch.allclose(out, torch.nn.functional.silu(g) * u, atol=1e-6)
+    assert len(launches) == 1 and launches[0].name == "_silu_mul_kernel" and bool((args[2] == 7.0).all())
+    with record_launches(execute=True) as ran:
+        kernel[(2, 1)](*args, **kw)
+    assert torch.allclose(args[2], torch.nn.functional.silu(args[0]) * args[1], atol=1e-6) and len(ran) == 1
+
+
+def test_placeholders_bind_like_the_tensors():
+    """Triton's own binder (that of the sm_90 backend) specializes the recorded placeholders exactly as it
+    specializes the tensors they replace: dtype, and 16-byte alignment (an unaligned view stays unaligned)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for offset in (0, 1):  # 1: g starts 4 bytes into its storage
+        kernel, args, kw = _silu_args(offset=offset)
+        jit = JITFunction(kernel.fn)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        with record_launches(execute=False) as launches:
+            kernel[(2, 1)](*args, **kw)
+        (launch,) = launches
+        assert isinstance(launch, Launch)
+        spec_real = binder(*args, **kw)[1]
+        spec_plan = binder(*launch.args, **dict(launch.kwargs))[1]
+        assert spec_real == spec_plan
+        assert ("D" in str(spec_real[0])) == (offset == 0)  # the gate pointer's alignment attribute
+
+
+def test_the_warmup_is_inert_on_the_cpu(triton_pair):
+    assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
+    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+
+    llm = LLMEngine(triton_pair, ServeConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
+    assert llm.kernel_warmup is None
+
+
+def first_decode_index(plans) -> int:
+    return next(i for i, p in enumerate(plans) if p.decode)
+
+
+class _FakeWarmup:
+    """Stands in for a KernelWarmup still compiling for the first `busy` looks at it."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.held, self.waited, self.prefill_waits = busy, 0, 0, 0
+
+    def wait_prefill(self) -> None:
+        self.prefill_waits += 1
+
+    @property
+    def running(self) -> bool:
+        self.held += self.busy > 0
+        self.busy -= 1
+        return self.busy >= 0
+
+    def wait(self) -> dict:
+        self.waited += 1
+        return {"wait_s": 0.25}
+
+
+@pytest.mark.parametrize("busy", [2, 1000])
+def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(triton_pair, busy):
+    """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
+    the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
+    time), and every request gets the tokens of a run without a warm-up."""
+    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.request import Request, SamplingParams
+
+    prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
+    cfg = ServeConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = LLMEngine(triton_pair, cfg).generate(prompts, params)
+    llm = LLMEngine(triton_pair, cfg)
+    fake = llm.kernel_warmup = _FakeWarmup(busy)
+    plans = []
+    schedule = llm._schedule
+    llm._schedule = lambda: plans.append(schedule()) or plans[-1]
+    for i, p in enumerate(prompts):
+        llm.add_request(Request(f"r{i}", p, params))
+    out: dict[str, list[int]] = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [out[f"r{i}"] for i in range(3)] == ref
+    assert fake.waited == 1 and llm.kernel_warmup is None and llm.warmup_stats == {"wait_s": 0.25}
+    # each prefill until the first decode step waited for the prefill's kernels first
+    assert fake.prefill_waits == sum(1 for p in plans[:first_decode_index(plans) + 1] if p.prefill) > 0
+    assert fake.held == min(busy, 2 if busy == 2 else fake.held) and fake.held >= 1
+    first_decode = first_decode_index(plans)
+    assert all(p.prefill and not p.decode for p in plans[:first_decode])
+    if busy > 2:  # still compiling throughout the prefill: no decode step before the last prefill chunk
+        assert not any(p.prefill for p in plans[first_decode:])
+    assert llm.session._warmup_s >= 0.25
+
+
+class _Cache:
+    """A global cache of the kind the dry run must not leave fake tensors in (cf. per-device buffers made on first
+    use), and a holder it cannot repair."""
+    by_device: dict = {}
+    held: list = []
+
+
+def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch):
+    """A dict entry the dry run filled with a fake tensor is deleted (the code makes a real one on next use) and
+    reported; a fake tensor held anywhere else fails the plan with FakeTensorLeak, the holder named (the engine
+    must not run then: a real launch would read the fake tensor's address, 0)."""
+    from dustin.engine.warmup import FakeTensorLeak
+
+    original = Session._device_step
+
+    def caching_step(self, *args, **kwargs):
+        _Cache.by_device.setdefault(str(self.device), torch.zeros(4, device=self.device))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "_device_step", caching_step)
+    _Cache.by_device.clear()
+    plan = _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
+    assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
+
+    def holding_step(self, *args, **kwargs):
+        _Cache.held.append(torch.zeros(4, device=self.device))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "_device_step", holding_step)
+    with pytest.raises(FakeTensorLeak, match="held by list"):
+        _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
+    _Cache.held.clear()
+
+
+def test_the_gpu_script_parses_its_arguments():
+    """scripts/gpu_first_step_compile.py imports and parses its arguments on the CPU (it runs on a GPU only)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_first_step_compile.py"
+    spec = importlib.util.spec_from_file_location("gpu_first_step_compile", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    a = script.parse_args(["--out", "x", "--cases", "off,on,disk", "--real"])
+    assert a.cases == "off,on,disk" and a.real and a.context == 16384 and a.real_context == 29500
+    with pytest.raises(SystemExit):
+        script.parse_args(["--cases", "cold"])
+
+
+def test_dustin_warmup_needs_a_gpu(capsys):
+    """`dustin warmup` compiles for a GPU: on the CPU it says so in one line, before any model loads; a method
+    that runs on a whole-batch session is refused."""
+    from dustin.cli.main import main
+
+    assert main(["warmup", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda" in err
+    assert main(["warmup", "--device", "cpu", "--methods", "quest"]) == 2
+    assert "whole-batch" in capsys.readouterr().err
