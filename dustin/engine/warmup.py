@@ -36,7 +36,9 @@ How:
 
 On the CPU (Triton's interpreter, or no Triton) nothing is compiled: `start_kernel_warmup` returns None. The
 plan itself runs on the CPU too, which is how tests/test_warmup.py checks it against the launches of a real
-prefill and first step. `DUSTIN_KERNEL_WARMUP=0` turns the warm-up off; `DUSTIN_COMPILE_THREADS` sets its
+prefill and first step. The background warm-up is opt-in (`DUSTIN_KERNEL_WARMUP=1`): its final form (launchers
+built on the threads, the prefill's plan) has not been timed on a GPU yet; `dustin warmup` fills Triton's on-disk
+cache with the same plan, which a later process reads instead of compiling. `DUSTIN_COMPILE_THREADS` sets the
 thread count.
 """
 from __future__ import annotations
@@ -582,7 +584,8 @@ class KernelWarmup:
 
 
 def warmup_enabled() -> bool:
-    return os.environ.get("DUSTIN_KERNEL_WARMUP", "1") != "0"
+    """The background warm-up of a new engine: opt-in, DUSTIN_KERNEL_WARMUP=1."""
+    return os.environ.get("DUSTIN_KERNEL_WARMUP", "0") == "1"
 
 
 def start_kernel_warmup(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
