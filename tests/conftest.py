@@ -67,16 +67,15 @@ def real_pair_or_skip():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The real default pair, loaded once and shared. In fp32 it is 8.1 GB of weights (bf16: 4.1 GB), and loading it
-# peaks at 11.1 GB RSS (bf16: 5.1 GB); each test loading its own copy cost ~20 s a load, and one pytest process
-# peaked at 21.7 GB where an earlier copy was still reachable (below: FastAPI's caches). Now one Engine is held at
-# a time: `real_pair` (tests that check ranges or compare the pair's output
-# with its own) and `real_pair_fp32` (tests that hold the output to an fp32 reference: near-tie epsilon 1e-4).
+# The real default pair, loaded once and shared. Its checkpoints are untied (lm_head apart from the embeddings):
+# 2.4B parameters, 9.6 GB of weights in fp32 (bf16: 4.8 GB). Each test loading its own copy cost ~20 s a load, and
+# one pytest process peaked at 21.7 GB where an earlier copy was still reachable (below: FastAPI's caches). Now one
+# Engine is held at a time: `real_pair` (tests that check ranges or compare the pair's output with its own) and
+# `real_pair_fp32` (tests that hold the output to an fp32 reference, near-tie epsilon 1e-4, or need fp32 as such).
 # The real-pair tests run last, `real_pair` users first, so the pair is loaded at most twice (once where the two
-# dtypes coincide), and it is dropped (del + gc) right after its last user. Loading the pair in fp32 peaks at
-# 10.8 GB RSS: 8.1 GB of weights plus 3.5 GB of the mapped bf16 checkpoint resident while it is read (clean page
-# cache; anonymous memory peaks at 9.7 GB). Casting a loaded bf16 pair up in place measured no lower (11.6 GB: the
-# mapping stays until the last bf16 tensor is replaced), so the fp32 pair is a plain load.
+# dtypes coincide), and it is dropped (del + gc) right after its last user. Loading it in fp32 peaks at 9.9 GB RSS
+# (bf16: 4.9 GB): the loader maps a checkpoint file anew every 256 MB read, since the pages read through one mapping
+# of the whole file stayed resident beside the fp32 copy (peak 10.9 GB).
 # `real_pair`'s dtype: bf16 where the CPU computes bf16 natively (AVX512-BF16 / AMX: half the memory, 2.4x faster),
 # fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 3x slower than fp32 (dustin/runtime.py), and one fp32 pair
 # fits the suite's 12 GB. The probe reads the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
@@ -113,8 +112,7 @@ class _RealPair:
             sys.last_type = sys.last_value = sys.last_traceback = None
             if hasattr(sys, "last_exc"):
                 sys.last_exc = None
-            gc.collect()
-            _trim_heap()
+            _drop_leaked_models()  # a served pair stays in FastAPI's caches otherwise (below)
             torch.set_num_threads(1)
 
 
@@ -205,14 +203,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """After the last test that uses the shared pair (once its protocol is over: fixtures torn down, the test's
-    arguments dropped), free it; after any other real-model test, collect the models it may have left in reference
-    cycles or in FastAPI's caches (gc runs by object counts, not bytes: 8 GB of weights can wait there while the next
-    test loads its own)."""
+    arguments dropped), free it; after any other real-model test, and after each user of the pair, collect what it
+    may have left in reference cycles or in FastAPI's caches (a model, a server's KV cache; gc runs by object
+    counts, not bytes: gigabytes can wait there while the next test allocates its own)."""
     yield
     if REAL_PAIR.engine is not None and (nextitem is None or _real_pair_group(nextitem) == 0):
         REAL_PAIR.release()
-    elif item.get_closest_marker("realmodels") is not None and REAL_PAIR.engine is None:
-        _drop_leaked_models()
+    elif item.get_closest_marker("realmodels") is not None or _real_pair_group(item):
+        _drop_leaked_models()  # e.g. a server's KV cache and threads, beside the pair still held
 
 
 # optuna keeps the ImportErrors of its optional integrations, tracebacks included, for later (optuna._imports):

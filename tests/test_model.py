@@ -101,6 +101,21 @@ def test_corrupt_weights(tmp_path, tiny_qwen2):
         load_model(bad)
 
 
+def test_remapping_the_checkpoint_while_reading_loads_the_same_weights(tiny_qwen2, monkeypatch):
+    """The loader maps a checkpoint file anew every `_REMAP_ELEMENTS` read (so the pages read stop counting in the
+    process's RSS); with a remap after every tensor the model is the one a single mapping reads."""
+    from dustin.models import loader
+
+    want = load_model(tiny_qwen2).state_dict()
+    monkeypatch.setattr(loader, "_REMAP_ELEMENTS", 1)
+    opened = []
+    real_open = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
+    got = load_model(tiny_qwen2).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert len(opened) > 10  # one mapping for the names, then one per tensor
+
+
 def test_missing_tensor_and_wrong_shape(tmp_path, tiny_qwen2):
     from safetensors.torch import load_file, save_file
 

@@ -32,7 +32,6 @@ from dustin.engine.request import SamplingParams
 from dustin.serve.async_engine import AsyncLLMEngine
 from dustin.serve.detokenize import IncrementalDetokenizer
 from dustin.serve.local import LocalServer
-from tests.conftest import real_pair_or_skip
 
 MODEL = "tiny"
 CONTEXT = 1024
@@ -532,52 +531,38 @@ def test_serve_command_end_to_end(tiny_pair):
 
 @pytest.mark.realmodels
 @pytest.mark.slow
-def test_real_pair_chat_and_text_completion_equal_engine_generate():
-    import gc
-
-    real_pair_or_skip()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core (conftest sets 1 for tiny ones)
+def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair_fp32):
+    """The server on the shared fp32 pair (its own load cost ~20 s and a second 9.7 GB copy while the other was
+    held) answers as the offline engine on the same pair does, computed first, before the engine thread starts."""
+    engine = real_pair_fp32
     question = "Write a Python function that reverses a string."
     code = "def fibonacci(n):\n"
     n = 24
+    cfg = GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=n)
+    want_chat = engine.generate([question], cfg, chat=True).sequences[0]
+    want_text = engine.generate([code], cfg).sequences[0]
+    llm = LLMEngine(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=1024))
+    srv = LiveServer(llm, name="qwen")
     try:
-        llm = LLMEngine.from_pretrained("default", "default", device="cpu", dtype="fp32",
-                                        config=ServeConfig(method="classic", gamma=GAMMA, max_slots=2,
-                                                           max_context=1024))
-        # the offline reference: the serving engine's own loaded Engine when it exposes it (saves a second load),
-        # used before the engine thread starts
-        engine = getattr(llm, "engine", None)
-        if not isinstance(engine, Engine):
-            engine = Engine.from_pretrained("default", "default", device="cpu", dtype="fp32")
-        cfg = GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=n)
-        want_chat = engine.generate([question], cfg, chat=True).sequences[0]
-        want_text = engine.generate([code], cfg).sequences[0]
-        del engine
-        gc.collect()
-        srv = LiveServer(llm, name="qwen")
-        try:
-            chat = srv.client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": question}],
-                                                      max_tokens=n, temperature=0)
-            assert chat.choices[0].message.content == want_chat.text
-            assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
-            assert chat.usage.completion_tokens == len(want_chat.token_ids)
-            text = srv.client.completions.create(model="qwen", prompt=code, max_tokens=n, temperature=0)
-            assert text.choices[0].text == want_text.text
-            streamed = srv.client.chat.completions.create(
-                model="qwen", messages=[{"role": "user", "content": question}], max_tokens=n, temperature=0,
-                stream=True)
-            chunks = list(streamed)
-            assert chunks[0].choices[0].delta.role == "assistant"
-            assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat.text
-            # no max_tokens on chat: the rest of the context (here the model stops at EOS or the slot's end)
-            r = srv.http.post("/v1/chat/completions", json={"model": "qwen", "temperature": 0, "messages": [
-                {"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Hi?"}]})
-            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-        finally:
-            srv.close()
+        chat = srv.client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": question}],
+                                                  max_tokens=n, temperature=0)
+        assert chat.choices[0].message.content == want_chat.text
+        assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+        assert chat.usage.completion_tokens == len(want_chat.token_ids)
+        text = srv.client.completions.create(model="qwen", prompt=code, max_tokens=n, temperature=0)
+        assert text.choices[0].text == want_text.text
+        streamed = srv.client.chat.completions.create(
+            model="qwen", messages=[{"role": "user", "content": question}], max_tokens=n, temperature=0,
+            stream=True)
+        chunks = list(streamed)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat.text
+        # no max_tokens on chat: the rest of the context (here the model stops at EOS or the slot's end)
+        r = srv.http.post("/v1/chat/completions", json={"model": "qwen", "temperature": 0, "messages": [
+            {"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Hi?"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
-        torch.set_num_threads(threads)
+        srv.close()
 
 
 def test_incremental_detokenizer_equals_a_whole_decode_with_the_real_tokenizer(tok):
