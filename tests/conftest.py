@@ -3,6 +3,7 @@ checked against the reference implementation of the same files."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import importlib
 import os
@@ -44,15 +45,17 @@ def text_pair(tiny_pair, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tok():
-    """The default pair's (target) tokenizer; tests that need it skip when the pair is not fetched."""
+    """The default pair's (target) tokenizer, the shared pair's own; tests that need it skip when the pair is not
+    fetched."""
+    return _real_tokenizer()
+
+
+@functools.cache
+def _real_tokenizer():
+    """One copy of the target's tokenizer for `tok` and the shared pair (each copy holds ~135 MB)."""
     from transformers import AutoTokenizer
 
-    from dustin.errors import CheckpointError
-    from dustin.models.fetch import resolve_model_path
-    try:
-        return AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
-    except CheckpointError as e:
-        pytest.skip(f"default pair not fetched: {e}")
+    return AutoTokenizer.from_pretrained(str(real_pair_or_skip()[0]))
 
 
 def real_pair_or_skip():
@@ -100,7 +103,7 @@ class _RealPair:
         from dustin.engine.engine import Engine
 
         torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core
-        self.engine = Engine.from_pretrained("default", "default", device="cpu",
+        self.engine = Engine.from_pretrained("default", "default", device="cpu", tokenizer=_real_tokenizer(),
                                              dtype="fp32" if dtype == torch.float32 else "bf16")
         self.dtype, self.loads = dtype, self.loads + 1
         return self.engine
