@@ -39,6 +39,41 @@ def int_list(flag: str, text: str, low: int = 1) -> list[int]:
     return values
 
 
+def budget_list(flag: str, text: str) -> list[int | str]:
+    """A sweep's budgets: integers k >= 21 and `auto:P` entries (P in (0, 1]; plain `auto` is auto:0.95), in
+    order without repeats, or one InputError line. An auto entry keeps its canonical text ("auto:0.9") as its
+    key in result files."""
+    from dustin.errors import InputError
+
+    out: list[int | str] = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        try:
+            if x == "auto" or x.startswith("auto:"):
+                p = float(x[5:]) if x != "auto" else AUTO_P
+                if not 0.0 < p <= 1.0:
+                    raise ValueError
+                value: int | str = f"auto:{p:g}"
+            else:
+                value = int(x)
+                if value < 21:
+                    raise ValueError
+        except ValueError:
+            raise InputError(f"{flag} must be a comma-separated list of integers >= 21 or auto:P with P in (0, 1], "
+                             f"got {text!r}") from None
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise InputError(f"{flag} must be a comma-separated list of integers >= 21 or auto:P, got {text!r}")
+    return out
+
+
+def auto_p(budget: int | str | None) -> float | None:
+    """The P of a sweep's `auto:P` budget, else None."""
+    return float(budget[5:]) if isinstance(budget, str) and budget.startswith("auto:") else None
+
+
 def method_list(text: str) -> list[str]:
     """--methods: known decoding methods, de-duplicated in order, or one InputError line."""
     from dustin.engine.config import METHODS
@@ -75,6 +110,9 @@ def add_speculation_args(p: argparse.ArgumentParser):
     return g
 
 
+AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048  # --budget auto's defaults: mass to cover, smallest and largest k
+
+
 def _budget(text: str) -> int | str:
     """--budget: an integer k, or auto."""
     if text == "auto":
@@ -93,10 +131,12 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None):
                        help="KV positions per sequence the target verifies against (k; default: the config's, 512), "
                             "or auto: per sequence and step, the fewest positions holding --budget-p of the "
                             "estimated attention mass (dustin methods)")
-        g.add_argument("--budget-p", type=float, default=0.95, help="--budget auto: attention mass to cover")
-        g.add_argument("--budget-min", type=int, default=128, help="--budget auto: smallest k")
-        g.add_argument("--budget-max", type=int, default=2048, help="--budget auto: largest k")
+        g.add_argument("--budget-p", type=float, default=AUTO_P, help="--budget auto: attention mass to cover")
     else:
-        g.add_argument("--budgets", default=sweep, help="k values for the sparse methods, comma separated")
+        g.add_argument("--budgets", default=sweep,
+                       help="k values for the sparse methods, comma separated; auto:P entries size k per sequence "
+                            "and step to cover P of the estimated attention mass (dustin methods only)")
+    g.add_argument("--budget-min", type=int, default=AUTO_MIN, help="--budget auto: smallest k")
+    g.add_argument("--budget-max", type=int, default=AUTO_MAX, help="--budget auto: largest k")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
     return g

@@ -90,9 +90,11 @@ def test_summary_table_and_oracle_best():
     assert summary[("b", 100, "oracle-best", 64)]["score"] == 1.0  # dustin-t's 1.0
     md = markdown(summary, p)
     # graded scores of one sample: a zero-width bootstrap interval; a 0/1 score of one sample: Wilson's [21, 100]
-    assert "| dustin@64 | 75.0 [75, 75] | 50.0 [50, 50] | 62.5 [62.5, 62.5] | 2.00 | 50% |" in md
-    assert "| oracle-best@64 | 100.0 | 100.0 | 100.0 | - | - |" in md
-    assert "| vanilla | 100.0 [21, 100] | 100.0 [21, 100] | 100.0 [100.0, 100.0] | - | - |" in md
+    # Δ: the paired difference to vanilla, (0.75 - 1 + 0.5 - 1) / 2 = -37.5 points (one sample: no spread)
+    assert ("| dustin@64 | 75.0 [75, 75] | 50.0 [50, 50] | 62.5 [62.5, 62.5] | -37.5 [-37.5, -37.5] | 64 | 2.00 "
+            "| 50% |") in md
+    assert "| oracle-best@64 | 100.0 | 100.0 | 100.0 | - | - | - | - |" in md
+    assert "| vanilla | 100.0 [21, 100] | 100.0 [21, 100] | 100.0 [100.0, 100.0] | - | - | - | - |" in md
     assert "n = 1 samples per task" in md and summary[("a", 100, "vanilla", None)]["n"] == 1
 
 

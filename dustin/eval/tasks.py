@@ -20,11 +20,13 @@ from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
-from dustin.eval.stats import average_interval, mean_interval
+from dustin.eval.stats import average_interval, mean_interval, paired_difference_interval
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
     add_speculation_args,
+    auto_p,
+    budget_list,
     check_sparse_config,
     int_list,
     method_list,
@@ -61,20 +63,38 @@ def plan(args) -> dict:
     if args.longbench_dir:
         os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
     tasks = get_tasks(args.tasks)
-    contexts, budgets = int_list("--contexts", args.contexts, 1), int_list("--budgets", args.budgets, 21)
+    contexts, budgets = int_list("--contexts", args.contexts, 1), budget_list("--budgets", args.budgets)
     methods = method_list(args.methods)
     if args.samples < 1:
         raise InputError(f"--samples must be >= 1, got {args.samples}")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    check_sparse_config(args.config, budgets)
-    for m in methods:
-        GenerationConfig(method=m, gamma=args.gamma, draft_window=args.draft_window, budget=budgets[0])
+    autos = [k for k in budgets if auto_p(k) is not None]
+    if autos and not any(m in HYBRID_FAMILY for m in methods):
+        raise InputError(f"--budgets {autos[0]} sizes Dustin's selection: add dustin, dustin-t or dustin-d to "
+                         f"--methods")
+    check_sparse_config(args.config, [k for k in budgets if auto_p(k) is None] + ([args.budget_max] if autos else []))
     methods.sort(key=lambda m: m not in LOSSLESS)  # the lossless reference first: agreement needs it
     rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
-                                                             if m not in LOSSLESS]
-    return {"tasks": tasks, "contexts": contexts, "rows": rows,
-            "settings": {k: getattr(args, k) for k in _SETTINGS}}
+                                                             if m not in LOSSLESS
+                                                             and (auto_p(k) is None or m in HYBRID_FAMILY)]
+    for m, k in rows + [(m, budgets[0]) for m in methods if m in LOSSLESS]:
+        generation_config(m, k, args)  # every row's settings valid before any model loads
+    settings = {k: getattr(args, k) for k in _SETTINGS}
+    if autos:  # the auto rows' k range (absent otherwise, so that older result files still resume)
+        settings["budget_range"] = [args.budget_min, args.budget_max]
+    return {"tasks": tasks, "contexts": contexts, "rows": rows, "settings": settings}
+
+
+def generation_config(method: str, budget: int | str | None, args, max_new_tokens: int = 128
+                      ) -> GenerationConfig:
+    """The settings of one row: a fixed k, or auto:P with --budget-min / --budget-max."""
+    p = auto_p(budget)
+    extra = {} if p is None else {"budget": "auto", "budget_p": p, "budget_min": args.budget_min,
+                                  "budget_max": args.budget_max}
+    return GenerationConfig(**{"method": method, "gamma": args.gamma, "draft_window": args.draft_window,
+                               "max_new_tokens": max_new_tokens, "budget": budget, "sparse_config": args.config,
+                               "seed": args.seed, **extra})
 
 
 def run(args) -> int:
@@ -139,10 +159,8 @@ def run(args) -> int:
         print(md)  # plain markdown (no terminal wrapping): paste-able
         if args.json_out:
             Path(args.json_out).with_suffix(".md").write_text(md)
-            Path(args.json_out).with_suffix(".summary.json").write_text(json.dumps(
-                [{"task": t, "context": c, "method": m, "budget": k, "score": x["score"], "n": x["n"],
-                  "ci95": x["ci"], "tau": x["tau"], "agreement": x["agreement"]}
-                 for (t, c, m, k), x in summary.items()], indent=1))
+            Path(args.json_out).with_suffix(".summary.json").write_text(json.dumps(summary_records(summary, p),
+                                                                                    indent=1))
             plot(summary, p, Path(args.json_out).with_suffix(".png"))
     return 0
 
@@ -160,10 +178,7 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
-    longest = max(s.max_new_tokens for s in samples)
-    cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, max_new_tokens=longest,
-                           budget=budget,
-                           sparse_config=args.config, seed=args.seed)
+    cfg = generation_config(method, budget, args, max(s.max_new_tokens for s in samples))
     t0 = time.perf_counter()
     r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,
                         limits=[s.max_new_tokens for s in samples])
@@ -184,13 +199,26 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
                     "score": task.score(text, s.references, **kw), "metrics": extra, "prediction": text,
                     "references": s.references, "token_ids": ids, "prompt_tokens": len(s.prompt_ids),
                     "tau": tau, "agreement": agree, "seconds": seconds / len(samples), "meta": s.meta,
-                    "sparse_config": r.sparse_config and r.sparse_config.get("source")})
+                    "sparse_config": r.sparse_config and r.sparse_config.get("source"),
+                    # the batch's k per (sequence, step) under auto:P: mean, p50, p90, p99 and the step count
+                    "budget_k": r.budget_k})
     return out
 
 
+def budget_order(k: int | str | None) -> tuple:
+    """Fixed k ascending, then auto:P by P (a sweep's budgets mix both)."""
+    return (0, 0.0) if k is None else (1, float(k)) if auto_p(k) is None else (2, auto_p(k))
+
+
+def _budgets(rows) -> list:
+    return sorted({k for _, k in rows if k is not None}, key=budget_order)
+
+
 def summarize(rows: list[dict], p: dict) -> dict:
-    """(task, context, method, budget) -> {score, n, ci, tau, agreement}: means over the samples, with the
-    sample count and a 95% interval of the score (dustin/eval/stats.py: Wilson for 0/1 scores, else bootstrap)."""
+    """(task, context, method, budget) -> {score, n, ci, tau, agreement, k, by_index}: means over the samples,
+    with the sample count, a 95% interval of the score (dustin/eval/stats.py: Wilson for 0/1 scores, else
+    bootstrap) and the mean k verified against (the budget, or for auto:P the mean over the (sequence, step)
+    pairs of the batches that ran the samples)."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
@@ -198,28 +226,66 @@ def summarize(rows: list[dict], p: dict) -> dict:
     def mean(xs):
         return None if not xs else sum(xs) / len(xs)
 
+    def mean_k(g, budget):
+        if budget is None or auto_p(budget) is None:
+            return budget
+        ks = [(x["budget_k"]["mean"], x["budget_k"]["samples"]) for x in g if x.get("budget_k")]
+        return sum(k * n for k, n in ks) / sum(n for _, n in ks) if ks else None
+
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
                  "ci": list(mean_interval([x["score"] for x in g])),
-                 "scores": [x["score"] for x in g],
+                 "scores": [x["score"] for x in g], "by_index": {x["index"]: x["score"] for x in g},
                  "tau": mean([x["tau"] for x in g if x["tau"] is not None]),
-                 "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None])}
+                 "agreement": mean([x["agreement"] for x in g if x["agreement"] is not None]),
+                 "k": mean_k(g, key[3])}
            for key, g in groups.items()}
-    budgets = sorted({k for _, k in p["rows"] if k is not None})
     for t in p["tasks"]:  # the paper's Oracle (Best): per task, the best of the three Dustin variants
         for c in p["contexts"]:
-            for k in budgets:
+            for k in _budgets(p["rows"]):
                 cand = [out[(t.name, c, m, k)]["score"] for m in HYBRID_FAMILY if (t.name, c, m, k) in out]
                 if len(cand) == len(HYBRID_FAMILY):
                     out[(t.name, c, "oracle-best", k)] = {"score": max(cand), "n": None, "ci": None,
-                                                          "scores": None, "tau": None, "agreement": None}
+                                                          "scores": None, "by_index": None, "tau": None,
+                                                          "agreement": None, "k": None}
     return out
 
 
-def _table_rows(summary: dict, p: dict) -> list[tuple[str, int | None]]:
+def row_average(summary: dict, names: list[str], c: int, m: str, k) -> dict | None:
+    """One row of a context's table over every task: the average score with its 95% interval, the mean k, and
+    the paired difference to the lossless reference on the same samples with its interval (None where a task
+    is missing)."""
+    cells = [summary.get((n, c, m, k)) for n in names]
+    if any(x is None for x in cells):
+        return None
+    out = {"score": sum(x["score"] for x in cells) / len(cells), "ci": None, "k": None, "delta": None,
+           "delta_ci": None}
+    if all(x["scores"] for x in cells):
+        out["ci"] = list(average_interval([x["scores"] for x in cells]))
+    ks = [x["k"] for x in cells]
+    if all(x is not None for x in ks):
+        out["k"] = sum(ks) / len(ks)
+    ref = next((r for r in LOSSLESS if all((n, c, r, None) in summary for n in names)), None)
+    if ref is not None and m not in LOSSLESS and all(x["by_index"] for x in cells):
+        pairs = []
+        for n, x in zip(names, cells, strict=True):
+            base = summary[(n, c, ref, None)]["by_index"]
+            common = sorted(set(x["by_index"]) & set(base))
+            pairs.append(([x["by_index"][i] for i in common], [base[i] for i in common]))
+        if all(a for a, _ in pairs):
+            out["delta"] = sum(sum(a) / len(a) - sum(b) / len(b) for a, b in pairs) / len(pairs)
+            out["delta_ci"] = list(paired_difference_interval(pairs))
+    return out
+
+
+def _table_rows(summary: dict, p: dict) -> list[tuple[str, int | str | None]]:
     rows = list(p["rows"])
-    budgets = sorted({k for _, k in rows if k is not None})
-    rows += [("oracle-best", k) for k in budgets if any(key[2] == "oracle-best" and key[3] == k for key in summary)]
+    rows += [("oracle-best", k) for k in _budgets(rows)
+             if any(key[2] == "oracle-best" and key[3] == k for key in summary)]
     return rows
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}"
 
 
 def markdown(summary: dict, p: dict) -> str:
@@ -228,51 +294,83 @@ def markdown(summary: dict, p: dict) -> str:
     for c in p["contexts"]:
         ns = sorted({x["n"] for key, x in summary.items() if key[1] == c and x["n"]})
         n_text = "/".join(map(str, ns)) or "-"
-        lines += [f"\n### context {c} (score x 100 with its 95% interval, n = {n_text} samples per task; τ and "
+        lines += [f"\n### context {c} (score x 100 with its 95% interval, n = {n_text} samples per task; Δ: the "
+                  "paired difference to the lossless row on the same samples; mean k verified against; τ and "
                   "agreement with full verification for speculative rows)\n",
-                  "| method | " + " | ".join(names) + " | avg [95% CI] | τ | agreement |",
-                  "|---" * (len(names) + 4) + "|"]
+                  "| method | " + " | ".join(names) + " | avg [95% CI] | Δ [95% CI] | mean k | τ | agreement |",
+                  "|---" * (len(names) + 6) + "|"]
         for m, k in _table_rows(summary, p):
             cells = [summary.get((n, c, m, k)) for n in names]
             if all(x is None for x in cells):  # not run (e.g. a partial run's report)
                 continue
-            scores = [x["score"] for x in cells if x is not None]
-            avg = f"{100 * sum(scores) / len(scores):.1f}" if len(scores) == len(names) else "-"
-            if avg != "-" and all(x["scores"] for x in cells):
-                lo, hi = average_interval([x["scores"] for x in cells])
-                avg += f" [{100 * lo:.1f}, {100 * hi:.1f}]"
+            row = row_average(summary, names, c, m, k)
+            avg = delta = mean_k = "-"
+            if row is not None:
+                avg = _pct(row["score"]) + ("" if not row["ci"] else f" [{_pct(row['ci'][0])}, {_pct(row['ci'][1])}]")
+                if row["delta"] is not None:
+                    lo, hi = row["delta_ci"]
+                    delta = f"{100 * row['delta']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+                mean_k = "-" if row["k"] is None else f"{row['k']:.0f}"
             taus = [x["tau"] for x in cells if x is not None and x["tau"] is not None]
             agree = [x["agreement"] for x in cells if x is not None and x["agreement"] is not None]
             tau = f"{sum(taus) / len(taus):.2f}" if taus else "-"
             agreement = f"{100 * sum(agree) / len(agree):.0f}%" if agree else "-"
-            score_cells = ["-" if x is None else f"{100 * x['score']:.1f}" + (
-                "" if not x["ci"] else f" [{100 * x['ci'][0]:.0f}, {100 * x['ci'][1]:.0f}]") for x in cells]
-            lines.append(f"| {_name(m, k)} | " + " | ".join(score_cells) + f" | {avg} | {tau} | {agreement} |")
+            score_cells = ["-" if x is None else _pct(x["score"]) + (
+                "" if not x["ci"] else f" [{_pct(x['ci'][0], 0)}, {_pct(x['ci'][1], 0)}]") for x in cells]
+            lines.append(f"| {_name(m, k)} | " + " | ".join(score_cells)
+                         + f" | {avg} | {delta} | {mean_k} | {tau} | {agreement} |")
     return "\n".join(lines) + "\n"
 
 
+def summary_records(summary: dict, p: dict) -> list[dict]:
+    """The `.summary.json` beside --json-out: one record per task and row, then one "avg" record per row."""
+    out = [{"task": t, "context": c, "method": m, "budget": k, "score": x["score"], "n": x["n"], "ci95": x["ci"],
+            "mean_k": x["k"], "tau": x["tau"], "agreement": x["agreement"]}
+           for (t, c, m, k), x in summary.items()]
+    names = [t.name for t in p["tasks"]]
+    for c in p["contexts"]:
+        for m, k in _table_rows(summary, p):
+            row = row_average(summary, names, c, m, k)
+            if row is not None:
+                out.append({"task": "avg", "context": c, "method": m, "budget": k, "score": row["score"],
+                            "ci95": row["ci"], "mean_k": row["k"], "delta": row["delta"],
+                            "delta_ci95": row["delta_ci"]})
+    return out
+
+
 def plot(summary: dict, p: dict, path: Path) -> None:
-    """Average score over the tasks against k, one line per sparse method (lossless ones as flat lines)."""
+    """Average score over the tasks against the mean k verified against, one panel per context: a line per
+    sparse method over its fixed budgets, the auto:P rows of each Dustin method as their own line (one point
+    per P, at the mean k it used), the lossless rows as flat lines with their 95% band. Points up and to the
+    left are better: the upper-left envelope is the accuracy-vs-bytes Pareto front."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [t.name for t in p["tasks"]]
-    budgets = sorted({k for _, k in p["rows"] if k is not None})
-    if not budgets:  # lossless methods only: no budget axis to draw
+    rows = _table_rows(summary, p)
+    if not _budgets(rows):  # lossless methods only: no budget axis to draw
         return
-    fig, axes = plt.subplots(1, len(p["contexts"]), figsize=(5 * len(p["contexts"]), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(p["contexts"]), figsize=(5.5 * len(p["contexts"]), 4.2), squeeze=False)
     for ax, c in zip(axes[0], p["contexts"], strict=False):
-        for m in dict.fromkeys(m for m, _ in _table_rows(summary, p)):
-            ys = []
-            for k in budgets:
-                cells = [summary.get((n, c, m, None if m in LOSSLESS else k)) for n in names]
-                ys.append(None if any(x is None for x in cells) else 100 * sum(x["score"] for x in cells) / len(cells))
-            if any(y is not None for y in ys):
-                ax.plot(budgets, ys, "--" if m in LOSSLESS else "-", marker="o", ms=3, label=m)
+        for m in dict.fromkeys(m for m, _ in rows):
+            if m in LOSSLESS:
+                row = row_average(summary, names, c, m, None)
+                if row is not None:
+                    line = ax.axhline(100 * row["score"], ls="--", lw=1, label=m)
+                    if row["ci"]:
+                        ax.axhspan(100 * row["ci"][0], 100 * row["ci"][1], color=line.get_color(), alpha=0.08)
+                continue
+            for auto in (False, True):
+                pts = [(r["k"], 100 * r["score"]) for k in _budgets(rows) if (auto_p(k) is not None) == auto
+                       and (r := row_average(summary, names, c, m, k)) is not None and r["k"] is not None]
+                if pts:
+                    pts.sort()
+                    ax.plot(*zip(*pts, strict=True), ":" if auto else "-", marker="s" if auto else "o", ms=4,
+                            label=f"{m} auto:P" if auto else m)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV budget k")
+        ax.set_xlabel("mean KV budget k (positions verified against)")
         ax.set_ylabel("average score")
         ax.set_title(f"context {c}", fontsize=9)
         ax.grid(alpha=0.3)
