@@ -123,8 +123,9 @@ def _budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
-def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None):
-    """--budget K (or, for a sweep, --budgets K,...) and --config: sparse verification, declared once."""
+def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: bool = True):
+    """--budget K (or, for a sweep, --budgets K,...), --config and, where the command runs `auto` budgets, their
+    flags: sparse verification, declared once."""
     g = p.add_argument_group("sparse verification")
     if sweep is None:
         g.add_argument("--budget", type=_budget, default=None,
@@ -133,10 +134,11 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None):
                             "estimated attention mass (dustin methods)")
         g.add_argument("--budget-p", type=float, default=AUTO_P, help="--budget auto: attention mass to cover")
     else:
-        g.add_argument("--budgets", default=sweep,
-                       help="k values for the sparse methods, comma separated; auto:P entries size k per sequence "
-                            "and step to cover P of the estimated attention mass (dustin methods only)")
-    g.add_argument("--budget-min", type=int, default=AUTO_MIN, help="--budget auto: smallest k")
-    g.add_argument("--budget-max", type=int, default=AUTO_MAX, help="--budget auto: largest k")
+        g.add_argument("--budgets", default=sweep, help="k values for the sparse methods, comma separated" + (
+            "; auto:P entries size k per sequence and step to cover P of the estimated attention mass (dustin "
+            "methods only)" if auto else ""))
+    if auto:
+        g.add_argument("--budget-min", type=int, default=AUTO_MIN, help="--budget auto: smallest k")
+        g.add_argument("--budget-max", type=int, default=AUTO_MAX, help="--budget auto: largest k")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
     return g

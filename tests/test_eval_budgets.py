@@ -35,7 +35,8 @@ def _args(**kw):
 
 
 def test_auto_rows_only_for_dustin_methods_and_their_settings():
-    from dustin.eval.tasks import generation_config, plan
+    from dustin.eval.sweep import row_config as generation_config
+    from dustin.eval.tasks import plan
 
     p = plan(_args())
     assert p["rows"] == [("vanilla", None), ("dustin", 256), ("quest", 256), ("dustin", "auto:0.9")]
@@ -98,3 +99,17 @@ def test_mean_k_and_paired_difference_by_hand(tmp_path):
     json.dumps(records)  # the .summary.json is plain JSON
     plot(summary, p, tmp_path / "front.png")
     assert (tmp_path / "front.png").stat().st_size > 1000
+
+
+def test_needles_sweep_takes_auto_budgets_and_fidelity_refuses_them(capsys, tmp_path):
+    from dustin.cli.main import main
+    from dustin.eval.retrieval import plan
+
+    args = _args(contexts="8192", kinds="single", depths=3, methods="vanilla,dustin,quest", budgets="512,auto:0.9",
+                 needles="heldout", max_new_tokens=32)
+    p = plan(args)
+    assert p["rows"] == [("vanilla", None), ("dustin", 512), ("quest", 512), ("dustin", "auto:0.9")]
+    assert p["settings"]["budget_range"] == [128, 1024]
+    code = main(["eval", "fidelity", "--target", str(tmp_path / "nope"), "--budgets", "512,auto:0.9"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--budgets must be a comma-separated list of integers >= 21" in err

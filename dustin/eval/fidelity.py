@@ -14,7 +14,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.arr import ARRProbe
 from dustin.eval.inputs import common_prefix, long_code_prompt
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list
 
 DEFAULT_SOURCES = ("argparse.py", "inspect.py", "tarfile.py", "typing.py", "pydoc.py")
 SPARSE_METHODS = ("dustin", "dustin-t", "dustin-d", "streaming")
@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--draft-kv", choices=["full", "streaming"], default="streaming")
     add_speculation_args(p)
-    add_sparse_args(p, sweep="512,256,128")
+    add_sparse_args(p, sweep="512,256,128", auto=False)
     p.add_argument("--no-arr", action="store_true", help="skip the ARR measurement")
     p.add_argument("--with-vanilla", action="store_true",
                    help="also decode with vanilla and check classic / magicdec against it token for token")
@@ -41,6 +41,7 @@ def run(args) -> int:
 
     from dustin.engine.engine import Engine
 
+    budgets = int_list("--budgets", args.budgets, 21)  # one error line before the models load
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention,
                                     rope_scaling=args.rope_scaling)
@@ -81,7 +82,7 @@ def run(args) -> int:
             results["runs"][name].update({
                 "same_as_vanilla": sum(o == v for o, v in pairs) / len(van),
                 "first_divergence_from_vanilla": [None if o == v else common_prefix(o, v) for o, v in pairs]})
-    for k in [int(x) for x in args.budgets.split(",")]:
+    for k in budgets:
         for method in args.methods.split(","):
             r = generate(method, budget=k)
             outs = [s.token_ids for s in r.sequences]

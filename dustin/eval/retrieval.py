@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import time
 
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
-from dustin.flags import (
-    add_model_args,
-    add_sparse_args,
-    add_speculation_args,
-    check_sparse_config,
-    int_list,
-    method_list,
-)
+from dustin.eval.sweep import row_config, row_name, sweep_rows
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
-LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
 _RESUME_KEYS = ("target", "draft", "dtype", "gamma", "draft_window", "max_new_tokens", "seed", "needles", "depths",
@@ -49,20 +42,15 @@ def add_arguments(p) -> None:
 
 def plan(args) -> dict:
     """Every flag checked before any model loads; returns the run's settings."""
-    contexts, budgets = int_list("--contexts", args.contexts, 1), int_list("--budgets", args.budgets, 21)
+    contexts, budgets = int_list("--contexts", args.contexts, 1), budget_list("--budgets", args.budgets)
     methods = method_list(args.methods)
     kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k))
     if not kinds or any(k not in KINDS for k in kinds):
         raise InputError(f"--kinds must be a comma-separated subset of {', '.join(KINDS)}, got {args.kinds!r}")
     if args.depths < 1:
         raise InputError(f"--depths must be >= 1 (prompts per kind and context), got {args.depths}")
-    check_sparse_config(args.config, budgets)
-    for m in methods:  # gamma, max-new-tokens, budget ranges
-        GenerationConfig(method=m, gamma=args.gamma, draft_window=args.draft_window,
-                         max_new_tokens=args.max_new_tokens, budget=budgets[0])
-    rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
-                                                             if m not in LOSSLESS]
-    settings = {k: getattr(args, k) for k in _RESUME_KEYS}
+    rows, extra = sweep_rows(methods, budgets, args, args.max_new_tokens)
+    settings = {**{k: getattr(args, k) for k in _RESUME_KEYS}, **extra}
     return {"contexts": contexts, "kinds": kinds, "rows": rows, "settings": settings}
 
 
@@ -135,10 +123,8 @@ def run(args) -> int:
 
 
 def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared: PrefillCache) -> dict:
-    cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
-                           max_new_tokens=args.max_new_tokens, budget=budget,
-                           sparse_config=args.config, seed=args.seed)
-    name = method if budget is None else f"{method}@{budget}"
+    cfg = row_config(method, budget, args, args.max_new_tokens)
+    name = row_name(method, budget)
     t0 = time.perf_counter()
     with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
         r = engine.generate([q.ids for q in prompts], cfg, prefill_cache=shared)
@@ -150,10 +136,13 @@ def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared:
     score = sum(x["retrieved"] for x in samples) / len(samples)
     tau = r.tau if engine.draft is not None and cfg.spec.speculative else None
     console.print(f"{kind} {ctx}: {name}: {sum(x['retrieved'] for x in samples)}/{len(samples)} retrieved"
-                  + (f", τ {tau:.2f}" if tau is not None else "") + f" ({time.perf_counter() - t0:.0f}s)",
+                  + (f", τ {tau:.2f}" if tau is not None else "")
+                  + (f", mean k {r.budget_k['mean']:.0f}" if r.budget_k else "")
+                  + f" ({time.perf_counter() - t0:.0f}s)",
                   highlight=False)
     return {"kind": kind, "context": ctx, "method": method, "budget": budget, "score": score, "tau": tau,
-            "tokens_per_s": r.tokens_per_s, "sparse_config": getattr(r, "sparse_config", None), "samples": samples}
+            "tokens_per_s": r.tokens_per_s, "sparse_config": getattr(r, "sparse_config", None), "budget_k": r.budget_k,
+            "samples": samples}
 
 
 def _print(results: dict, p: dict, console) -> None:
@@ -171,5 +160,5 @@ def _print(results: dict, p: dict, console) -> None:
                 r = rows.get((kind, ctx, method, budget))
                 cells.append("-" if r is None else f"{100 * r['score']:.0f}%"
                              + (f" ({r['tau']:.2f})" if r["tau"] is not None else ""))
-            t.add_row(method if budget is None else f"{method}@{budget}", *cells)
+            t.add_row(row_name(method, budget), *cells)
         console.print(t)

@@ -15,25 +15,23 @@ import json
 import time
 from pathlib import Path
 
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
 from dustin.eval.stats import average_interval, mean_interval, paired_difference_interval
+from dustin.eval.sweep import HYBRID_FAMILY, LOSSLESS, budget_order, row_config, row_name, sweep_rows
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
     add_speculation_args,
     auto_p,
     budget_list,
-    check_sparse_config,
     int_list,
     method_list,
 )
 
-LOSSLESS = ("vanilla", "classic", "magicdec")
-HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")
 _SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "config")
 
 
@@ -69,32 +67,9 @@ def plan(args) -> dict:
         raise InputError(f"--samples must be >= 1, got {args.samples}")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    autos = [k for k in budgets if auto_p(k) is not None]
-    if autos and not any(m in HYBRID_FAMILY for m in methods):
-        raise InputError(f"--budgets {autos[0]} sizes Dustin's selection: add dustin, dustin-t or dustin-d to "
-                         f"--methods")
-    check_sparse_config(args.config, [k for k in budgets if auto_p(k) is None] + ([args.budget_max] if autos else []))
-    methods.sort(key=lambda m: m not in LOSSLESS)  # the lossless reference first: agreement needs it
-    rows = [(m, None) for m in methods if m in LOSSLESS] + [(m, k) for k in budgets for m in methods
-                                                             if m not in LOSSLESS
-                                                             and (auto_p(k) is None or m in HYBRID_FAMILY)]
-    for m, k in rows + [(m, budgets[0]) for m in methods if m in LOSSLESS]:
-        generation_config(m, k, args)  # every row's settings valid before any model loads
-    settings = {k: getattr(args, k) for k in _SETTINGS}
-    if autos:  # the auto rows' k range (absent otherwise, so that older result files still resume)
-        settings["budget_range"] = [args.budget_min, args.budget_max]
-    return {"tasks": tasks, "contexts": contexts, "rows": rows, "settings": settings}
-
-
-def generation_config(method: str, budget: int | str | None, args, max_new_tokens: int = 128
-                      ) -> GenerationConfig:
-    """The settings of one row: a fixed k, or auto:P with --budget-min / --budget-max."""
-    p = auto_p(budget)
-    extra = {} if p is None else {"budget": "auto", "budget_p": p, "budget_min": args.budget_min,
-                                  "budget_max": args.budget_max}
-    return GenerationConfig(**{"method": method, "gamma": args.gamma, "draft_window": args.draft_window,
-                               "max_new_tokens": max_new_tokens, "budget": budget, "sparse_config": args.config,
-                               "seed": args.seed, **extra})
+    rows, extra = sweep_rows(methods, budgets, args)
+    return {"tasks": tasks, "contexts": contexts, "rows": rows,
+            "settings": {**{k: getattr(args, k) for k in _SETTINGS}, **extra}}
 
 
 def run(args) -> int:
@@ -147,7 +122,7 @@ def run(args) -> int:
                         if (w := [s for s in chunk if (s.task, ctx, m, k, s.index) not in done])]
                 progress.update(bar, total=(progress.tasks[0].total or 0) + len(work))
                 for batch, method, budget in work:
-                    progress.update(bar, description=f"{ctx} {_name(method, budget)} x {len(batch)}")
+                    progress.update(bar, description=f"{ctx} {row_name(method, budget)} x {len(batch)}")
                     results["rows"] += _evaluate(engine, by_name, batch, ctx, method, budget, args,
                                                  results["rows"], shared)
                     if main:
@@ -169,16 +144,12 @@ def _key(r: dict) -> tuple:
     return r["task"], r["context"], r["method"], r["budget"], r["index"]
 
 
-def _name(method: str, budget: int | None) -> str:
-    return method if budget is None else f"{method}@{budget}"
-
-
 def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows,
               shared: PrefillCache) -> list[dict]:
     """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
-    cfg = generation_config(method, budget, args, max(s.max_new_tokens for s in samples))
+    cfg = row_config(method, budget, args, max(s.max_new_tokens for s in samples))
     t0 = time.perf_counter()
     r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,
                         limits=[s.max_new_tokens for s in samples])
@@ -203,11 +174,6 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
                     # the batch's k per (sequence, step) under auto:P: mean, p50, p90, p99 and the step count
                     "budget_k": r.budget_k})
     return out
-
-
-def budget_order(k: int | str | None) -> tuple:
-    """Fixed k ascending, then auto:P by P (a sweep's budgets mix both)."""
-    return (0, 0.0) if k is None else (1, float(k)) if auto_p(k) is None else (2, auto_p(k))
 
 
 def _budgets(rows) -> list:
@@ -317,7 +283,7 @@ def markdown(summary: dict, p: dict) -> str:
             agreement = f"{100 * sum(agree) / len(agree):.0f}%" if agree else "-"
             score_cells = ["-" if x is None else _pct(x["score"]) + (
                 "" if not x["ci"] else f" [{_pct(x['ci'][0], 0)}, {_pct(x['ci'][1], 0)}]") for x in cells]
-            lines.append(f"| {_name(m, k)} | " + " | ".join(score_cells)
+            lines.append(f"| {row_name(m, k)} | " + " | ".join(score_cells)
                          + f" | {avg} | {delta} | {mean_k} | {tau} | {agreement} |")
     return "\n".join(lines) + "\n"
 
