@@ -15,7 +15,8 @@ NO_MODEL = ["--target", "/nonexistent/model"]  # reaching the model load would f
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "8192,0"], "--contexts must be a comma-separated list of integers >= 1, got '8192,0'"),
     (["--contexts", "8k"], "--contexts must be a comma-separated list of integers >= 1, got '8k'"),
-    (["--budgets", "512,20"], "--budgets must be a comma-separated list of integers >= 21 or auto:P with P in (0, 1], got '512,20'"),
+    (["--budgets", "512,20"],
+     "--budgets must be a comma-separated list of integers >= 21 or auto:P with P in (0, 1], got '512,20'"),
     (["--methods", "vanilla,foo"], "--methods: unknown method foo; choose from vanilla,"),
     (["--depths", "0"], "--depths must be >= 1 (prompts per kind and context), got 0"),
     (["--kinds", "single,triple"], "--kinds must be a comma-separated subset of single, multikey"),
