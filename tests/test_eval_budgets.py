@@ -113,3 +113,15 @@ def test_needles_sweep_takes_auto_budgets_and_fidelity_refuses_them(capsys, tmp_
     code = main(["eval", "fidelity", "--target", str(tmp_path / "nope"), "--budgets", "512,auto:0.9"])
     err = capsys.readouterr().err
     assert code == 2 and "--budgets must be a comma-separated list of integers >= 21" in err
+
+
+def test_explicit_rows():
+    from dustin.eval.tasks import plan
+
+    p = plan(_args(rows="dustin@512,vanilla,quest@256,dustin@auto:0.9,dustin@512"))
+    assert p["rows"] == [("vanilla", None), ("dustin", 512), ("quest", 256), ("dustin", "auto:0.9")]
+    assert "budget_range" not in plan(_args(rows="vanilla,quest@256"))["settings"]
+    for bad, needle in (("vanilla@512", "takes no @budget"), ("dustin", "needs one"), ("foo@512", "unknown method"),
+                        ("quest@auto:0.9", "budget auto"), ("dustin@12", "--rows must be")):
+        with pytest.raises(InputError, match=needle):
+            plan(_args(rows=bad))

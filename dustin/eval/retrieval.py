@@ -17,7 +17,7 @@ from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
-from dustin.eval.sweep import row_config, row_name, sweep_rows
+from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
 KINDS = ("single", "multikey")
@@ -37,6 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="haystack shuffling")
     add_speculation_args(p)
     add_sparse_args(p, sweep="512,256")
+    add_rows_arg(p)
     p.add_argument("--json-out", default=None, help="results file; rerunning with it skips finished rows")
 
 

@@ -14,20 +14,53 @@ LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy)
 HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")  # the methods that can size k themselves (auto:P)
 
 
+def add_rows_arg(p) -> None:
+    p.add_argument("--rows", default=None,
+                   help="explicit rows instead of --methods x --budgets, e.g. vanilla,dustin@512,dustin@auto:0.9,"
+                        "quest@512 (each sparse method at its own budgets)")
+
+
+def parse_rows(text: str) -> list[tuple[str, int | str | None]]:
+    """--rows: `method` for a lossless method, `method@k` or `method@auto:P` for a sparse one."""
+    from dustin.flags import budget_list, method_list
+
+    rows: list[tuple[str, int | str | None]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        method, _, budget = item.partition("@")
+        method_list(method)  # a known method, or one error line
+        if (method in LOSSLESS) != (budget == ""):
+            raise InputError(f"--rows: {item!r}: a lossless method takes no @budget, a sparse one needs one "
+                             f"(e.g. dustin@512 or dustin@auto:0.9)")
+        row = (method, budget_list("--rows", budget)[0] if budget else None)
+        if row not in rows:
+            rows.append(row)
+    if not rows:
+        raise InputError("--rows is empty")
+    return rows
+
+
 def sweep_rows(methods: list[str], budgets: list[int | str], args, max_new_tokens: int = 128
                ) -> tuple[list[tuple[str, int | str | None]], dict]:
-    """(rows, settings to resume by): the lossless rows first (agreement is measured against them), then each
-    budget's sparse rows; every row's settings validated before any model loads. The settings hold the auto
-    rows' k range only when there are auto rows, so that older result files still resume."""
-    autos = [k for k in budgets if auto_p(k) is not None]
-    if autos and not any(m in HYBRID_FAMILY for m in methods):
-        raise InputError(f"--budgets {autos[0]} sizes Dustin's selection: add dustin, dustin-t or dustin-d to "
-                         f"--methods")
-    check_sparse_config(args.config, [k for k in budgets if auto_p(k) is None] + ([args.budget_max] if autos else []))
-    ordered = sorted(methods, key=lambda m: m not in LOSSLESS)
-    rows = [(m, None) for m in ordered if m in LOSSLESS] + [
-        (m, k) for k in budgets for m in ordered if m not in LOSSLESS and (auto_p(k) is None or m in HYBRID_FAMILY)]
-    for m, k in rows + [(m, budgets[0]) for m in ordered if m in LOSSLESS]:
+    """(rows, settings to resume by): --rows as given, else each method once if lossless and at every budget
+    if sparse; the lossless rows first (agreement is measured against them). Every row's settings are validated
+    before any model loads. The settings hold the auto rows' k range only when there are auto rows, so that
+    older result files still resume."""
+    if getattr(args, "rows", None):
+        rows = parse_rows(args.rows)
+    else:
+        autos = [k for k in budgets if auto_p(k) is not None]
+        if autos and not any(m in HYBRID_FAMILY for m in methods):
+            raise InputError(f"--budgets {autos[0]} sizes Dustin's selection: add dustin, dustin-t or dustin-d to "
+                             f"--methods")
+        rows = [(m, None) for m in methods if m in LOSSLESS] + [
+            (m, k) for k in budgets for m in methods if m not in LOSSLESS and (auto_p(k) is None or m in HYBRID_FAMILY)]
+    rows.sort(key=lambda r: r[1] is not None)  # stable: the lossless rows first
+    autos = [k for m, k in rows if auto_p(k) is not None]
+    check_sparse_config(args.config, [k for _, k in rows if k is not None and auto_p(k) is None]
+                        + ([args.budget_max] if autos else []))
+    for m, k in rows:
         row_config(m, k, args, max_new_tokens)
     return rows, ({"budget_range": [args.budget_min, args.budget_max]} if autos else {})
 

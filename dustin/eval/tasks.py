@@ -21,7 +21,7 @@ from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
 from dustin.eval.stats import average_interval, mean_interval, paired_difference_interval
-from dustin.eval.sweep import HYBRID_FAMILY, LOSSLESS, budget_order, row_config, row_name, sweep_rows
+from dustin.eval.sweep import HYBRID_FAMILY, LOSSLESS, add_rows_arg, budget_order, row_config, row_name, sweep_rows
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
@@ -47,6 +47,7 @@ def add_arguments(p) -> None:
     add_speculation_args(p)
     add_sparse_args(p, sweep="128,256,512")
     p.add_argument("--longbench-dir", default=None, help="folder of LongBench's <task>.jsonl files")
+    add_rows_arg(p)
     p.add_argument("--json-out", default=None, help="results file; rerunning with it resumes")
     p.add_argument("--report-only", action="store_true",
                    help="only write the table and plot of what --json-out holds (runs nothing)")
