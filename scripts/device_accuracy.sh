@@ -26,9 +26,9 @@ fi
 A=/root/acc
 mkdir -p $A
 deadline=${DEADLINE:-560}
-AUTO=${AUTO:-dustin@auto:0.8,dustin@auto:0.9,dustin@auto:0.95}
+AUTO=${AUTO:-dustin@auto:0.7,dustin@auto:0.85,dustin@auto:0.95}
 ROWS16=${ROWS16:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,dustin@256,oracle@512,oracle@1024,quest@512,streaming@512}
-ROWS32=${ROWS32:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,oracle@1024,quest@512}
+ROWS32=${ROWS32:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,dustin@4096,oracle@1024,quest@512}
 NROWS=${NROWS:-vanilla,dustin@512,$AUTO}
 LROWS=${LROWS:-vanilla,dustin@512,dustin@2048,$AUTO}
 SMETHODS=${SMETHODS:-vanilla,dustin}
