@@ -119,6 +119,7 @@ def test_shared_prefill_is_exact(text_pair):
     (["--pairs", "qwen2.5-7b:qwen2.5-0.5b"], "--pairs names random-weight pairs"),
     (["--prompts", "code,poetry"], "--prompts wants kinds from code, prose"),
     (["--contexts", "5000"], "past the model context (4096 positions)"),
+    (["--contexts", "17000", "--rope-scaling", "yarn:4"], "past the model context (16384 positions)"),  # 4 x 4096
     (["--steps", "0"], "--steps >= 1"),
 ])
 def test_bench_e2e_real_bad_flags(text_pair, capsys, argv, needle):

@@ -314,12 +314,13 @@ def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     from dustin.models.loader import read_args
 
     t_path = resolve_model_path(a.target, "target")
-    limit = read_args(t_path).max_position_embeddings
+    rope = getattr(a, "rope_scaling", None)  # --rope-scaling yarn:F: the context the Engine loads with (F x)
+    limit = read_args(t_path, rope).max_position_embeddings
     d_path = resolve_model_path(a.draft, "draft") if speculative and a.draft else None
     if speculative and d_path is None:
         raise InputError("speculative methods need a draft model (--draft)")
     if d_path is not None:
-        limit = min(limit, read_args(d_path).max_position_embeddings)
+        limit = min(limit, read_args(d_path, rope).max_position_embeddings)
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
     # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`
