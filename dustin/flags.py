@@ -123,6 +123,14 @@ def _budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
+def budget_settings(args, sparse: bool = True) -> dict:
+    """The GenerationConfig / ServeConfig keywords of --budget and its auto settings (--budget-p, --budget-min,
+    --budget-max), in one place so that no command drops the auto ones; a method that verifies against the
+    full cache (sparse=False) gets budget None."""
+    return {"budget": args.budget if sparse else None, "budget_p": args.budget_p, "budget_min": args.budget_min,
+            "budget_max": args.budget_max}
+
+
 def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: bool = True):
     """--budget K (or, for a sweep, --budgets K,...), --config and, where the command runs `auto` budgets, their
     flags: sparse verification, declared once."""

@@ -163,6 +163,20 @@ def test_bench_e2e_random_weights_share_the_timing(tiny_pair, tmp_path, capsys):
         assert {"warmup_s", "bytes_per_step", "pct_of_byte_roofline", "phases_ms_per_step"} <= set(r)
         assert (r["accept_prob"] is None) == (r["method"] == "vanilla")
     assert "| 2 | 64 | dustin |" in printed.out and (tmp_path / "random.png").is_file()
+    assert all(r["budget_k"] is None for r in data["results"])  # fixed k: nothing to report
+
+
+def test_bench_e2e_reports_the_k_of_an_auto_budget(tiny_pair, tmp_path):
+    """--budget auto: each row carries the k of its timed steps (the warm-up's are not counted)."""
+    target, draft = tiny_pair
+    out = tmp_path / "auto.json"
+    code = main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "96",
+                 "--batches", "2", "--steps", "3", "--warmup", "2", "--gamma", "3", "--tau", "2.0", "--methods",
+                 "dustin", "--budget", "auto", "--budget-min", "21", "--budget-max", "64", "--draft-window", "32",
+                 "--json-out", str(out), "--plot-out", str(tmp_path / "auto.png")])
+    assert code == 0
+    k = json.loads(out.read_text())["results"][0]["budget_k"]
+    assert k["samples"] == 2 * 3 and 21 <= k["p50"] <= 64  # 2 sequences x 3 timed steps
 
 
 def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys):

@@ -140,14 +140,15 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
     """The GenerationConfig of one benchmark session with room for `steps` steps (EOS ignored: every sequence
     decodes every step)."""
     from dustin.engine.config import METHODS, GenerationConfig
+    from dustin.flags import budget_settings
 
     sparse = METHODS[method].policy != "full"
     return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (a.gamma + 1) + 1,
                             stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
                             step_graph=not getattr(a, "no_step_graph", False),
                             overlap=not getattr(a, "no_overlap", False),
-                            budget=a.budget if sparse else None, sparse_config=a.config if sparse else None,
-                            accept_prob=accept_prob)
+                            sparse_config=a.config if sparse else None, accept_prob=accept_prob,
+                            **budget_settings(a, sparse))
 
 
 def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
@@ -179,6 +180,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     warmup_s = time.perf_counter() - t0
     s.timer.totals()
     s.timer = type(s.timer)(s.device)  # phases of the timed steps only
+    s.policy.budget_stats(reset=True)  # --budget auto: the k of the timed steps only
     steps0, tokens0, seq_steps0 = s.stats.steps, s.stats.step_tokens, s.stats.active_seq_steps
     _sync(s.device)
     t0 = time.perf_counter()
@@ -193,7 +195,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
            "cuda_graphs": bool(s.use_graphs),
            "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()},
            "warmup_s": round(warmup_s, 3), "capture_s": round(s.stats.capture_s, 3),
-           "prefill_s": round(s.stats.prefill_s, 3)}
+           "prefill_s": round(s.stats.prefill_s, 3), "budget_k": s.policy.budget_stats()}
     if getattr(a, "copy_bw", None):  # the bytes a step must read (at the mean context of the timed steps)
         from dustin.bench.roofline import step_bytes
 

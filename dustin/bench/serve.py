@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, method_list
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings, method_list
 
 SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
     "burst": ("8000,19250", 16, 64, float("inf")),
@@ -92,7 +92,7 @@ def _scenarios(args) -> list[dict]:
 def _serve_config(args, method: str, max_waiting: int):
     from dustin.engine.llm_engine import ServeConfig
 
-    return ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
+    return ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
                        sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
                        prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
                        max_waiting=max_waiting)
@@ -231,7 +231,7 @@ def run(args) -> int:
             row["slots"], row["context"] = llm.max_slots, llm.max_context
             if not args.no_offline:  # the engine's own speed on the same work: Engine.generate, batched, warm
                 cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
-                                       budget=args.budget if METHODS[method].policy != "full" else None,
+                                       **budget_settings(args, METHODS[method].policy != "full"),
                                        sparse_config=args.config, max_new_tokens=sc["max_tokens"],
                                        stop_at_eos=False)
                 row.update(_offline(engine, prompts, cfg))

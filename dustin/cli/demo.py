@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix, long_code_prompt
+from dustin.flags import budget_settings
 
 DEMO_METHODS = ("vanilla", "classic", "magicdec", "dustin")
 
@@ -38,7 +39,7 @@ def run_demo(args) -> int:
     # prefilled once; each method's decode is timed on its own.
     for method in ("classic", "vanilla", "magicdec", "dustin"):
         cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                               draft_window=args.draft_window, budget=args.budget if method == "dustin" else None,
+                               draft_window=args.draft_window, **budget_settings(args, method == "dustin"),
                                sparse_config=args.config if method == "dustin" else None)
         with console.status(f"decoding with {method}..."):
             results[method] = engine.generate([ids], cfg, prefill_cache=shared)

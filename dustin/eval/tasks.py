@@ -330,12 +330,14 @@ def plot(summary: dict, p: dict, path: Path) -> None:
                         ax.axhspan(100 * row["ci"][0], 100 * row["ci"][1], color=line.get_color(), alpha=0.08)
                 continue
             for auto in (False, True):
-                pts = [(r["k"], 100 * r["score"]) for k in _budgets(rows) if (auto_p(k) is not None) == auto
-                       and (r := row_average(summary, names, c, m, k)) is not None and r["k"] is not None]
+                pts = sorted((r["k"], 100 * r["score"], k) for k in _budgets(rows) if (auto_p(k) is not None) == auto
+                             and (r := row_average(summary, names, c, m, k)) is not None and r["k"] is not None)
                 if pts:
-                    pts.sort()
-                    ax.plot(*zip(*pts, strict=True), ":" if auto else "-", marker="s" if auto else "o", ms=4,
-                            label=f"{m} auto:P" if auto else m)
+                    ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], ":" if auto else "-",
+                            marker="s" if auto else "o", ms=4, label=f"{m} auto:P" if auto else m)
+                    for x, y, k in pts if auto else ():
+                        ax.annotate(f"P={auto_p(k):g}", (x, y), textcoords="offset points", xytext=(4, -10),
+                                    fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("mean KV budget k (positions verified against)")
         ax.set_ylabel("average score")

@@ -80,7 +80,8 @@ class DustinSelection(SelectionPolicy):
             return None
         out = self._k_hist.summary()
         if reset:
-            self._k_hist.counts.zero_()
+            with torch.inference_mode():  # the histogram was made in inference mode (inside a step)
+                self._k_hist.counts.zero_()
         return out
 
     def _setup(self, state: StepState) -> None:
