@@ -10,6 +10,11 @@ import os
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter in tests
+# OpenMP threads sleep at a barrier instead of spinning (read when torch loads libgomp, so before `import torch`;
+# commands the tests start inherit it). The real pair runs on both cores: with any other process on the machine,
+# a spinning thread took the core its partner needed (measured, 2 cores, one other busy process: one bf16
+# generate of the real pair 43 s spinning, 9.9 s sleeping; alone 6.4 vs 6.0 s).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
