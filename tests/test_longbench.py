@@ -262,4 +262,4 @@ def test_eval_tasks_runs_longbench_files_end_to_end(tmp_path, capsys, real_pair_
     t, h = 100 * rows["trec"]["score"], 100 * rows["hotpotqa"]["score"]
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| vanilla |"))
     cells = [c.split()[0] for c in line.strip("| ").split(" | ")]  # a score cell's first word: its mean
-    assert cells == ["vanilla", f"{t:.1f}", f"{h:.1f}", f"{(t + h) / 2:.1f}", "-", "-"]
+    assert cells == ["vanilla", f"{t:.1f}", f"{h:.1f}", f"{(t + h) / 2:.1f}", "-", "-", "-", "-"]  # Δ, k, τ, agreement

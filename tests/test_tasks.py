@@ -163,7 +163,9 @@ def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys, real_pair_cli, tok):
     assert vanilla["tau"] is None and vanilla["agreement"] is None and 1.0 <= dustin["tau"] <= 5.0  # Γ = 4
     assert dustin["sparse_config"].startswith("tuned:") and set(dustin["metrics"]) == {"edit_sim", "exact_match"}
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
-    s = 100 * dustin["score"]
+    s, v = 100 * dustin["score"], 100 * vanilla["score"]
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| dustin@64 |"))
     cells = [c.split()[0] for c in line.strip("| ").split(" | ")]  # a score cell's first word: its mean
-    assert cells == ["dustin@64", f"{s:.1f}", f"{s:.1f}", f"{dustin['tau']:.2f}", f"{100 * dustin['agreement']:.0f}%"]
+    # the task's score, the average over tasks, Δ to vanilla on the same sample, mean k, τ, agreement
+    assert cells == ["dustin@64", f"{s:.1f}", f"{s:.1f}", f"{s - v:+.1f}", "64", f"{dustin['tau']:.2f}",
+                     f"{100 * dustin['agreement']:.0f}%"]
