@@ -174,8 +174,13 @@ def real_pair_fp32():
 def real_pair_cli(real_pair, monkeypatch):
     """`real_pair`, also handed to every command that loads the default pair on the CPU with `--dtype auto` (the
     commands load through Engine.from_pretrained): `dustin ...` end-to-end tests run on the shared pair instead of
-    loading their own. A draft-less load gets the shared target alone."""
+    loading their own. A draft-less load gets the shared target alone. The commands run as on a user's CPU:
+    TRITON_INTERPRET unset, so sparse methods estimate and select with the CPU's PyTorch code instead of the Triton
+    kernels run by the interpreter (the kernel tests hold those to the PyTorch code on small shapes; on the pair's
+    28 layers the interpreted score estimation took ~6 s a decode step: `eval tasks` code, dustin@64, 72 -> 30 s)."""
     from dustin.engine.engine import Engine
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     load = Engine.from_pretrained
     target_dir, draft_dir = (str(p) for p in real_pair_or_skip())
