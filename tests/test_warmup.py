@@ -201,18 +201,28 @@ class _FakeWarmup:
         return {"wait_s": 0.25}
 
 
-@pytest.mark.parametrize("busy", [2, 1000])
-def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(triton_pair, busy):
-    """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
-    the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
-    time), and every request gets the tokens of a run without a warm-up."""
+@pytest.fixture(scope="module")
+def loop_reference(triton_pair):
+    """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases: the
+    Triton kernels run interpreted on the CPU)."""
     from dustin.engine.llm_engine import LLMEngine, ServeConfig
-    from dustin.engine.request import Request, SamplingParams
+    from dustin.engine.request import SamplingParams
 
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
     cfg = ServeConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    ref = LLMEngine(triton_pair, cfg).generate(prompts, params)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    return prompts, cfg, params, LLMEngine(triton_pair, cfg).generate(prompts, params)
+
+
+@pytest.mark.parametrize("busy", [2, 1000])
+def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(triton_pair, loop_reference, busy):
+    """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
+    the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
+    time), and every request gets the tokens of a run without a warm-up."""
+    from dustin.engine.llm_engine import LLMEngine
+    from dustin.engine.request import Request
+
+    prompts, cfg, params, ref = loop_reference
     llm = LLMEngine(triton_pair, cfg)
     fake = llm.kernel_warmup = _FakeWarmup(busy)
     plans = []
