@@ -180,7 +180,7 @@ def real_pair_cli(real_pair, monkeypatch):
     28 layers the interpreted score estimation took ~6 s a decode step: `eval tasks` code, dustin@64, 72 -> 30 s)."""
     from dustin.engine.engine import Engine
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    without_interpreter(monkeypatch)
 
     load = Engine.from_pretrained
     target_dir, draft_dir = (str(p) for p in real_pair_or_skip())
@@ -198,6 +198,20 @@ def real_pair_cli(real_pair, monkeypatch):
 
     monkeypatch.setattr(Engine, "from_pretrained", classmethod(shared))
     return real_pair
+
+
+def without_interpreter(mp: pytest.MonkeyPatch) -> None:
+    """Unset TRITON_INTERPRET (through `mp`) for a test that runs the CPU's PyTorch paths, as a user's CPU does.
+    Every kernel module is imported first: @triton.jit makes a kernel interpreted or compiled when its module is
+    imported, and one first imported while the variable is unset would stay compiled for the tests after, where
+    it fails on CPU tensors."""
+    import pkgutil
+
+    import dustin.kernels
+
+    for m in pkgutil.iter_modules(dustin.kernels.__path__):
+        importlib.import_module(f"dustin.kernels.{m.name}")
+    mp.delenv("TRITON_INTERPRET", raising=False)
 
 
 def _real_pair_group(item) -> int:

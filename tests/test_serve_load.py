@@ -16,12 +16,23 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.serve.local import LocalServer
+from tests.conftest import without_interpreter
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_pair):
+    """The server and the reference engine run dustin's selection and score estimation with the CPU's PyTorch
+    code (TRITON_INTERPRET unset, as on a user's CPU): this test is about the load (many clients, disconnects, bad
+    requests), and the interpreted selection kernel (one program per sequence) made the 48-prompt reference alone
+    take most of its time (test_serve and test_llm_engine serve with the interpreted kernels)."""
+    with pytest.MonkeyPatch.context() as mp:
+        without_interpreter(mp)
+        yield from _setup(tiny_pair)
+
+
+def _setup(tiny_pair):
     target, draft = tiny_pair
     cfg = ServeConfig(method="dustin", gamma=3, budget=24, draft_window=32, max_slots=4, max_context=512,
                       max_waiting=64, prefill_chunk=32, prefill_tokens=96)
