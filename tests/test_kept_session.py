@@ -28,8 +28,8 @@ def _prompts(lengths, seed=0):
 CALLS = [  # (method, prompt lengths, seed of the prompts, generation settings): run in this order
     ("classic", [5, 40, 23], 0, dict(gamma=3, max_new_tokens=30)),
     ("classic", [61, 7, 12], 1, dict(gamma=3, max_new_tokens=20)),  # same key: reused, other prompts
-    ("dustin", [90, 33, 70], 2, dict(gamma=4, max_new_tokens=25, budget=24)),  # another method: replaced
-    ("dustin", [15, 80, 44], 3, dict(gamma=4, max_new_tokens=25, budget=24)),
+    ("dustin", [90, 33, 70], 2, dict(gamma=4, max_new_tokens=12, budget=24)),  # another method: replaced
+    ("dustin", [15, 80, 44], 3, dict(gamma=4, max_new_tokens=12, budget=24)),
     ("vanilla", [30, 9], 4, dict(max_new_tokens=18)),
     ("classic", [12, 60, 3], 5, dict(gamma=3, max_new_tokens=30, temperature=0.9, top_p=0.8, seed=7)),
     ("classic", [12, 60, 3], 5, dict(gamma=3, max_new_tokens=30, temperature=0.9, top_p=0.8, seed=7)),
@@ -110,7 +110,7 @@ def test_whole_batch_policies_run_fresh_sessions(engines, method):
     (it used to stop with an InputError on a GPU, where sessions are kept by default)."""
     fresh, kept = engines
     prompts = _prompts([70, 33, 51], 9)
-    cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=12, budget=32, stop_at_eos=False)
+    cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=8, budget=32, stop_at_eos=False)
     want = fresh.generate(prompts, cfg)
     got = kept.generate(prompts, cfg)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
