@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.realmodels, pytest.mark.slow]
 N_TOKENS = int(os.environ.get("DUSTIN_REAL_TEST_TOKENS", "1536"))
 SOURCES = ("argparse.py", "inspect.py", "tarfile.py")
 LENGTHS = (N_TOKENS, 2 * N_TOKENS // 3, N_TOKENS // 2)
+NEW_TOKENS = 32  # per sequence; each fp32 decode step of the pair takes ~0.3-1 s on 2 cores
 
 
 @pytest.fixture
@@ -47,8 +48,8 @@ def shared():
 
 @pytest.fixture(scope="module")
 def vanilla(prompts, shared):
-    return REAL_PAIR.get(torch.float32).generate(prompts, GenerationConfig(method="vanilla", max_new_tokens=48),
-                                                 prefill_cache=shared)
+    cfg = GenerationConfig(method="vanilla", max_new_tokens=NEW_TOKENS)
+    return REAL_PAIR.get(torch.float32).generate(prompts, cfg, prefill_cache=shared)
 
 
 def _score_fn(engine):
@@ -71,7 +72,8 @@ def test_tokenizers_are_shared(engine):
 
 @pytest.mark.parametrize("method", ["classic", "magicdec"])
 def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, shared, method):
-    out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=48), prefill_cache=shared)
+    out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=NEW_TOKENS),
+                          prefill_cache=shared)
     # cut after the last `def` of the second half
     assert all(n // 2 < len(p) <= n for p, n in zip(prompts, LENGTHS, strict=True))
     for p, ref, got in zip(prompts, vanilla.sequences, out.sequences, strict=True):
@@ -82,6 +84,6 @@ def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, share
 def test_batch_equals_single_on_real_code(engine, prompts, vanilla):
     """The shortest prompt decoded alone (on the serving loop, its own chunked prefill) equals its row of the
     ragged batch."""
-    single = engine.generate([prompts[2]], GenerationConfig(method="classic", gamma=4, max_new_tokens=48))
+    single = engine.generate([prompts[2]], GenerationConfig(method="classic", gamma=4, max_new_tokens=NEW_TOKENS))
     assert_same_or_near_tie(vanilla.sequences[2].token_ids, single.sequences[0].token_ids, prompts[2],
                             _score_fn(engine), NEAR_TIE_EPS[torch.float32])
