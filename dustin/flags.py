@@ -110,7 +110,9 @@ def add_speculation_args(p: argparse.ArgumentParser):
     return g
 
 
-AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048  # --budget auto's defaults: mass to cover, smallest and largest k
+# --budget auto's defaults (mass to cover, smallest and largest k), the one place they are written: the engine's
+# settings (GenerationConfig, ServeConfig, AutoBudget) take them from here too
+AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048
 
 
 def _budget(text: str) -> int | str:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
+from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class GenerationConfig:
     # the fewest positions holding budget_p of the estimated attention mass, in [budget_min, budget_max]
     # (dustin/selection/adaptive.py)
     budget: int | str | None = None
-    budget_p: float = 0.95
-    budget_min: int = 128
-    budget_max: int = 2048
+    budget_p: float = AUTO_P
+    budget_min: int = AUTO_MIN
+    budget_max: int = AUTO_MAX
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it
     # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.

@@ -45,6 +45,7 @@ from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import SamplingRule
 from dustin.engine.session import Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
+from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
 
 # sparse policies whose per-sequence state is (re)built by a row's own prefill; quest, snapkv, specattn and
 # oracle build state for the whole batch at once (or run full forwards) and stay offline-only
@@ -68,9 +69,9 @@ class ServeConfig:
     method: str = "dustin"
     gamma: int = 4
     budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
-    budget_p: float = 0.95  # --budget auto: mass to cover, smallest and largest k
-    budget_min: int = 128
-    budget_max: int = 2048
+    budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k
+    budget_min: int = AUTO_MIN
+    budget_max: int = AUTO_MAX
     sparse_config: str | None = None  # file or 'builtin' (None: the pair's tuned config)
     max_slots: int | None = None
     max_context: int | None = None

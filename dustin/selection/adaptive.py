@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dustin.errors import InputError
+from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
 
 _NEG_INF = float("-inf")
 
@@ -30,9 +31,9 @@ _NEG_INF = float("-inf")
 class AutoBudget:
     """The rule's settings: target mass p and the range of k."""
 
-    p: float = 0.95
-    k_min: int = 128
-    k_max: int = 2048
+    p: float = AUTO_P
+    k_min: int = AUTO_MIN
+    k_max: int = AUTO_MAX
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p <= 1.0:
