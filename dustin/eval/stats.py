@@ -65,13 +65,9 @@ def average_interval(groups: list[list[float]], n_boot: int = 2000, seed: int = 
 def paired_difference_interval(pairs: list[tuple[list[float], list[float]]], n_boot: int = 2000, seed: int = 0,
                                alpha: float = 0.05) -> tuple[float, float]:
     """95% bootstrap interval of avg_task(mean(a) - mean(b)) where, per task, a[i] and b[i] are two methods'
-    scores on the same sample i: each task's samples are resampled as pairs, so the shared difficulty of a
-    sample cancels and the interval is much narrower than comparing two unpaired intervals."""
+    scores on the same sample i: the average interval of the per-sample differences, so each task's samples are
+    resampled as pairs, the shared difficulty of a sample cancels and the interval is much narrower than two
+    unpaired intervals compared."""
     if not pairs or any(len(a) != len(b) or not a for a, b in pairs):
         raise ValueError("paired_difference_interval needs equal-length, non-empty score lists per task")
-    rng = random.Random(seed)
-    diffs = [[x - y for x, y in zip(a, b, strict=True)] for a, b in pairs]
-    avgs = []
-    for _ in range(n_boot):
-        avgs.append(sum(sum(rng.choice(d) for _ in range(len(d))) / len(d) for d in diffs) / len(diffs))
-    return _percentiles(avgs, alpha)
+    return average_interval([[x - y for x, y in zip(a, b, strict=True)] for a, b in pairs], n_boot, seed, alpha)

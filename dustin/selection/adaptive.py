@@ -120,6 +120,10 @@ class BudgetHistogram:
     def __init__(self, k_max: int, device) -> None:
         self.counts = torch.zeros(k_max + 1, dtype=torch.long, device=device)
 
+    def reset(self) -> None:
+        with torch.inference_mode():  # made inside a step, in inference mode: only zeroed in it
+            self.counts.zero_()
+
     def add(self, k: torch.Tensor, active: torch.Tensor) -> None:
         self.counts.scatter_add_(0, k.long().clamp(0, self.counts.numel() - 1), active.long())
 

@@ -80,8 +80,7 @@ class DustinSelection(SelectionPolicy):
             return None
         out = self._k_hist.summary()
         if reset:
-            with torch.inference_mode():  # the histogram was made in inference mode (inside a step)
-                self._k_hist.counts.zero_()
+            self._k_hist.reset()
         return out
 
     def _setup(self, state: StepState) -> None:
