@@ -80,13 +80,14 @@ def real_pair_or_skip():
 # one pytest process peaked at 21.7 GB where an earlier copy was still reachable (below: FastAPI's caches). Now one
 # Engine is held at a time: `real_pair` (tests that check ranges or compare the pair's output with its own) and
 # `real_pair_fp32` (tests that hold the output to an fp32 reference, near-tie epsilon 1e-4, or need fp32 as such).
-# The real-pair tests run last, `real_pair` users first, so the pair is loaded at most twice (once where the two
-# dtypes coincide), and it is dropped (del + gc) right after its last user. Loading it in fp32 peaks at 9.9 GB RSS
-# (bf16: 4.9 GB): the loader maps a checkpoint file anew every 256 MB read, since the pages read through one mapping
-# of the whole file stayed resident beside the fp32 copy (peak 10.9 GB).
+# The real-pair tests run first, `real_pair` users before `real_pair_fp32` users, so the pair is loaded at most
+# twice (once where the two dtypes coincide), and it is dropped (del + gc) right after its last user. The loader
+# maps a checkpoint file anew every 256 MB read, since the pages read through one mapping of the whole file stayed
+# resident beside an fp32 copy. `real_pair_fp32` holds its target in fp32 and its draft in `real_pair_dtype()`:
+# measured alone, test_real_pair.py peaks at 9.9 GB RSS (11.0 GB with an fp32 draft).
 # `real_pair`'s dtype: bf16 where the CPU computes bf16 natively (AVX512-BF16 / AMX: half the memory, 2.4x faster),
-# fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 3x slower than fp32 (dustin/runtime.py), and one fp32 pair
-# fits the suite's 12 GB. The probe reads the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
+# fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is 3x slower than fp32 (dustin/runtime.py). The probe reads
+# the hardware, not DUSTIN_CPU_BF16 (pinned to 0 above).
 
 _REAL_PAIR_FIXTURES = ("real_pair", "real_pair_fp32", "real_pair_cli")
 
@@ -108,8 +109,13 @@ class _RealPair:
         from dustin.engine.engine import Engine
 
         torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core
-        self.engine = Engine.from_pretrained("default", "default", device="cpu", tokenizer=_real_tokenizer(),
-                                             dtype="fp32" if dtype == torch.float32 else "bf16")
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        target = Engine.from_pretrained("default", device="cpu", tokenizer=_real_tokenizer(), dtype=name[dtype])
+        # the draft in `real_pair_dtype()` even beside an fp32 target: its precision changes how many drafts are
+        # accepted, never the output, and a bf16 draft holds 1.3 GB less (the fp32 pair's worker then stays
+        # below 10.5 GB, with the other test worker beside it within the suite's 12 GB)
+        draft = Engine.from_pretrained(real_pair_or_skip()[1], device="cpu", dtype=name[real_pair_dtype()])
+        self.engine = Engine(target.target, draft.target, target.tokenizer, draft.tokenizer)
         self.dtype, self.loads = dtype, self.loads + 1
         return self.engine
 
@@ -166,7 +172,8 @@ def real_pair():
 
 @pytest.fixture
 def real_pair_fp32():
-    """The shared default pair in fp32: for tests whose output is held to an fp32 reference."""
+    """The shared default pair with its target in fp32 (the draft in `real_pair_dtype()`): for tests whose output
+    is held to an fp32 reference."""
     return REAL_PAIR.get(torch.float32)
 
 
@@ -221,10 +228,23 @@ def _real_pair_group(item) -> int:
     return 1 if names & set(_REAL_PAIR_FIXTURES) else 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
-    """The shared real pair's users run last, grouped by dtype (a stable sort: file order is kept within a group),
-    so that it is loaded once per dtype and no tiny-model test runs while it is held."""
-    items.sort(key=_real_pair_group)
+    """The shared real pair's users run first, grouped by dtype (a stable sort: file order is kept within a group),
+    so that it is loaded once per dtype. Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command)
+    they form one group that a single worker runs from the start, while the other worker takes the tiny-model
+    tests: the pair's ~6 minutes overlap with theirs, instead of ending the run on one busy core."""
+    order = {1: 0, 2: 1, 0: 2}  # `real_pair` users, then `real_pair_fp32` users, then the rest
+    items.sort(key=lambda item: order[_real_pair_group(item)])
+    for item in items:
+        if _real_pair_group(item):
+            item.add_marker(pytest.mark.xdist_group("real_pair"))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most two (each worker holds its own tiny models; the worker with the
+    real pair peaks near 10 GB in fp32, so a third would pass the suite's 12 GB budget on a small machine)."""
+    return min(2, os.cpu_count() or 1)
 
 
 @pytest.hookimpl(hookwrapper=True)
