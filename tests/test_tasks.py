@@ -164,7 +164,11 @@ def test_eval_tasks_code_on_the_real_pair(tmp_path, capsys, real_pair_cli, tok):
     assert dustin["sparse_config"].startswith("tuned:") and set(dustin["metrics"]) == {"edit_sim", "exact_match"}
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").is_file()
     s, v = 100 * dustin["score"], 100 * vanilla["score"]
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| dustin@64 |"))
+    printed = capsys.readouterr()
+    # stderr is no terminal here: one progress line per batch run (the first call's two; the resumed call ran none)
+    assert [x.split(" (")[0] for x in printed.err.splitlines() if x.startswith("[")] == [
+        "[1/2] 700 vanilla x 1", "[2/2] 700 dustin@64 x 1"], printed.err
+    line = next(x for x in printed.out.splitlines() if x.startswith("| dustin@64 |"))
     cells = [c.split()[0] for c in line.strip("| ").split(" | ")]  # a score cell's first word: its mean
     # the task's score, the average over tasks, Δ to vanilla on the same sample, mean k, τ, agreement
     assert cells == ["dustin@64", f"{s:.1f}", f"{s:.1f}", f"{s - v:+.1f}", "64", f"{dustin['tau']:.2f}",

@@ -129,6 +129,10 @@ def run(args) -> int:
                     if main:
                         save_results(args.json_out, results)
                     progress.advance(bar)
+                    if not console.is_terminal:  # a log file gets one line per batch instead of a live bar
+                        t = progress.tasks[0]
+                        console.print(f"[{t.completed:.0f}/{t.total:.0f}] {ctx} {row_name(method, budget)} x "
+                                      f"{len(batch)} ({t.elapsed:.0f} s)", highlight=False)
     summary = summarize(results["rows"], p)
     if is_main_process():
         md = markdown(summary, p)
