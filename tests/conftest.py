@@ -112,8 +112,8 @@ class _RealPair:
         name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
         target = Engine.from_pretrained("default", device="cpu", tokenizer=_real_tokenizer(), dtype=name[dtype])
         # the draft in `real_pair_dtype()` even beside an fp32 target: its precision changes how many drafts are
-        # accepted, never the output, and a bf16 draft holds 1.3 GB less (the fp32 pair's worker then stays
-        # below 10.5 GB, with the other test worker beside it within the suite's 12 GB)
+        # accepted, never the output. Where bf16 is native the draft holds 1.3 GB less (measured on such a CPU:
+        # all test processes together 11.4 GB); an AVX2-only CPU keeps an fp32 draft (bf16 is slow there)
         draft = Engine.from_pretrained(real_pair_or_skip()[1], device="cpu", dtype=name[real_pair_dtype()])
         self.engine = Engine(target.target, draft.target, target.tokenizer, draft.tokenizer)
         self.dtype, self.loads = dtype, self.loads + 1
@@ -231,7 +231,7 @@ def _real_pair_group(item) -> int:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """The shared real pair's users run first, grouped by dtype (a stable sort: file order is kept within a group),
-    so that it is loaded once per dtype. Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command)
+    so that it is loaded once per dtype. Under pytest-xdist (`-n auto --dist loadgroup`, the README's test command)
     they form one group that a single worker runs from the start, while the other worker takes the tiny-model
     tests: the pair's ~6 minutes overlap with theirs, instead of ending the run on one busy core."""
     order = {1: 0, 2: 1, 0: 2}  # `real_pair` users, then `real_pair_fp32` users, then the rest
