@@ -59,7 +59,7 @@ elif [ "$mode" = round ]; then
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 3 --steps 12"
   run $((300 - SECONDS)) $e2e --contexts 32768,16384 --methods vanilla,dustin \
     --json-out "$OUT/bench_e2e_real_code.json" --plot-out "$OUT/bench_e2e_real_code.png"
-  for c in 16384 32768; do
+  for c in ${AUTO_CONTEXTS:-16384 32768}; do
     run $((420 - SECONDS)) $e2e --contexts $c --methods dustin --budget auto --budget-p 0.99 --budget-max $c \
       --json-out "$OUT/bench_e2e_real_auto99_$c.json"
   done

@@ -344,7 +344,7 @@ def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
     # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`
-    room = limit - ((a.warmup + a.steps) * (a.gamma + 1) + 1) - a.gamma - 1
+    room = limit - ((a.warmup + a.steps + PROFILED_STEPS) * (a.gamma + 1) + 1) - a.gamma - 1
     if room < 1:
         raise InputError(f"--warmup {a.warmup} + --steps {a.steps} decode past the model context ({limit})")
     return {"target": t_path.name, "draft": d_path.name if d_path else None, "limit": limit, "room": room,
