@@ -11,6 +11,10 @@
 
     python3 scripts/gpu_decode_layers.py [--sweep] [--out DIR]
 Random weights (timing does not depend on values). Prints JSON lines; writes DIR/decode_layers.json.
+
+Programmatic Dependent Launch (dustin/kernels/launch.py) is on by default on sm_90+; its A/B is this script run
+twice, the second time with `DUSTIN_PDL=0` in the environment (and another --out DIR); the "env" row's "pdl" says
+which.
 """
 from __future__ import annotations
 
@@ -340,11 +344,13 @@ def main() -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     from dustin.bench.decode import copy_bandwidth
+    from dustin.kernels.launch import use_pdl
 
     rows: list = []
     bw = copy_bandwidth()
     emit(rows, {"part": "env", "device": torch.cuda.get_device_name(), "copy_bw_TBps": round(bw / 1e12, 3),
-                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")})
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                "pdl": use_pdl(torch.device("cuda", torch.cuda.current_device()))})
     checks = (check_kernels, check_models, check_bf16_accuracy)
     for part in (check_bf16_accuracy,) if a.bf16_only else () if a.no_check else checks:
         try:

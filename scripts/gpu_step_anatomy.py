@@ -7,7 +7,12 @@ acceptance-controlled (label any figure taken from here so).
         --methods vanilla,magicdec,streaming,dustin --tau 3.8 \
         --config dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
 
-Writes $OUT/anatomy.json (and prints a table) when OUT is set.
+Writes $OUT/anatomy_<target>.json (and prints a table) when OUT is set.
+
+Programmatic Dependent Launch (dustin/kernels/launch.py: our Triton kernels of the step launched so that each one's
+launch overlaps its predecessor's tail, on sm_90+) is on by default. Its A/B is this script run twice, the second
+time with `DUSTIN_PDL=0` in the environment; the header line and the JSON's "pdl" say which, and the file of the
+PDL-off run is named anatomy_<target>_no_pdl.json.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ def main() -> int:
 
     from dustin.bench import e2e
     from dustin.bench.decode import copy_bandwidth
+    from dustin.kernels.launch import use_pdl
 
     p = argparse.ArgumentParser()
     p.add_argument("--pair", default="qwen2.5-1.5b:qwen2.5-0.5b")
@@ -65,8 +71,10 @@ def main() -> int:
     engine = e2e.build_engine(t_args, d_args, "cuda")
     engine.target.decode_kernels = engine.draft.decode_kernels = not a.no_decode_kernels
     bw = a.copy_bw = copy_bandwidth()
+    pdl = use_pdl(torch.device("cuda", torch.cuda.current_device()))
     print(f"# {a.pair} B={a.batch} ctx={a.context} tau={a.tau} gamma={a.gamma} | {torch.cuda.get_device_name()} "
-          f"| copy {bw / 1e12:.2f} TB/s | {time.strftime('%Y-%m-%d')} | random weights, acceptance-controlled")
+          f"| copy {bw / 1e12:.2f} TB/s | PDL {'on' if pdl else 'off'} | {time.strftime('%Y-%m-%d')} | random "
+          f"weights, acceptance-controlled")
     rows = []
     for method in a.methods.split(","):
         row = e2e.run_method(engine, method, a.batch, a.context, a)
@@ -100,10 +108,11 @@ def main() -> int:
         for k in row["top_kernels"]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
-        tag = ("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
+        tag = (("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
+               + ("" if pdl else "_no_pdl"))
         Path(os.environ["OUT"], f"anatomy_{t_name}{tag}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,
-             "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+             "device": torch.cuda.get_device_name(), "pdl": pdl, "rows": rows}, indent=1))
     return 0
 
 

@@ -11,11 +11,18 @@ its shared memory (`metadata.shared`, what the driver checks against the device'
 its constexprs. The wrappers around the kernels run unchanged on CPU tensors, so each kernel is compiled with
 exactly the specialization the engine asks for. Used by tests/test_kernels_compile.py in a subprocess with
 the interpreter off.
+
+`compile_all_kernels` compiles with Programmatic Dependent Launch on, as an H100/H200 launches the step's kernels
+(dustin/kernels/launch.py; `use_pdl` is False for the CPU tensors here, so it is forced on): each launch also
+records the compiled kernel's `launch_pdl` and `pdl_order` of its PTX (griddepcontrol.wait before any memory
+access, then griddepcontrol.launch_dependents).
 """
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 
@@ -24,6 +31,30 @@ class Compiled(NamedTuple):
     name: str
     shared: int  # bytes of shared memory per program
     constexprs: str
+    launch_pdl: bool  # the compiled kernel's launch option (metadata.launch_pdl)
+    pdl_order: str  # pdl_order() of its PTX
+
+
+# the first instruction of a PTX line (after an optional predicate), and the memory accesses among them: loads,
+# stores, atomics and reductions, async copies (cp.async*), prefetches; ld.param reads the kernel's arguments
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)")
+_MEMORY = ("ld.", "ldu.", "st.", "atom.", "red.", "cp.", "prefetch.", "multimem.")
+
+
+def pdl_order(ptx: str) -> str:
+    """'wait first' when the PTX has griddepcontrol.wait before every memory access and
+    griddepcontrol.launch_dependents after it; else what is wrong ('no wait', 'no launch_dependents', or the first
+    instruction found before the wait)."""
+    ops = [m.group(1) for m in (_INSTRUCTION.match(line.split("//")[0]) for line in ptx.splitlines()) if m]
+    wait = next((i for i, op in enumerate(ops) if op.startswith("griddepcontrol.wait")), None)
+    trigger = next((i for i, op in enumerate(ops) if op.startswith("griddepcontrol.launch_dependents")), None)
+    if wait is None:
+        return "no wait"
+    if trigger is None:
+        return "no launch_dependents"
+    early = [op for op in ops[:wait] if op.startswith(_MEMORY) and not op.startswith("ld.param")]
+    early += ["griddepcontrol.launch_dependents"] if trigger < wait else []
+    return f"{early[0]} before griddepcontrol.wait" if early else "wait first"
 
 
 @contextlib.contextmanager
@@ -45,7 +76,8 @@ def compile_launches(compiled: list[Compiled]):
                                 options=options.__dict__)
         consts = " ".join(f"{p.name}={bound[p.name]}" for p in self.params
                           if p.is_constexpr and isinstance(bound[p.name], (bool, int)))
-        compiled.append(Compiled(self.fn.__name__, kernel.metadata.shared, consts))
+        compiled.append(Compiled(self.fn.__name__, kernel.metadata.shared, consts, bool(kernel.metadata.launch_pdl),
+                                 pdl_order(kernel.asm["ptx"])))
 
     saved = JITFunction.run
     JITFunction.run = run
@@ -89,6 +121,7 @@ def compile_all_kernels() -> list[Compiled]:
     from dustin.kernels import (
         decode_linear,
         fused_ops,
+        launch,
         prefill_attention,
         quest,
         score_estimation,
@@ -101,7 +134,7 @@ def compile_all_kernels() -> list[Compiled]:
     compiled: list[Compiled] = []
     B, S = 2, 700
     L = torch.full((B,), 600, dtype=i32)
-    with compile_launches(compiled):
+    with compile_launches(compiled), mock.patch.object(launch, "use_pdl", lambda device: True):  # as on an H200
         for hq, hkv, d, t in ((40, 8, 128, 5), (14, 2, 64, 1), (14, 2, 64, 2)):  # target verify, draft steps
             q, k = torch.zeros(B, hq, t, d, dtype=bf), torch.zeros(B, hkv, S, d, dtype=bf)
             verify_attention.verify_attention(q, k, k, L, max_len=S)
@@ -157,6 +190,7 @@ def compile_all_kernels() -> list[Compiled]:
             kq = torch.zeros(B, 8, 4096, 128, dtype=bf)
             pages = quest.QuestPages(1, B, 8, 128, 4096, bf, "cpu")
             pages.build(0, kq, torch.full((B,), 4000, dtype=i32))
+            pages.update(0, kq, torch.full((B,), 3990, dtype=i32), torch.full((B,), 4000, dtype=i32), max_new=10)
             pages.select(0, torch.zeros(B, 40, 5, 128, dtype=bf), torch.full((B,), 4000, dtype=i32), 512)
         finally:
             del os.environ["TRITON_INTERPRET"]
@@ -164,5 +198,5 @@ def compile_all_kernels() -> list[Compiled]:
 
 
 if __name__ == "__main__":
-    for c in compile_all_kernels():  # one line per launch: name, shared bytes, constexprs
-        print(c.name, c.shared, c.constexprs, sep="\t")
+    for c in compile_all_kernels():  # one line per launch: name, shared bytes, constexprs, launch_pdl, PTX order
+        print(*c, sep="\t")

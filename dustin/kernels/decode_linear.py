@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.launch import pdl_options, pdl_start
+
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
 _FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
 
@@ -104,10 +106,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, s
                    M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
                    HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
-                   EMIT_NORM: tl.constexpr, F32DOT: tl.constexpr):
+                   EMIT_NORM: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = [residual +] [bias +] [rstd[m] *] x[m] . W[n] (HAS_NORM: x is already scaled by the norm's
     weight; EMIT_NORM: also out * g and the tile's partial sums of squares of out's rows, the next norm's
     input). Grid (N tiles, SPLIT)."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
@@ -161,8 +164,9 @@ def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, ss_ptr, NT, M, K,
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr):
+                    HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up])."""
+    pdl_start(PDL)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < INTER
@@ -180,10 +184,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_p
                      M, K, T, NT, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One program per (head of [q | k | v], DB of the HALF half-dims): the head's dims j and HALF + j
     (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads rotated
     and v heads as they are written into the KV cache at each token's position."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     h = pid // (HALF // DB)
     j = (pid % (HALF // DB)) * DB + tl.arange(0, DB)
@@ -371,7 +377,7 @@ def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torc
         M, N, K, T, nt, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
         HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_NORM=next_norm is not None,
-        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return (out, RowNorm(xg, sso, next_eps)) if next_norm is not None else out
 
 
@@ -388,7 +394,7 @@ def gate_up_silu(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, tiles: Tile
     _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
         x, weight, ss, out, M, inter, K, T, nt, x.stride(0), x.stride(1), inter, eps,
         BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm is not None, NT_PAD=nt_pad,
-        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages)
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return out
 
 
@@ -419,5 +425,5 @@ def qkv_rope(x: torch.Tensor | RowNorm, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
         *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, F32DOT=_f32dot(x),
-        num_warps=t.warps, num_stages=t.stages)
+        num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return q

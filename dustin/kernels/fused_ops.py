@@ -15,10 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.launch import pdl_options, pdl_start
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -46,7 +49,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     res = residual.reshape(-1, N) if residual is not None else x2
     block = triton.next_power_of_2(N)
     _add_rms_norm_kernel[(x2.shape[0],)](x2, res, weight, out, total, N, eps, HAS_RES=residual is not None,
-                                         BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                         BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_options(x.device))
     if residual is None:
         return out.view_as(x)
     return total.view_as(x), out.view_as(x)
@@ -56,11 +59,13 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, pos_ptr, T, HKV,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_t,
                  sc_row, sc_head, sc_pos, sp_b, sp_t,
-                 HQ: tl.constexpr, HALF: tl.constexpr, K_OUT: tl.constexpr, STORE: tl.constexpr):
+                 HQ: tl.constexpr, HALF: tl.constexpr, K_OUT: tl.constexpr, STORE: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """One program per (b * T + t, head): q heads [0, HQ) are rotated into qo; k heads [HQ, HQ + HKV) are
     rotated into ko (K_OUT) and/or written into the K cache at the token's position (STORE); with STORE, heads
     [HQ + HKV, HQ + 2 HKV) copy v into the V cache. T is a runtime value, so prompts of every length share one
     compiled kernel."""
+    pdl_start(PDL)
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b, t = bt // T, bt % T
@@ -132,13 +137,15 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     _rope_kernel[(B * T, heads)](q, k, vv, cos, sin, qo, ko if ko is not None else qo, kc, vc, pos, T, Hkv,
                                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                  *vstr, cos.stride(0), cos.stride(1), *cstr, *pstr,
-                                 HQ=Hq, HALF=D // 2, K_OUT=ko is not None, STORE=store, num_warps=1)
+                                 HQ=Hq, HALF=D // 2, K_OUT=ko is not None, STORE=store, num_warps=1,
+                                 **pdl_options(q.device))
     return qo, ko
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, sg_row, su_row, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, sg_row, su_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (row, BLOCK columns): out = silu(g) * u, in fp32, rounded once to out's dtype."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -168,5 +175,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows = g2.shape[0]
     if rows and N:
         _silu_mul_kernel[(rows, triton.cdiv(N, SILU_MUL_BLOCK))](g2, u2, out, N, g2.stride(0), u2.stride(0),
-                                                                BLOCK=SILU_MUL_BLOCK, num_warps=4)
+                                                                BLOCK=SILU_MUL_BLOCK, num_warps=4,
+                                                                **pdl_options(gate.device))
     return out.view(gate.shape)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.launch import pdl_options, pdl_start
+
 PAGE_SIZE = 16
 
 
@@ -42,9 +44,11 @@ def _num_sms(device: torch.device) -> int:
 @triton.jit
 def _page_minmax_kernel(k_ptr, before_ptr, after_ptr, mn_ptr, mx_ptr, n_pages,
                         sk_b, sk_h, sk_s, sm_b, sm_h, sm_p,
-                        H_KV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BUILD: tl.constexpr):
+                        H_KV: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BUILD: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Program (sequence x KV head, j): page before//PAGE + j (page j when BUILD) from rows < after.
     BUILD also zeroes pages with no valid row; an update leaves untouched pages alone."""
+    pdl_start(PDL)
     b = (tl.program_id(0) // H_KV).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     h = (tl.program_id(0) % H_KV).to(tl.int64)
     after = tl.load(after_ptr + b).to(tl.int64)
@@ -74,9 +78,10 @@ def _page_minmax_kernel(k_ptr, before_ptr, after_ptr, mn_ptr, mx_ptr, n_pages,
 def _page_scores_kernel(q_ptr, mn_ptr, mx_ptr, lengths_ptr, out_ptr, n_pages, chunk,
                         sq_b, sq_h, sq_t, sm_b, sm_h, sm_p, so_b, so_h,
                         H_KV: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, R_PAD: tl.constexpr,
-                        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+                        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """Program (sequence x KV head, c): scores of pages [c * chunk, (c + 1) * chunk); Qp/Qn built once.
     chunk is a runtime int (a multiple of BLOCK_P) so a new context length needs no recompile."""
+    pdl_start(PDL)
     b = (tl.program_id(0) // H_KV).to(tl.int64)
     h = (tl.program_id(0) % H_KV).to(tl.int64)
     rows = tl.arange(0, R_PAD)
@@ -123,7 +128,8 @@ def page_minmax(k_layer, lengths, out_min, out_max, *, lengths_before=None, max_
     grid_pages = n_pages if build or max_new is None else min(n_pages, triton.cdiv(max_new, page_size) + 1)
     _page_minmax_kernel[(B * H, grid_pages)](
         k_layer, lengths if build else lengths_before, lengths, out_min, out_max, n_pages,
-        *k_layer.stride()[:3], *out_min.stride()[:3], H_KV=H, PAGE=page_size, D=D, BUILD=build, num_warps=1)
+        *k_layer.stride()[:3], *out_min.stride()[:3], H_KV=H, PAGE=page_size, D=D, BUILD=build, num_warps=1,
+        **pdl_options(k_layer.device))
     return out_min, out_max
 
 
@@ -144,7 +150,7 @@ def page_scores(q, page_min, page_max, lengths, *, page_size=PAGE_SIZE, out=None
     _page_scores_kernel[(B * H, triton.cdiv(n_pages, chunk))](
         q, page_min, page_max, lengths, out, n_pages, chunk, *q.stride()[:3], *page_min.stride()[:3],
         *out.stride()[:2], H_KV=H, G=Hq // H, TQ=Tq, R_PAD=max(2, triton.next_power_of_2(Hq // H * Tq)),
-        D=D, PAGE=page_size, BLOCK_P=block_p, num_warps=4)
+        D=D, PAGE=page_size, BLOCK_P=block_p, num_warps=4, **pdl_options(q.device))
     return out
 
 

@@ -62,6 +62,7 @@ from dustin.attention.reference import (  # noqa: F401  (re-exported: the kernel
     attention_scores_multi_reference,
     attention_scores_reference,
 )
+from dustin.kernels.launch import pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 # Heads (and rows: heads x queries) per launch entry at most: 4 slots x (128 keys + 16 rows) x D 128 x 2 B
@@ -137,7 +138,8 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
                         NL: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
                         P1: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_LAYERS: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
     l = tl.program_id(2)
@@ -187,7 +189,8 @@ def _score_pass2_kernel(kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, ml_ptr, lg_ptr, ou
                         P1: tl.constexpr, P_PAD: tl.constexpr, P2: tl.constexpr,
                         R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_CTX: tl.constexpr,
-                        ACCUMULATE: tl.constexpr):
+                        ACCUMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
     rows = tl.arange(0, R_PAD)
@@ -290,7 +293,8 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     common = {"NL": NL, "HS": Hs, "TQ": Tq, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
               "HAS_KLEN": key_lengths is not None, "HAS_QPOS": query_positions is not None,
-              "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or 2}
+              "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or 2,
+              **pdl_options(q.device)}
     opt = lambda t: dummy if t is None else t  # noqa: E731
     sp = query_positions.stride() if query_positions is not None else (0, 0)
     _score_pass1_kernel[(B, p1, NL)](q, k_all, opt(layers), kv_heads, opt(key_lengths), opt(query_positions), ml,

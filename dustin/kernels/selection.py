@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.launch import pdl_options, pdl_start
+
 _NEG_INF = float("-inf")
 
 
@@ -76,9 +78,11 @@ def write_sorted_row(draft, target, keep, L, b, scratch_ptr, idx_ptr, counts_ptr
 
 @triton.jit
 def _mask_scores_kernel(sd_ptr, st_ptr, lengths_ptr, out_ptr, S, sd_stride, st_stride,
-                        SINKS: tl.constexpr, WINDOW: tl.constexpr, BOTH: tl.constexpr, BLOCK: tl.constexpr):
+                        SINKS: tl.constexpr, WINDOW: tl.constexpr, BOTH: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out [R, B, S] fp32 = the scores where a pick may come from (sinks <= j < L - window), else -inf;
     rows: draft then target when BOTH, else target only."""
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     n_seq = tl.num_programs(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -97,9 +101,10 @@ def _mask_scores_kernel(sd_ptr, st_ptr, lengths_ptr, out_ptr, S, sd_stride, st_s
 def _assemble_kernel(ranked_ptr, lengths_ptr, scratch_ptr, idx_ptr, counts_ptr, S,
                      SINKS: tl.constexpr, WINDOW: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                      N_PICK: tl.constexpr, NP_PAD: tl.constexpr, M_PAD: tl.constexpr, SW_PAD: tl.constexpr,
-                     P: tl.constexpr):
+                     P: tl.constexpr, PDL: tl.constexpr = False):
     """One sequence: protected + m draft picks + the first n - m target picks not taken by the draft,
     sorted ascending into idx[b, :K]; rows with L <= K get 0 .. L-1."""
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     n_seq = tl.num_programs(0)
     L = tl.load(lengths_ptr + b).to(tl.int32)
@@ -150,10 +155,11 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
     lengths = lengths.to(device)
     rows = 2 if m > 0 else 1
+    pdl = pdl_options(device)
     masked = torch.empty(rows, B, S, device=device, dtype=torch.float32)
     _mask_scores_kernel[(B, triton.cdiv(S, 1024))](s_draft, s_target, lengths, masked, S, s_draft.stride(0),
                                                    s_target.stride(0), SINKS=sinks, WINDOW=window,
-                                                   BOTH=m > 0, BLOCK=1024)
+                                                   BOTH=m > 0, BLOCK=1024, **pdl)
     ranked = masked.view(rows * B, S).topk(n_pick, dim=1).indices  # [R*B, n_pick], rank order
     scratch = torch.empty(B, p, device=device, dtype=torch.int32)
     indices = torch.empty(B, k, device=device, dtype=torch.int32)
@@ -161,7 +167,7 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     _assemble_kernel[(B,)](ranked, lengths, scratch, indices, counts, S, SINKS=sinks, WINDOW=window, K=k, M=m,
                            N_PICK=n_pick, NP_PAD=triton.next_power_of_2(n_pick),
                            M_PAD=max(32, triton.next_power_of_2(m)), SW_PAD=triton.next_power_of_2(sinks + window),
-                           P=p, num_warps=8)
+                           P=p, num_warps=8, **pdl)
     return indices, counts
 
 

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
+from dustin.kernels.launch import pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -86,7 +87,9 @@ def _sparse_verify_split_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_N: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)  # int64: b * stride of a large cache overflows int32
@@ -145,9 +148,10 @@ def _sparse_verify_combine_kernel(
     acc_ptr, ml_ptr, out_ptr,
     so_b, so_h, so_t, so_d,
     H_KV: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program per (sequence, KV head, ROWS rows): many small programs keep this latency-bound merge short.
+    pdl_start(PDL)
     pid_bh = tl.program_id(0)
     b = (pid_bh // H_KV).to(tl.int64)
     kvh = pid_bh % H_KV
@@ -235,17 +239,18 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     # fp32 callers want fp32 accuracy, not tf32; the interpreter needs fp32 operands (see _dot).
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     num_warps = num_warps or (4 if block_m <= 64 else 8)
+    pdl = pdl_options(q.device)
     _sparse_verify_split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         indices.stride(0), indices.stride(1) if per_head else 0, counts.stride(0), counts.stride(1) if per_head else 0,
         H_KV=Hkv, GROUP=group, T=T, D=D, CHUNK=chunk, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, NEW_N=max(16, triton.next_power_of_2(T)), IEEE=ieee,
-        num_warps=num_warps, num_stages=num_stages or 3,
+        num_warps=num_warps, num_stages=num_stages or 3, **pdl,
     )
     if num_splits > 1:
         _sparse_verify_combine_kernel[(B * Hkv, block_m // 16)](
             acc_part, ml_part, out, *out.stride(),
-            H_KV=Hkv, GROUP=group, T=T, D=D, NUM_PARTS=num_splits, BLOCK_M=block_m, ROWS=16, num_warps=4,
+            H_KV=Hkv, GROUP=group, T=T, D=D, NUM_PARTS=num_splits, BLOCK_M=block_m, ROWS=16, num_warps=4, **pdl,
         )
     return out

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.launch import pdl_options, pdl_start
+
 H200_NUM_SMS = 132
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
@@ -77,7 +79,9 @@ def _verify_attention_split_kernel(
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
         n_kv_heads, num_splits, sinks, window, qk_scale_log2,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr):
+        STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
+        PDL: tl.constexpr = False):
+    pdl_start(PDL)
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // n_kv_heads).to(tl.int64)  # int64: batch offsets of a large cache overflow int32
@@ -150,7 +154,8 @@ def _verify_attention_combine_kernel(
         PartAcc, PartM, PartL, Lengths, Out, so_b, so_h, so_t, so_d,
         n_kv_heads, num_splits, sinks, window,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, STREAMING: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     kv_head = (bh % n_kv_heads).to(tl.int64)
@@ -282,18 +287,19 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     upcast_dot = _interpreting() and q.dtype == torch.bfloat16
     # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
     dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
+    pdl = pdl_options(q.device)
 
     _verify_attention_split_kernel[(num_splits, B * Hkv)](
         q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         Hkv, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+        UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages, **pdl)
     if direct:
         return out
     combine_rows = min(16, triton.next_power_of_2(rows))
     _verify_attention_combine_kernel[(B * Hkv, triton.cdiv(rows, combine_rows))](
         part_acc, part_m, part_l, lengths, out, *out.stride(),
         Hkv, num_splits, sinks, window,
-        T=T, G=G, D=D, ROWS=combine_rows, STREAMING=streaming, BLOCK_N=block_n, num_warps=4)
+        T=T, G=G, D=D, ROWS=combine_rows, STREAMING=streaming, BLOCK_N=block_n, num_warps=4, **pdl)
     return out
