@@ -12,9 +12,8 @@
     python3 scripts/gpu_decode_layers.py [--sweep] [--out DIR]
 Random weights (timing does not depend on values). Prints JSON lines; writes DIR/decode_layers.json.
 
-Programmatic Dependent Launch (dustin/kernels/launch.py) is on by default on sm_90+; its A/B is this script run
-twice, the second time with `DUSTIN_PDL=0` in the environment (and another --out DIR); the "env" row's "pdl" says
-which.
+Programmatic Dependent Launch (dustin/kernels/launch.py) is opt-in on sm_90+; its A/B is this script run twice,
+once with `DUSTIN_PDL=1` in the environment (and another --out DIR); the "env" row's "pdl" says which.
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ acceptance-controlled (label any figure taken from here so).
 Writes $OUT/anatomy_<target>.json (and prints a table) when OUT is set.
 
 Programmatic Dependent Launch (dustin/kernels/launch.py: our Triton kernels of the step launched so that each one's
-launch overlaps its predecessor's tail, on sm_90+) is on by default. Its A/B is this script run twice, the second
-time with `DUSTIN_PDL=0` in the environment; the header line and the JSON's "pdl" say which, and the file of the
-PDL-off run is named anatomy_<target>_no_pdl.json.
+launch overlaps its predecessor's tail, on sm_90+) is opt-in. Its A/B is this script run twice, once with
+`DUSTIN_PDL=1` in the environment; the header line and the JSON's "pdl" say which, and the file of the PDL-on run
+is named anatomy_<target>_pdl.json.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def main() -> int:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
         tag = (("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
-               + ("" if pdl else "_no_pdl"))
+               + ("_pdl" if pdl else ""))
         Path(os.environ["OUT"], f"anatomy_{t_name}{tag}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,
              "device": torch.cuda.get_device_name(), "pdl": pdl, "rows": rows}, indent=1))

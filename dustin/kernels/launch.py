@@ -3,8 +3,14 @@
 Why: a speculative step replays ~1,200 small kernels in one CUDA graph (5-7 us each), most of them ours back to
 back (per draft layer: q/k/v + RoPE, the attention, o_proj, gate/up + SiLU, down_proj). Between two of them the
 GPU drains the first grid, then launches and ramps up the second. On Hopper (sm_90+) a grid launched with PDL
-may be scheduled while its predecessor in the stream still runs, hiding that gap (expected ~0.5-1 us per kernel
-boundary; to be measured: run a script twice, once with DUSTIN_PDL=0).
+may be scheduled while its predecessor in the stream still runs, hiding that gap.
+
+Measured (one H200, 2026-12-02, `scripts/gpu_step_anatomy.py`, random weights of the default pair's shapes,
+16 x 32k, tau 3.7 acceptance-controlled, run with DUSTIN_PDL=1 and without): dustin 7.78 -> 7.54 ms/step (-3%),
+but vanilla 5.04 -> 5.57 ms (+10%), same 203 / 1,212 kernels per step. Vanilla's step is a few long attention
+grids of several waves between skinny GEMMs; a successor scheduled early takes SM slots from the last wave (the
+likely cause, not profiled). So PDL is OPT-IN (`DUSTIN_PDL=1`) until the trigger is placed per kernel (early only
+in single-wave kernels such as the decode-layer GEMMs).
 
 How: every kernel launched in the step takes a `PDL: tl.constexpr` and calls `pdl_start(PDL)` as its FIRST
 statement, before any load, store or atomic (of scalars, of pointers read from memory, of counters too), and is
@@ -23,8 +29,8 @@ launched with `launch_pdl=pdl`:
   they keep plain stream order on both sides.
 
 The CPU interpreter (TRITON_INTERPRET=1) does not implement these ops: with PDL False the constexpr `if` drops them.
-`DUSTIN_PDL=0` turns PDL off (a kill switch, and the A/B of a benchmark); like the capability, it is read once per
-device in a process.
+`DUSTIN_PDL=1` turns PDL on (off by default, see above); like the capability, it is read once per device in a
+process.
 """
 from __future__ import annotations
 
@@ -48,14 +54,14 @@ def pdl_start(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_pdl(index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DUSTIN_PDL") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DUSTIN_PDL") != "1":
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0 or newer, the Triton
-    interpreter off, and DUSTIN_PDL not "0". Cached per device index (`clear_cache()` forgets it)."""
+    """Whether kernels on `device` launch with PDL: DUSTIN_PDL=1, a CUDA device of compute capability 9.0 or newer,
+    and the Triton interpreter off. Cached per device index (`clear_cache()` forgets it)."""
     if device.type != "cuda":
         return False
     return _cuda_pdl(device.index if device.index is not None else torch.cuda.current_device())
