@@ -7,7 +7,7 @@ import torch
 
 from dustin.errors import InputError
 from dustin.kernels.selection import select_dustin_reference
-from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
+from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, rows_contain, select_ragged
 
 
 def test_k_follows_the_mass_by_hand():
@@ -55,6 +55,40 @@ def test_ragged_selection_equals_the_reference_per_row(seed):
         assert counts[b] == want_c[0]
         assert idx[b, :counts[b]].tolist() == want_i[0, :want_c[0]].tolist()
         assert torch.all(idx[b, counts[b]:] == 0)
+
+
+def test_rows_contain_is_membership():
+    """The scatter/gather membership test against comparing every query with every member: repeated members,
+    members dropped by `keep`, positions 0 and size - 1, rows with nothing kept."""
+    g = torch.Generator().manual_seed(3)
+    B, size = 4, 53
+    members = torch.randint(0, size, (B, 31), generator=g)
+    members[0, :3] = torch.tensor([0, size - 1, 0])
+    keep = torch.rand(B, 31, generator=g) < 0.6
+    keep[2] = False
+    queries = torch.randint(0, size, (B, 70), generator=g)
+    queries[0, :2] = torch.tensor([0, size - 1])
+    taken = torch.where(keep, members, torch.full_like(members, -1))
+    want = (queries[:, :, None] == taken[:, None, :]).any(-1)
+    assert torch.equal(rows_contain(members, queries, size, keep=keep), want)
+    assert torch.equal(rows_contain(members, queries, size), (queries[:, :, None] == members[:, None, :]).any(-1))
+    assert not rows_contain(members, queries, size, keep=keep)[2].any()
+
+
+def test_uncapped_auto_selection_equals_the_reference():
+    """`--budget auto` without a cap: k_max at the context, m_max in the thousands, rows of every kind (k near the
+    length, k far below it, a row shorter than k_max)."""
+    g = torch.Generator().manual_seed(5)
+    B, S = 4, 3001
+    st, sd = torch.rand(B, S, generator=g), torch.rand(B, S, generator=g)
+    lengths = torch.tensor([3001, 2900, 1700, 3000])
+    k = torch.tensor([2200, 300, 1699, 2990])
+    m = torch.tensor([1500, 100, 1100, 2050])
+    idx, counts = select_ragged(st, sd, lengths, k, m, k_max=S, m_max=2100, sinks=4, window=16)
+    for b in range(B):
+        want_i, want_c = select_dustin_reference(st[b:b + 1], sd[b:b + 1], lengths[b:b + 1], k=int(k[b]),
+                                                 m=int(m[b]), sinks=4, window=16)
+        assert counts[b] == want_c[0] and idx[b, :counts[b]].tolist() == want_i[0, :want_c[0]].tolist()
 
 
 def test_histogram_summary():

@@ -169,6 +169,15 @@ def test_placeholders_bind_like_the_tensors():
         assert ("D" in str(spec_real[0])) == (offset == 0)  # the gate pointer's alignment attribute
 
 
+def test_the_warmup_is_on_unless_switched_off(monkeypatch):
+    from dustin.engine.warmup import warmup_enabled
+
+    monkeypatch.delenv("DUSTIN_KERNEL_WARMUP", raising=False)
+    assert warmup_enabled()
+    monkeypatch.setenv("DUSTIN_KERNEL_WARMUP", "0")
+    assert not warmup_enabled()
+
+
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
     assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
     from dustin.engine.llm_engine import LLMEngine, ServeConfig

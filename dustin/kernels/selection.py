@@ -185,8 +185,10 @@ def _select_dustin_torch(s_target, s_draft, lengths, *, k, m, sinks, window):
     ranked = ranked.view(-1, B, n_pick)
     target_pos = ranked[-1]
     draft_pos = ranked[0, :, :m] if m > 0 else target_pos[:, :0]
+    from dustin.selection.adaptive import rows_contain
+
     # Skip target picks the draft already took; keep the first n_pick - m of the rest (rank order).
-    in_draft = (target_pos[:, :, None] == draft_pos[:, None, :]).any(-1)
+    in_draft = rows_contain(draft_pos, target_pos, S)
     target_keep = ~in_draft & ((~in_draft).cumsum(1) <= n_pick - m)
     window_pos = L - window + torch.arange(window, device=device)[None, :]
     candidates = torch.cat((torch.arange(sinks, device=device)[None, :].expand(B, sinks), window_pos,

@@ -71,6 +71,18 @@ def adaptive_budgets(s_target: torch.Tensor | None, s_draft: torch.Tensor | None
     return k, m
 
 
+def rows_contain(members: torch.Tensor, queries: torch.Tensor, size: int,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Q] bool: whether row b's members (positions in [0, size); with `keep`, only those kept) include
+    queries[b, i]. A [B, size] mask filled by scatter and read by gather costs O(size + members + queries) per row;
+    comparing every query with every member costs O(queries x members), which for `--budget auto` without a cap
+    at 16 x 32k was a [16, 32k, 22k] boolean tensor in every step."""
+    mask = torch.zeros(members.shape[0], size + 1, dtype=torch.bool, device=members.device)
+    slots = members if keep is None else torch.where(keep, members, torch.full_like(members, size))
+    mask.scatter_(1, slots.long(), True)
+    return mask.gather(1, queries.long())
+
+
 def select_ragged(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor,
                   m: torch.Tensor, *, k_max: int, m_max: int, sinks: int, window: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +100,7 @@ def select_ragged(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     if m_max > 0:
         ranked_d = s_draft.float().masked_fill(~pickable, _NEG_INF).topk(min(m_max, S), dim=1).indices
         d_keep = torch.arange(ranked_d.shape[1], device=device)[None, :] < m[:, None]
-        taken = torch.where(d_keep, ranked_d, torch.full_like(ranked_d, -1))
-        in_draft = (ranked_t[:, :, None] == taken[:, None, :]).any(-1)
+        in_draft = rows_contain(ranked_d, ranked_t, S, keep=d_keep)
     else:
         ranked_d = ranked_t[:, :0]
         d_keep = torch.zeros_like(ranked_d, dtype=torch.bool)
