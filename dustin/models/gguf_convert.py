@@ -26,6 +26,9 @@ the parent and its workers (sampled every 50 ms):
 (the new peak is the parent, 0.44 GB, mostly torch and transformers, plus ~90 MB per worker). The whole
 `python3 -m dustin models fetch --home <folder holding only the two GGUFs>` (re-hash both, convert both) took
 16.2 s on a quiet machine, 25 s beside another job's test run. With one worker, in this process: 17.9 s and 8.6 s.
+On the 16-core H200 machine the same command took 61.4 s (2026-12-02; the goal is 20 s): not broken down yet,
+which is what the per-model times of `dustin models fetch`'s "ready" lines are for (suspects: 16 workers'
+interpreter starts and imports at once, the write of 4.1 GB to that machine's disk).
 """
 from __future__ import annotations
 
