@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # GPU needle check of the leaner S_draft candidate (docs/profiling.md, "A cheaper S_draft"): held-out needles,
 # multi-key then single, at 8k, 16k and 30k tokens, 5 depths, greedy, 32 new tokens, for
-#   vanilla; dustin with the shipped config (dustin/configs/, 11 draft score layers) at k = 512 and 256;
-#   dustin with the candidate (docs/results/profile_cpu/candidate_config.json, 3 draft score layers) at k = 512, 256.
+#   vanilla; dustin with the 11-layer config ("shipped": dustin/configs/' file until 2026-12-02, now
+#   docs/results/profile_h200/config_11_draft_layers.json) at k = 512 and 256;
+#   dustin with the candidate (docs/results/profile_cpu/candidate_config.json, 3 draft score layers, shipped since)
+#   at k = 512, 256.
 # On a GPU machine with the default pair fetched (`dustin models fetch`), from the repository root:
 #   bash scripts/device_sdraft_check.sh OUTDIR      # -> OUTDIR/needles_{candidate,shipped}_{multikey,single}.json + logs
 #   DEVICE_ENV=1 bash scripts/device_sdraft_check.sh "$OUT"   # on the project's device machine (scripts/device_env.sh)
 #   RUNS=candidate bash scripts/device_sdraft_check.sh OUTDIR  # only the candidate's rows (the shipped config's
 #                                                               # vanilla and dustin rows measured before)
-# Time: aimed at ~5 minutes of H200 time (DEADLINE seconds, default 300): each of the four calls may use the time
-# left divided by the calls left (a call that ends early leaves its time to the next) and none starts with < 30 s
-# left. The 5 minutes are an estimate, not a measurement (the earlier GPU needle runs kept no wall times): four
-# processes, each loading the pair and compiling its kernels once; all depths of a (kind, context) decode as one
+# Time (DEADLINE seconds, default 300): each of the four calls may use the time left divided by the calls left (a
+# call that ends early leaves its time to the next) and none starts with < 30 s left. The candidate's two calls
+# took 118 s on the H200 (2026-12-02); four processes, each loading the pair and compiling its kernels once; all depths of a (kind, context) decode as one
 # batch, so depths cost little and stay at 5, as in the shipped config's earlier GPU needle runs. Multi-key runs
 # first (those earlier runs have multi-key rows to compare with). If a call runs out of time, rerun with the same
 # OUTDIR: finished rows are skipped and the rest resume.
@@ -21,7 +22,7 @@ mkdir -p "$out"
 [ "${DEVICE_ENV:-0}" = 1 ] && . scripts/device_env.sh
 SECONDS=0  # the budget counts from here (device_env.sh may first convert the pair)
 deadline=${DEADLINE:-300}
-shipped=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
+shipped=docs/results/profile_h200/config_11_draft_layers.json
 candidate=docs/results/profile_cpu/candidate_config.json
 common="--device cuda --contexts 8192,16384,30000 --depths 5 --budgets 512,256"
 runs=${RUNS:-candidate shipped}
