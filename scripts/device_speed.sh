@@ -10,7 +10,9 @@
 #                                        # code 32k x 16 for every method, one-shot generate (vanilla, dustin)
 #   bash scripts/device_speed.sh round   # after staging: `bench e2e --real` code 16k / 32k x 16 (vanilla, dustin, with
 #                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
-#                                        # the context), and with CANDIDATE=1 dustin on the 3-layer S_draft candidate
+#                                        # the context), and with FORMER=1 dustin on the former 11-layer S_draft
+#                                        # config (on 2026-12-02 it ran as CANDIDATE=1: the 3-layer one, then a
+#                                        # candidate, beside the 11-layer config then shipped)
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
 #                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -63,9 +65,9 @@ elif [ "$mode" = round ]; then
     run $((420 - SECONDS)) $e2e --contexts $c --methods dustin --budget auto --budget-p 0.99 --budget-max $c \
       --json-out "$OUT/bench_e2e_real_auto99_$c.json"
   done
-  if [ -n "${CANDIDATE:-}" ]; then
+  if [ -n "${FORMER:-}" ]; then  # the 11-layer S_draft config shipped until 2026-12-02
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
-      --config docs/results/profile_cpu/candidate_config.json --json-out "$OUT/bench_e2e_real_candidate.json"
+      --config docs/results/profile_h200/config_11_draft_layers.json --json-out "$OUT/bench_e2e_real_former.json"
   fi
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
