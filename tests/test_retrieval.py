@@ -71,8 +71,9 @@ def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tok):
 @pytest.mark.slow
 def test_needles_on_the_real_pair(tmp_path, capsys, real_pair_cli):
     out = tmp_path / "needles.json"
-    argv = ["eval", "needles", "--contexts", "400", "--depths", "1", "--kinds", "single", "--methods",
-            "vanilla,dustin", "--budgets", "64", "--max-new-tokens", "8", "--json-out", str(out)]
+    argv = ["eval", "needles", "--contexts", "400", "--depths", "1", "--kinds", "single", "--rows",
+            "vanilla,dustin@64,dustin@auto:0.9", "--budget-min", "32", "--budget-max", "256",
+            "--max-new-tokens", "8", "--json-out", str(out)]
     try:
         code = main(argv)
     except InputError as e:  # the held-out essays could not be downloaded
@@ -81,7 +82,7 @@ def test_needles_on_the_real_pair(tmp_path, capsys, real_pair_cli):
     data = json.loads(out.read_text())
     assert data["settings"]["max_new_tokens"] == 8
     rows = {(r["method"], r["budget"]): r for r in data["rows"]}
-    assert set(rows) == {("vanilla", None), ("dustin", 64)}
+    assert set(rows) == {("vanilla", None), ("dustin", 64), ("dustin", "auto:0.9")}
     for r in rows.values():
         assert r["kind"] == "single" and r["context"] == 400 and 0.0 <= r["score"] <= 1.0
         assert len(r["samples"]) == 1 and r["samples"][0]["depth"] == 0.5
@@ -89,7 +90,13 @@ def test_needles_on_the_real_pair(tmp_path, capsys, real_pair_cli):
         assert isinstance(s["prediction"], str) and s["answer"] and abs(s["prompt_tokens"] - 400) <= 32
         assert s["retrieved"] == (s["rouge1_recall"] > 0.5)
     assert rows[("vanilla", None)]["tau"] is None and rows[("dustin", 64)]["tau"] >= 1.0
+    k = rows[("dustin", "auto:0.9")]["budget_k"]  # the k it used, within --budget-min / --budget-max
+    assert k["samples"] > 0 and 32 <= k["p50"] <= k["p99"] <= 256 and 32 <= k["mean"] <= 256
+    vanilla = rows[("vanilla", None)]["samples"][0]
+    assert vanilla["retrieved"]  # 400 tokens: the pair finds its needle
+    for budget in (64, "auto:0.9"):  # and sparse verification finds it too
+        assert rows[("dustin", budget)]["samples"][0]["retrieved"] == vanilla["retrieved"], budget
     table = capsys.readouterr().out
-    assert "vanilla" in table and "dustin@64" in table
+    assert "vanilla" in table and "dustin@64" in table and "dustin@auto:0.9" in table
     assert main(argv) == 0  # resumed: every row is there, nothing runs
     assert json.loads(out.read_text()) == data
