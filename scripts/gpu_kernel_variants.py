@@ -6,7 +6,7 @@
 two-pass estimation, since deleted from dustin/kernels/score_estimation.py: both were slower.)
 1. Correctness in bf16 against the float32 references (relative Frobenius error, must be < 1e-2):
    multi-layer score estimation (draft- and target-shaped), the estimators' one-launch path, and sparse
-   verify with the in-kernel merge (scripts/experiments/sparse_verify_merge.py; per-sequence and per-KV-head
+   verify with the in-kernel merge (`sparse_verify_attention(merge=True)`; per-sequence and per-KV-head
    lists, 2-4 splits, called twice so a counter left non-zero would show).
 2. Timings (us, CUDA-graph replay with L2 evicted before each call: dustin.bench.attention._GraphTimer) at
    Qwen2.5-32B target layers (Hq 40, Hkv 8, D 128) / Qwen2.5-0.5B draft (Hq 14, Hkv 2, D 64), contexts
@@ -15,8 +15,8 @@ two-pass estimation, since deleted from dustin/kernels/score_estimation.py: both
    - S_draft, heads (0, 3, 7, 12) x Γ queries on 3 draft layers: 3 one-layer calls against one multi-layer
      call; plus DraftLookaheadScores.compute;
    - selection (`select_dustin`, k 512, m 128);
-   - sparse verify: merge "launch" (the engine's) vs "kernel" (the experiment) at splits 1/2/4 (1 split:
-     identical, no merge);
+   - sparse verify: merge "launch" (a combine kernel) vs "kernel" (in the launch, the engine's default) at
+     splits 1/2/4 (1 split: identical, no merge);
    - est/step = S_target + S_draft + selection (per-layer S_draft calls, the multi-layer call, the
      estimators' compute), and (best sparse + est/step / 64).
 Every variant is wrapped so one failure is reported and the rest still run. Writes $OUT/kernel_variants.json
@@ -41,7 +41,6 @@ from dustin.kernels.selection import select_dustin
 from dustin.kernels.sparse_verify import sparse_verify_attention
 from dustin.selection.config import ScoreHeads
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
-from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
 
 DEV, BF = "cuda", torch.bfloat16
 TARGET = (40, 8, 128, 64)  # Hq, Hkv, D, layers (Qwen2.5-32B)
@@ -138,7 +137,7 @@ def _check_sparse(res, gen):
         want = sparse_verify_attention_reference(q, k, v, L, ix, cn)
         for s in (2, 3, 4):
             def run(ix=ix, cn=cn, s=s, want=want):
-                errs = [rel_err(sparse_verify_attention_kernel_merge(q, k, v, L, ix, cn, num_splits=s), want)
+                errs = [rel_err(sparse_verify_attention(q, k, v, L, ix, cn, num_splits=s, merge=True), want)
                         for _ in range(3)]  # repeated: a counter left non-zero would break the next call
                 return max(errs)
             attempt(res, f"sparse_{name}_merge_kernel_s{s}_rel_err", run)
@@ -193,10 +192,10 @@ def time_setting(ctx, B, gen, timer, quick):
     out = torch.empty_like(qv)
     idx, cnt = select_dustin(st, sd, L, k=K_SEL, m=M_DRAFT)
     for s in (1, 2, 4):
-        for merge, fn in (("launch", sparse_verify_attention), ("kernel", sparse_verify_attention_kernel_merge)):
+        for merge in ("launch", "kernel"):
             if s > 1 or merge == "launch":
-                attempt(r, f"sparse_s{s}_{merge}", lambda s=s, fn=fn: timer(lambda: fn(
-                    qv, k, v, L, idx, cnt, out=out, num_splits=s)))
+                attempt(r, f"sparse_s{s}_{merge}", lambda s=s, merge=merge: timer(lambda: sparse_verify_attention(
+                    qv, k, v, L, idx, cnt, out=out, num_splits=s, merge=merge == "kernel")))
     attempt(r, "sparse_default", lambda: timer(lambda: sparse_verify_attention(qv, k, v, L, idx, cnt, out=out)))
     _derive(r, n_layers)
     return r

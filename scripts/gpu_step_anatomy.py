@@ -57,6 +57,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument("--top", type=int, default=14, help="kernels printed per method (the JSON keeps all)")
     p.add_argument("--no-decode-kernels", action="store_true",
                    help="decode/verify forwards through the unfused layer (A/B of dustin/kernels/decode_linear.py)")
     e2e.add_arguments(p)
@@ -96,16 +97,16 @@ def main() -> int:
         row["gpu_busy_ms_per_step"] = round(busy_us(kern) / 1e3 / steps, 3)
         row["kernels_per_step"] = round(len(kern) / steps, 1)
         avg = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        row["top_kernels"] = [{"name": e.key[:90], "calls_per_step": round(e.count / steps, 1),
+        row["top_kernels"] = [{"name": e.key[:160], "calls_per_step": round(e.count / steps, 1),
                                "ms_per_step": round(e.device_time_total / 1e3 / steps, 3)}
-                              for e in avg if e.device_time_total > 0][:14]
+                              for e in avg if e.device_time_total > 0]
         rows.append(row)
         print(f"\n## {method}: {row['ms_per_step']:.2f} ms/step, tau {row['tau']}, "
               f"roofline {row['roofline_ms']:.2f} ms ({row['pct_of_roofline']}%), "
               f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step, "
               f"{row['kernels_per_step']} kernels/step; phases {row['phases_ms_per_step']}; bytes "
               f"{ {k: round(v / 1e9, 3) for k, v in row['bytes_per_step'].items()} } GB", flush=True)
-        for k in row["top_kernels"]:
+        for k in row["top_kernels"][:a.top]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
         tag = (("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")

@@ -7,8 +7,9 @@ and runs `dustin bench attention` with the fastest ones (this session had ~5 min
    short rows) and against the engine's select_dustin at B 16 x 32k (distinct scores: same sets).
 2. Timings (us, CUDA-graph replay with L2 evicted before each call, as `dustin bench attention`):
    selection radix vs topk; sparse verify launch configurations at Qwen2.5-32B / 7B layers, 32k x 16, k 512,
-   Γ 4 (each checked against the default configuration's output; "merge": "kernel" runs the in-kernel merge
-   of scripts/experiments/sparse_verify_merge.py); S_draft / S_target launch variants.
+   Γ 4 (each checked against the default configuration's output; "merge": "kernel" merges the splits in the
+   same launch, "launch" in a second, combine launch: `sparse_verify_attention(merge=...)`); S_draft / S_target
+   launch variants.
 3. `dustin bench attention` in this process with the fastest sparse / estimation configurations patched in
    (recorded under "chosen" in $OUT/gpu_tune.json) and the faster selection swapped in; its table,
    JSON and PNG go to $OUT. Every part is wrapped: one failure is reported and the rest still run.
@@ -30,7 +31,6 @@ import dustin.kernels.selection as sel
 import dustin.kernels.sparse_verify as sv
 from dustin.bench.attention import _GraphTimer
 from scripts.experiments.select_radix import select_dustin_radix
-from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
 
 DEV, BF = "cuda", torch.bfloat16
 OUT = os.environ.get("OUT", ".")
@@ -63,9 +63,8 @@ SELECT_IMPLS = {"radix": select_dustin_radix, "topk": sel.select_dustin}
 
 
 def sparse_config(q, k, v, L, idx, cnt, merge="launch", **cfg):
-    """sparse verify with a SPARSE_CONFIGS entry: merge "kernel" is the experiment, "launch" the engine's."""
-    fn = sparse_verify_attention_kernel_merge if merge == "kernel" else sv.sparse_verify_attention
-    return fn(q, k, v, L, idx, cnt, **cfg)
+    """sparse verify with a SPARSE_CONFIGS entry: merge "kernel" (in the launch) or "launch" (a combine kernel)."""
+    return sv.sparse_verify_attention(q, k, v, L, idx, cnt, merge=merge == "kernel", **cfg)
 
 
 def log(*a):
@@ -231,8 +230,7 @@ def bench(budget, smoke=False):
     def sparse(q, k, v, L, idx, cnt, **kw):  # the per-sequence (Dustin) lists of the two benchmark shapes
         cfg = by_group.get(q.shape[1] // k.shape[1], {}) if idx.dim() == 2 and not kw.keys() - {"out"} else {}
         cfg = {**cfg, **kw}
-        fn = sparse_verify_attention_kernel_merge if cfg.pop("merge", "launch") == "kernel" else sparse_orig
-        return fn(q, k, v, L, idx, cnt, **cfg)
+        return sparse_orig(q, k, v, L, idx, cnt, merge=cfg.pop("merge", "kernel") == "kernel", **cfg)
 
     def scores(q, k_all, *a, **kw):
         B, NL, Hs, Tq, D = q.shape

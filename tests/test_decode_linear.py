@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dustin.kernels.arrival import arrival_counters
 from dustin.kernels.decode_linear import (
     RowNorm,
     Tiles,
@@ -14,6 +15,7 @@ from dustin.kernels.decode_linear import (
     gate_up_silu,
     linear_tiles,
     qkv_rope,
+    qkv_tiles,
     row_norm,
 )
 from dustin.models.args import ModelArgs
@@ -98,9 +100,10 @@ def test_normed_linear_and_gate_up(b, t, k, n, dtype):
         _as_accurate(out, swiglu, x, nw, w)
 
 
-@pytest.mark.parametrize("hq,hkv,d,t", [(14, 2, 64, 1), (12, 2, 128, 5), (6, 3, 32, 3)])
+@pytest.mark.parametrize("hq,hkv,d,t,split", [(14, 2, 64, 1, 1), (12, 2, 128, 5, 1), (6, 3, 32, 3, 1),
+                                              (14, 2, 64, 2, 3), (6, 3, 32, 1, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qkv_rope_writes_the_cache_and_rotates_q(hq, hkv, d, t, dtype):
+def test_qkv_rope_writes_the_cache_and_rotates_q(hq, hkv, d, t, split, dtype):
     g = torch.Generator().manual_seed(hq * d + t)
     B, K, S = 3, 88, 64
     args = ModelArgs(vocab_size=8, dim=hq * d, n_layers=1, n_heads=hq, n_kv_heads=hkv, intermediate_size=8,
@@ -114,7 +117,8 @@ def test_qkv_rope_writes_the_cache_and_rotates_q(hq, hkv, d, t, dtype):
     cache = _randn(2, B, hkv, S, d, gen=g, dtype=dtype)  # stale contents that must stay where not written
     kc, vc = cache[0].clone(), cache[1].clone()
     q = qkv_rope(row_norm(x, nw, 1e-6), w, bias, cos, sin, positions, kc, vc, n_heads=hq, n_kv_heads=hkv,
-                 tiles=Tiles(bn=16, bk=32))
+                 tiles=Tiles(bn=16, bk=32 if split == 1 else 16, split=split))
+    assert int(arrival_counters("cpu", 1).abs().sum()) == 0
     qkv = F.linear(rms_norm(x, nw, 1e-6), w, bias)
     rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     rq = apply_rope(rq.view(B, t, hq, d).transpose(1, 2), cos, sin)
@@ -149,6 +153,13 @@ def test_residual_add_prepares_the_next_norms_input():
                                    **F32)
 
 
+def test_qkv_tiles_split_k_within_two_programs_per_sm():
+    assert qkv_tiles(16, 14 + 2 * 2, 32, 896, torch.bfloat16).split == 4  # the 0.5B draft: 36 tiles
+    assert qkv_tiles(16, 12 + 2 * 2, 64, 1536, torch.bfloat16).split == 4  # the 1.5B target: 64 tiles
+    assert qkv_tiles(16, 40 + 2 * 8, 64, 5120, torch.bfloat16).split == 1  # 32B: 224 tiles fill the SMs
+    assert qkv_tiles(16, 18, 32, 200, torch.bfloat16).split == 1  # short K: one part
+
+
 def test_tiles_split_long_k_narrow_outputs_only():
     t = linear_tiles(16, 896, 4864, torch.bfloat16, splittable=True)  # the 0.5B draft's down_proj
     assert t.bn == 64 and t.split == 4
@@ -163,6 +174,8 @@ def test_bad_shapes_are_refused():
         decode_linear(torch.zeros(33, 1, 64), torch.zeros(16, 64))
     with pytest.raises(ValueError, match="contiguous"):
         decode_linear(x, torch.zeros(64, 16).T)
+    with pytest.raises(ValueError, match="split"):
+        gate_up_silu(x, torch.zeros(32, 64), tiles=Tiles(16, 32, split=2))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

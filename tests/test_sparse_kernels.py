@@ -262,8 +262,7 @@ def test_sdpa_sparse_mask_matches_reference(per_head):
     torch.testing.assert_close(got, want, **_tol(torch.float32))
 
 
-# ---- experiment (scripts/experiments/sparse_verify_merge.py): the last split merges, found by an atomic
-# counter, instead of a second launch ----
+# ---- the in-kernel merge: the split that finishes last (an arrival counter) merges, instead of a second launch
 
 # (Hq, Hkv, T, D, lengths, counts, k_max, dtype, num_splits, block_n, per_head): GQA 1, 4, 7; T 1..8;
 # ragged, incl. an empty list.
@@ -278,8 +277,7 @@ MERGE_CASES = [
 
 @pytest.mark.parametrize("Hq,Hkv,T,D,lengths,counts,k_max,dtype,splits,block_n,per_head", MERGE_CASES)
 def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dtype, splits, block_n, per_head):
-    from scripts.experiments.scratch import zeroed_int32
-    from scripts.experiments.sparse_verify_merge import sparse_verify_attention_kernel_merge
+    from dustin.kernels.arrival import arrival_counters
 
     gen = torch.Generator().manual_seed(21)
     q, k, v, L = _cache(len(lengths), Hq, Hkv, T, D, lengths, dtype, gen)
@@ -288,11 +286,10 @@ def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dt
     else:
         indices, counts_t = _random_indices(lengths, counts, k_max, gen)
     want = sparse_verify_attention_reference(q, k, v, L, indices, counts_t)
-    launch = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n)
+    launch = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n, merge=False)
     for _ in range(2):  # the second call checks that the counters were left at zero
         out = torch.full_like(q, float("nan"))
-        got = sparse_verify_attention_kernel_merge(q, k, v, L, indices, counts_t, num_splits=splits,
-                                                   block_n=block_n, out=out)
+        got = sparse_verify_attention(q, k, v, L, indices, counts_t, num_splits=splits, block_n=block_n, out=out)
         torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
         torch.testing.assert_close(got, launch, atol=0, rtol=0)  # same partials, same merge order
-        assert int(zeroed_int32("split_counters", "cpu", 1).abs().sum()) == 0
+        assert int(arrival_counters("cpu", 1).abs().sum()) == 0

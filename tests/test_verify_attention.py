@@ -101,6 +101,27 @@ def test_direct_single_split_equals_split_and_reference(lengths, Hq, Hkv, T, D, 
     torch.testing.assert_close(verify_attention(q, k, v, L, num_splits=3, **kw), want, **_tol(torch.bfloat16))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("lengths,Hq,Hkv,T,D,dtype,splits", [
+    ([517, 3, 260], 14, 2, 2, 64, torch.bfloat16, 5), ([700, 129], 12, 2, 5, 128, torch.float32, 3),
+    ([1000, 1, 64], 8, 8, 1, 64, torch.float32, 8)])
+def test_in_kernel_merge_equals_the_combine_launch(lengths, Hq, Hkv, T, D, dtype, splits, streaming):
+    """The split that finishes last merges every split of its (sequence, KV head) in the launch: bit-equal to the
+    separate combine kernel (same partials, same merge order), also where short rows leave most splits idle (the
+    counter waits only for the splits that hold keys), and the arrival counters are left at zero for the next
+    launch (a graph replay)."""
+    from dustin.kernels.arrival import arrival_counters
+
+    q, k, v, L = _inputs(lengths, Hq, Hkv, T, D, dtype=dtype, seed=5)
+    kw = dict(sinks=4, window=300) if streaming else {}
+    two = verify_attention(q, k, v, L, num_splits=splits, merge=False, **kw)
+    for _ in range(2):
+        one = verify_attention(q, k, v, L, num_splits=splits, out=torch.full_like(q, float("nan")), **kw)
+        assert torch.equal(one, two)
+        assert int(arrival_counters("cpu", 1).abs().sum()) == 0
+    torch.testing.assert_close(one, verify_attention_reference(q, k, v, L, **kw), **_tol(dtype))
+
+
 def test_max_len_bounds_the_grid():
     """A tight max_len is exact; a grid sized from a much larger capacity gives the same result."""
     q, k, v, L = _inputs([50, 130], 4, 2, 4, 64, slack=400)
@@ -163,12 +184,13 @@ def test_rejects_unsupported_inputs():
 
 def test_num_splits_heuristic():
     # a short range is one split written in place: the streaming 0.5B draft's window at D 64 in bf16
-    assert default_num_splits(32, 4 + 508 + 2, 64, key_bytes=2 * 64 * 2) == 1
-    assert default_num_splits(32, 2048, 64, key_bytes=2 * 64 * 2) == 8  # longer: split as before
+    assert default_num_splits(32, 4 + 508 + 2, 64) == 3  # the streaming draft's window: 3 splits of 3 tiles
+    assert default_num_splits(32, 2048, 64) == 8  # longer: one wave
     assert default_num_splits(64, 8197, 64) == 4  # fills one wave of 2 programs x 132 SMs
     assert default_num_splits(128, 32773, 64) == 2
     assert default_num_splits(512, 32773, 64) == 1  # more (sequence, head) pairs than slots: no split
-    assert default_num_splits(2, 100, 64) == 2  # never more splits than tiles
+    assert default_num_splits(2, 100, 64) == 1  # 2 tiles: one split, written in place
+    assert default_num_splits(2, 6 * 64, 64) == 2  # never fewer than 3 tiles a split
     assert key_upper_bound(32773, 5, sinks=4, window=508) == 4 + 508 + 4
     assert key_upper_bound(300, 5, sinks=4, window=508) == 300
     assert key_upper_bound(300, 5, sinks=4, window=0) == 4

@@ -106,6 +106,9 @@ def compile_decode_layers(decode_linear) -> None:
             decode_linear.decode_linear(attn, torch.zeros(dim, hq * d, dtype=bf), residual=x, heads=hq,
                                         next_norm=(torch.ones(dim, dtype=bf), 1e-6))
             decode_linear.gate_up_silu(norm, torch.zeros(2 * inter, dim, dtype=bf))
+            decode_linear.qkv_rope(norm, torch.zeros((hq + 2 * hkv) * d, dim, dtype=bf), None, cos, cos,
+                                   torch.zeros(b, t, dtype=torch.long), cache[0], cache[1], n_heads=hq,
+                                   n_kv_heads=hkv, tiles=decode_linear.Tiles(16, 64, 1, 4, 6))  # unsplit
             decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
                                         residual=x, next_norm=(torch.ones(dim, dtype=bf), 1e-6))
             decode_linear.decode_linear(torch.zeros(b, t, inter, dtype=bf), torch.zeros(dim, inter, dtype=bf),
@@ -139,10 +142,13 @@ def compile_all_kernels() -> list[Compiled]:
             q, k = torch.zeros(B, hq, t, d, dtype=bf), torch.zeros(B, hkv, S, d, dtype=bf)
             verify_attention.verify_attention(q, k, k, L, max_len=S)
             verify_attention.verify_attention(q, k, k, L, sinks=4, window=508, max_len=S)  # streaming draft
+            verify_attention.verify_attention(q, k, k, L, max_len=S, num_splits=4)  # merged in the launch
+            verify_attention.verify_attention(q, k, k, L, max_len=S, num_splits=4, merge=False)  # combine launch
         q, k = torch.zeros(B, 40, 5, 128, dtype=bf), torch.zeros(B, 8, S, 128, dtype=bf)
         idx, cnt = torch.zeros(B, 512, dtype=i32), torch.full((B,), 512, dtype=i32)
         for splits in (1, 2, 4):
             sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, num_splits=splits)
+        sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, num_splits=4, merge=False)  # combine launch
         sparse_verify.sparse_verify_attention(q, k, k, L, torch.zeros(B, 8, 512, dtype=i32),
                                               torch.full((B, 8), 512, dtype=i32))  # per-KV-head lists (Quest)
         out = torch.zeros(B, S)

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.arrival import arrival_counters, last_to_arrive
 from dustin.kernels.launch import pdl_options, pdl_start
 
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
@@ -102,6 +103,29 @@ def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr
 
 
 @triton.jit
+def _split_sum(acc1, acc2, ws_ptr, cnt_ptr, tile, pid_s, tiles, SPLIT: tl.constexpr, NACC: tl.constexpr,
+               BN: tl.constexpr, BM: tl.constexpr):
+    """Split-K over SPLIT programs of one output tile: each stores its NACC (1 or 2) partial [BN, BM] accumulators
+    to the workspace; the last to arrive (dustin/kernels/arrival.py) gets (True, the sums over the splits in split
+    order: deterministic); the others get False."""
+    offs = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+    base = ws_ptr + (pid_s * tiles + tile) * (NACC * BN * BM)
+    tl.store(base + offs, acc1)
+    if NACC == 2:
+        tl.store(base + BN * BM + offs, acc2)
+    last = last_to_arrive(cnt_ptr, tile, SPLIT)
+    if last:
+        acc1 = tl.zeros([BN, BM], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BM], dtype=tl.float32)
+        for s in range(SPLIT):
+            part = ws_ptr + (s * tiles + tile) * (NACC * BN * BM)
+            acc1 += tl.load(part + offs, cache_modifier=".cg")
+            if NACC == 2:
+                acc2 += tl.load(part + BN * BM + offs, cache_modifier=".cg")
+    return last, acc1, acc2
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, ws_ptr, cnt_ptr,
                    M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
                    HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
@@ -117,9 +141,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, s
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
-    k_lo = pid_s * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
+    k_lo, k_hi = _k_range(pid_s, K, SPLIT, BK)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < k_hi
@@ -129,75 +151,89 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, s
         _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, pid_n,
                     sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
     else:
-        tiles = tl.num_programs(0)
-        tl.store(ws_ptr + ((pid_s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :], acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last split of this tile: reduce all partials in split order
-            acc = tl.zeros([BN, BM], dtype=tl.float32)
-            for s in range(SPLIT):
-                acc += tl.load(ws_ptr + ((s * tiles + pid_n) * BN + tl.arange(0, BN)[:, None]) * BM + rows[None, :],
-                               cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
+        last, acc, _ = _split_sum(acc, acc, ws_ptr, cnt_ptr, pid_n, pid_s, tl.num_programs(0), SPLIT, 1, BN, BM)
+        if last:  # the last split of this tile, with the sum of all partials in split order
             _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr,
                         pid_n, sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
 
 
 @triton.jit
-def _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w2, w_ok, ss_ptr, NT, M, K, eps,
-               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
-               F32DOT: tl.constexpr):
-    """W[w1] @ norm?(x)^T and W[w2] @ norm?(x)^T ([BN, BM] each, rstd applied) in one pass over K: two weight
-    tiles share each activation tile (gate and up; the two halves of RoPE's pairs)."""
+def _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w2, w_ok, k_lo, k_hi, K,
+               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr):
+    """W[w1, k_lo:k_hi] @ x[:, k_lo:k_hi]^T and the same of W[w2] ([BN, BM] each) in one pass: two weight tiles share
+    each activation tile (gate and up; the two halves of RoPE's pairs)."""
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc2 = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
-        k_ok = kk < K
+        k_ok = kk < k_hi
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, 0, 1 << 30)
         acc1 = _wdot(acc1, w_ptr, w1, w_ok, kk, k_ok, x, K, F32DOT)
         acc2 = _wdot(acc2, w_ptr, w2, w_ok, kk, k_ok, x, K, F32DOT)
-    return (_scaled(acc1, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD),
-            _scaled(acc2, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD))
+    return acc1, acc2
+
+
+@triton.jit
+def _k_range(pid_s, K, SPLIT: tl.constexpr, BK: tl.constexpr):
+    """This split's [k_lo, k_hi) of K: SPLIT parts in whole BK tiles."""
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    k_lo = pid_s * k_per
+    return k_lo, tl.minimum(k_lo + k_per, K)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up])."""
+    """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up]). Not
+    split over K: at the default pair's shapes 2 and 4 splits measured 35-80% slower on an H200
+    (scripts/gpu_split_merge.py)."""
     pdl_start(PDL)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < INTER
-    acc_g, acc_u = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, n, INTER + n, n_ok, ss_ptr, NT, M, K, eps,
-                              BN, BM, BK, HAS_NORM, NT_PAD, F32DOT)
+    acc_g, acc_u = _two_tiles(x_ptr, xrow, row_ok, w_ptr, n, INTER + n, n_ok, 0, K, K, BN, BM, BK, F32DOT)
     dt = out_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
+    g = _scaled(acc_g, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD).to(dt).to(tl.float32)
+    u = _scaled(acc_u, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD).to(dt).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u  # as dustin.kernels.fused_ops.silu_mul: fp32, rounded once
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y.to(dt), mask=n_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ws_ptr, cnt_ptr,
                      M, K, T, NT, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr,
                      PDL: tl.constexpr = False):
-    """One program per (head of [q | k | v], DB of the HALF half-dims): the head's dims j and HALF + j
-    (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads rotated
-    and v heads as they are written into the KV cache at each token's position."""
+    """One program per (head of [q | k | v], DB of the HALF half-dims) and split of K: the head's dims j and
+    HALF + j (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads
+    rotated and v heads as they are written into the KV cache at each token's position. Grid (tiles, SPLIT)."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
+    pid, pid_s = tl.program_id(0), tl.program_id(1)
     h = pid // (HALF // DB)
     j = (pid % (HALF // DB)) * DB + tl.arange(0, DB)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     w1 = h * (2 * HALF) + j
     w_ok = j < HALF
-    acc1, acc2 = _two_tiles(x_ptr, xrow, rows, row_ok, w_ptr, w1, w1 + HALF, w_ok, ss_ptr, NT, M, K, eps,
-                            DB, BM, BK, HAS_NORM, NT_PAD, F32DOT)
+    k_lo, k_hi = _k_range(pid_s, K, SPLIT, BK)
+    acc1, acc2 = _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w1 + HALF, w_ok, k_lo, k_hi, K, DB, BM, BK, F32DOT)
+    last = True
+    if SPLIT > 1:
+        last, acc1, acc2 = _split_sum(acc1, acc2, ws_ptr, cnt_ptr, pid, pid_s, tl.num_programs(0), SPLIT, 2, DB, BM)
+    if last:
+        acc1 = _scaled(acc1, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
+        acc2 = _scaled(acc2, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
+        _qkv_rope_out(acc1, acc2, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, h, j, w1, rows, row_ok, T,
+                      sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, HQ, HKV, HALF, HAS_BIAS)
+
+
+@triton.jit
+def _qkv_rope_out(acc1, acc2, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, h, j, w1, rows, row_ok, T,
+                  sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, HQ: tl.constexpr, HKV: tl.constexpr,
+                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """qkv_rope's epilogue: bias, RoPE of q and k heads, q stored, k and v written into the cache."""
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + w1).to(tl.float32)[:, None]
         acc2 += tl.load(b_ptr + w1 + HALF).to(tl.float32)[:, None]
@@ -282,6 +318,18 @@ def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool
 QKV_TILES = Tiles(bn=16, bk=64, split=1, warps=4, stages=6)  # 16 of the half-dims a program (measured)
 
 
+def qkv_tiles(M: int, n_heads: int, half: int, K: int, dtype: torch.dtype) -> Tiles:
+    """qkv_rope's tiles: QKV_TILES, K split (up to 4 ways) while the programs stay within two per SM and each part
+    keeps >= 128 of K. Its grid is small (one program per head and 16 half-dims: 36 for the 0.5B draft, 64 for the
+    1.5B target); on an H200 at 16 rows split K took the draft's 6.32 -> 5.38 us (4 ways) and the target's
+    8.01 -> 7.40 us (4; 2: 7.34) (scripts/gpu_split_merge.py)."""
+    q = QKV_TILES
+    n_tiles, split = n_heads * (half // q.bn), 1
+    while split < 4 and n_tiles * split * 2 <= 2 * _SMS and K // (split * 2) >= 128:
+        split *= 2
+    return _fit(2 * q.bn, M, K, dtype, q.bn, split, bk=q.bk, stages=q.stages)
+
+
 def _f32dot(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -293,19 +341,14 @@ def _check_rows(x2_rows: int, K: int, w: torch.Tensor) -> None:
         raise ValueError(f"weight must be a contiguous [N, {K}] matrix, got {tuple(w.shape)}")
 
 
-class _Counters:
-    """Per-device arrival counters of split-K tiles: zeros, and left at zero by every launch (the last program
-    of a tile resets its counter). Allocated eagerly, never inside a CUDA graph capture: a capture that finds
-    none runs unsplit."""
-    _by_device: dict[torch.device, torch.Tensor] = {}
-    SIZE = 4096
-
-    @classmethod
-    def get(cls, device: torch.device) -> torch.Tensor | None:
-        c = cls._by_device.get(device)
-        if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            c = cls._by_device[device] = torch.zeros(cls.SIZE, dtype=torch.int32, device=device)
-        return c
+def _split_workspace(t: Tiles, tiles: int, bm: int, accs: int, device: torch.device):
+    """(fp32 workspace for the split-K partials, arrival counters) of a launch of `tiles` output tiles split
+    t.split ways, `accs` accumulators of [t.bn, bm] each; (dummy, dummy) unsplit."""
+    if t.split == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return dummy, dummy
+    ws = torch.empty(t.split * tiles * accs * t.bn * bm, dtype=torch.float32, device=device)
+    return ws, arrival_counters(device, tiles)
 
 
 class RowNorm(NamedTuple):
@@ -359,11 +402,8 @@ def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torc
     if residual is not None:
         assert residual.shape == out.shape and residual.stride(-1) == 1 and residual.stride(0) == T * residual.stride(1)
     t = tiles or linear_tiles(M, N, K, x.dtype, splittable=True)
-    counters = _Counters.get(x.device) if t.split > 1 else None
-    if counters is None or triton.cdiv(N, t.bn) > _Counters.SIZE:
-        t = Tiles(t.bn, t.bk, 1, t.warps, t.stages)
     grid_n, bm = triton.cdiv(N, t.bn), _block_rows(M)
-    ws = torch.empty(t.split * grid_n * t.bn * bm if t.split > 1 else 1, dtype=torch.float32, device=x.device)
+    ws, counters = _split_workspace(t, grid_n, bm, 1, x.device)
     if next_norm is not None:
         g, next_eps = next_norm
         assert g.shape == (N,)
@@ -373,7 +413,7 @@ def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torc
     ss, nt, nt_pad, eps = _norm_args(norm, M, ws)
     _linear_kernel[(grid_n, t.split)](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, ss, out, g, xg,
-        sso, ws, counters if counters is not None else ws,
+        sso, ws, counters,
         M, N, K, T, nt, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
         HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_NORM=next_norm is not None,
@@ -389,6 +429,8 @@ def gate_up_silu(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, tiles: Tile
     M, inter = B * T, weight.shape[0] // 2
     _check_rows(M, K, weight)
     t = tiles or linear_tiles(M, inter, K, x.dtype, splittable=False, halves=2)
+    if t.split != 1:
+        raise ValueError("gate_up_silu does not split K")
     out = torch.empty(B, T, inter, dtype=x.dtype, device=x.device)
     ss, nt, nt_pad, eps = _norm_args(norm, M, out)
     _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
@@ -416,14 +458,15 @@ def qkv_rope(x: torch.Tensor | RowNorm, weight: torch.Tensor, bias: torch.Tensor
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and positions.shape == (B, T)
     assert k_cache.shape[0] == B and k_cache.shape[1] == n_kv_heads
     _check_rows(M, K, weight)
-    t = tiles or _fit(2 * QKV_TILES.bn, M, K, x.dtype, QKV_TILES.bn, bk=QKV_TILES.bk, stages=QKV_TILES.stages)
+    t = tiles or qkv_tiles(M, n_heads + 2 * n_kv_heads, half, K, x.dtype)
     q = torch.empty(B, n_heads, T, D, dtype=x.dtype, device=x.device)
     ss, nt, nt_pad, eps = _norm_args(norm, M, q)
-    grid = ((n_heads + 2 * n_kv_heads) * (half // t.bn),)
-    _qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else q, ss, cos, sin, positions, q, k_cache, v_cache, M, K, T, nt,
-        x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
-        *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=_block_rows(M), BK=t.bk,
+    n_tiles, bm = (n_heads + 2 * n_kv_heads) * (half // t.bn), _block_rows(M)
+    ws, counters = _split_workspace(t, n_tiles, bm, 2, x.device)
+    _qkv_rope_kernel[(n_tiles, t.split)](
+        x, weight, bias if bias is not None else q, ss, cos, sin, positions, q, k_cache, v_cache, ws, counters,
+        M, K, T, nt, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
+        *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=bm, BK=t.bk, SPLIT=t.split,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, F32DOT=_f32dot(x),
         num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return q

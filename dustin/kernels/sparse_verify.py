@@ -12,10 +12,10 @@ Design (flash-decoding over the index list):
 - K/V rows are addressed as cache_base + index * stride_s: no torch.gather copy, each row is D contiguous
   elements, so a gather costs exactly its bytes.
 - Splits cover contiguous chunks of the index list; the last one also attends to the T new tokens with
-  the causal mask. With several splits each writes unnormalised fp32 (acc, m, l), merged by a second,
-  combine kernel. With one split (enough when B*Hkv fills the GPU) the kernel writes the output directly.
-  (A variant that merges inside the one launch, the last split found by an atomic counter, is
-  scripts/experiments/sparse_verify_merge.py.)
+  the causal mask. With several splits each writes unnormalised fp32 (acc, m, l); the split that finishes
+  last (an arrival counter, dustin/kernels/arrival.py) merges them in split order within the same launch
+  (`merge=False`: a second, combine kernel does; same bits). With one split (enough when B*Hkv fills the GPU)
+  the kernel writes the output directly.
   Masked logits are -inf but the running max starts at a finite -1e30, so a split that sees no key
   (empty chunk, padding) yields acc = 0, l = 0 and no NaN.
 - No host syncs: the grid depends only on shapes (indices.shape[1] bounds the work); counts and lengths
@@ -25,9 +25,10 @@ layer at Qwen2.5-7B/32B shapes, B 8-16, 8k-32k context (1.8 TB/s on the 34 MB of
 124-250 us for torch.gather + SDPA. Small problems sit on a ~14 us latency floor (index load, gather,
 merge kernel), so the ~10 us the bytes alone allow is not reached. A sweep of 12 launch configurations
 (splits 1-8, either merge, BLOCK_N 32-128, 2-8 warps, 1-4 stages; scripts/gpu_tune.py,
-docs/results/gpu_tune_h200.json) found the default best at 32k x 16 (19.6 us on the 32B shape, next 22.4 us);
-4 splits with the in-kernel merge (the experiment above) win only where B * Hkv is small (8k x 8: 16.5 vs
-17.5 us).
+docs/results/gpu_tune_h200.json) found the default best at 32k x 16 (19.6 us on the 32B shape, next
+22.4 us): 1 split there, as B * Hkv = 128 fills the SMs. Where the default splits (small B * Hkv: the 1.5B
+target's 2 KV heads), the same launch configuration merged in-kernel was faster than with a combine launch in
+every case measured (16.5 vs 20.2 us at 32B 8k x 8, 18.3 vs 21.1 us at 7B 32k x 16): hence the in-kernel merge.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import triton
 import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
+from dustin.kernels.arrival import arrival_counters, last_to_arrive
 from dustin.kernels.launch import pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -78,6 +80,7 @@ def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr):
 def _sparse_verify_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, idx_ptr, counts_ptr, out_ptr,
     acc_ptr, ml_ptr,  # partials: acc [B*Hkv, NUM_SPLITS, BLOCK_M, D] fp32, ml [B*Hkv, NUM_SPLITS, 2, BLOCK_M]
+    cnt_ptr,  # MERGE: int32 arrival counters [B*Hkv], zero between launches (dustin/kernels/arrival.py)
     qk_scale,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_s, sk_d,
@@ -87,7 +90,7 @@ def _sparse_verify_split_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_N: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
     pid_bh = tl.program_id(0)
@@ -141,6 +144,10 @@ def _sparse_verify_split_kernel(
         tl.store(acc_ptr + (part * BLOCK_M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2 * BLOCK_M + rows, m_i, mask=row_ok)
         tl.store(ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i, mask=row_ok)
+        if MERGE:  # the split that finishes last merges them all, in this launch
+            if last_to_arrive(cnt_ptr, pid_bh, NUM_SPLITS):
+                _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t, so_d,
+                            GROUP, T, D, NUM_SPLITS, BLOCK_M)
 
 
 @triton.jit
@@ -165,8 +172,7 @@ def _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t
                 GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, NUM_PARTS: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """Merge the NUM_PARTS partials of (sequence, KV head) pid_bh for the given rows and write them out.
-    Loads go through L2 (.cg): scripts/experiments/sparse_verify_merge.py merges partials that other SMs
-    wrote within the same launch."""
+    Loads go through L2 (.cg): the in-kernel merge reads partials that other SMs wrote in the same launch."""
     row_ok = rows < GROUP * T
     d = tl.arange(0, D)
     m_tot = tl.full([rows.shape[0]], -1.0e30, dtype=tl.float32)
@@ -205,11 +211,12 @@ def _default_num_splits(n_programs: int, k_max: int, block_n: int, device: torch
 
 
 def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, scale=None, num_splits=None,
-                            out=None, block_n=None, num_warps=None, num_stages=None):
+                            out=None, block_n=None, num_warps=None, num_stages=None, merge=True):
     """Attention of q [B, Hq, T, D] over cached positions indices[b, :counts[b]] (distinct, each < lengths[b])
     plus the new tokens lengths[b] .. lengths[b]+t (causal). Returns out [B, Hq, T, D] in q's dtype.
     Per-KV-head lists: indices [B, Hkv, K] / counts [B, Hkv]; query head h reads list h // (Hq // Hkv).
-    block_n / num_warps / num_stages override the launch configuration (for tuning)."""
+    block_n / num_warps / num_stages override the launch configuration (for tuning). merge: several splits are
+    merged by the last of them to finish, in the same launch (False: by a second, combine launch; the same bits)."""
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     per_head = indices.dim() == 3
@@ -240,15 +247,17 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     pdl = pdl_options(q.device)
+    merge = merge and num_splits > 1
+    counters = arrival_counters(q.device, B * Hkv) if merge else acc_part
     _sparse_verify_split_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, scale * _LOG2E,
+        q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, counters, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         indices.stride(0), indices.stride(1) if per_head else 0, counts.stride(0), counts.stride(1) if per_head else 0,
         H_KV=Hkv, GROUP=group, T=T, D=D, CHUNK=chunk, NUM_SPLITS=num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, NEW_N=max(16, triton.next_power_of_2(T)), IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, NEW_N=max(16, triton.next_power_of_2(T)), IEEE=ieee, MERGE=merge,
         num_warps=num_warps, num_stages=num_stages or 3, **pdl,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         _sparse_verify_combine_kernel[(B * Hkv, block_m // 16)](
             acc_part, ml_part, out, *out.stride(),
             H_KV=Hkv, GROUP=group, T=T, D=D, NUM_PARTS=num_splits, BLOCK_M=block_m, ROWS=16, num_warps=4, **pdl,

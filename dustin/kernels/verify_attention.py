@@ -9,21 +9,23 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
   head-major, so a contiguous q is one contiguous [G*T, D] block) - and streams its K/V tiles once for all
   of them, with tl.dot for QK^T and PV. K/V are never repeated per query head.
 - Splits (grid axis 0) give parallelism when B * Hkv alone cannot fill the GPU. Each split writes a partial
-  (acc, running max m, running sum l) in fp32; a second small kernel merges the splits by log-sum-exp.
-  Measured on the H200, the best grid is one wave of resident programs (see PROGRAMS_PER_SM): at
-  B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at 77-105% of the device copy bandwidth.
+  (acc, running max m, running sum l) in fp32; the split of a (sequence, KV head) that finishes last (an arrival
+  counter, dustin/kernels/arrival.py) merges them by log-sum-exp in split order, in the same launch
+  (`merge=False`: a second, combine kernel does; same bits). Measured on the H200: the best grid is one wave of
+  resident programs (see PROGRAMS_PER_SM): at B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at
+  77-105% of the device copy bandwidth. Merging in the launch saves the combine kernel's launch: the 1.5B
+  target's full attention at 16 x 32k 127.0 -> 124.0 us a layer (4.33 TB/s), 16 x 16k 69.1 -> 66.5 us
+  (scripts/gpu_split_merge.py, docs/results/kernels_2026-12-02/).
   Each sequence spreads its OWN visible keys over the splits (`_row_split_size`): how its keys are cut, and
   so its output bits, depend only on its length, not on the batch's longest sequence or on the bound the grid
   is sized by. A serving slot sized for 24k positions holding a 2k sequence still uses every split (when the
   split size came from the bound, such a row got one program per KV head and decode slowed down), and a
   request's greedy output does not depend on its neighbours' lengths.
-- A single split (a short key range: the streaming draft's ~512-position window, short contexts) normalises
-  its result and writes the output itself (DIRECT): no partials, no combine launch. Both kernels of a split
-  launch take the ~4 us floor of a tiny kernel in a CUDA graph (H200: the 0.5B draft's split and combine
-  kernels 4.4 us each per layer at 16 x 32k), so a key range that one program per (sequence, KV head)
-  reads in about that time is cheaper as one launch (DIRECT_MAX_BYTES). In the dustin step (H200, 16 x 32k)
-  the draft's attention went from 0.84 to 0.79 ms a step, 96 kernels fewer. Spreading a KV head's query heads
-  over several programs (more SMs for the 32 (sequence, KV head) pairs) measured slower there (0.94 ms).
+- A split holds at least MIN_TILES_PER_SPLIT key tiles: the streaming 0.5B draft's ~512-position window (9 tiles
+  of 64) takes 3 splits of 3 tiles, merged in the launch: 7.97 us a layer at 16 x 32k (T 1) against 9.00 us for
+  one program per (sequence, KV head) writing in place, and 9.52 us split with a combine launch (T 2: 8.84 /
+  9.96 / 10.53 us). A single split (a short key range) normalises its result and writes the output itself
+  (DIRECT): no partials, no counter.
 - The grid is sized on the host from an upper bound (max_len or the cache capacity) with no device sync;
   splits past a sequence's own range return at once, so ragged batches cost only what they read and the
   launch is CUDA-graph friendly.
@@ -40,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.arrival import arrival_counters, last_to_arrive
 from dustin.kernels.launch import pdl_options, pdl_start
 
 H200_NUM_SMS = 132
@@ -47,9 +50,8 @@ H200_NUM_SMS = 132
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
 # a grid just past a whole wave (e.g. 1.2-1.5 waves) is the worst case.
 PROGRAMS_PER_SM = 2
-# K+V bytes per (sequence, KV head) up to which one split with the output written in place (no combine
-# launch) is the default: the streaming 0.5B draft's 516 keys x D 64 x 2 x 2 B = 132 KB fit.
-DIRECT_MAX_BYTES = 192 * 1024
+# Key tiles per split at least (module docstring: 3 splits of 3 tiles beat 1 of 9 and 5 of 2 for the draft).
+MIN_TILES_PER_SPLIT = 3
 
 
 @triton.jit
@@ -75,12 +77,12 @@ def _row_split_size(n_keys, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_split_kernel(
-        Q, K, V, Lengths, PartAcc, PartM, PartL, Out,
+        Q, K, V, Lengths, PartAcc, PartM, PartL, Out, Counters,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
         n_kv_heads, num_splits, sinks, window, qk_scale_log2,
         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         STREAMING: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
-        PDL: tl.constexpr = False):
+        MERGE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -147,6 +149,40 @@ def _verify_attention_split_kernel(
         tl.store(PartM + part, m_i, mask=row_valid)
         tl.store(PartL + part, l_i, mask=row_valid)
         tl.store(PartAcc + part[:, None] * D + dims[None, :], acc, mask=row_valid[:, None])
+        if MERGE:  # the split of this (sequence, KV head) that finishes last merges them all (kernels/arrival.py)
+            n_active = tl.cdiv(n_keys, split_size)  # the splits that did not exit early
+            if last_to_arrive(Counters, bh, n_active):
+                _merge_splits(PartAcc, PartM, PartL, Out, bh, b, kv_head, num_splits, n_active, rows,
+                              so_b, so_h, so_t, so_d, T, G, D)
+
+
+@triton.jit
+def _merge_splits(PartAcc, PartM, PartL, Out, bh, b, kv_head, num_splits, n_active, rows, so_b, so_h, so_t, so_d,
+                  T: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """Merge the n_active partials (acc, m, l) of (sequence, KV head) bh by log-sum-exp, in split order, for the
+    given folded rows, and write them out. Loads through L2 (.cg): partials written by other SMs in this launch."""
+    row_valid = rows < G * T
+    dims = tl.arange(0, D)
+    m_all = tl.full([rows.shape[0]], float("-inf"), tl.float32)
+    l_all = tl.zeros([rows.shape[0]], tl.float32)
+    acc = tl.zeros([rows.shape[0], D], tl.float32)
+    for split in range(0, n_active):
+        part = (bh * num_splits + split) * (G * T) + rows
+        m_s = tl.load(PartM + part, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PartL + part, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(PartAcc + part[:, None] * D + dims[None, :], mask=row_valid[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m_all, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_all = l_all * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_all = m_new
+    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # l == 0 only on padding rows (not stored)
+    o_ptrs = (Out + b * so_b + (kv_head * G + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t
+              + dims[None, :] * so_d)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["sinks", "window"])
@@ -165,27 +201,8 @@ def _verify_attention_combine_kernel(
     n_active = tl.cdiv(n_keys, split_size)  # splits that did not exit early
 
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    row_valid = rows < G * T
-    dims = tl.arange(0, D)
-    m_all = tl.full([ROWS], float("-inf"), tl.float32)
-    l_all = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for split in range(0, n_active):
-        part = (bh * num_splits + split) * (G * T) + rows
-        m_s = tl.load(PartM + part, mask=row_valid, other=float("-inf"))
-        l_s = tl.load(PartL + part, mask=row_valid, other=0.0)
-        acc_s = tl.load(PartAcc + part[:, None] * D + dims[None, :], mask=row_valid[:, None], other=0.0)
-        m_new = tl.maximum(m_all, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_all - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_all = l_all * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_all = m_new
-    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # l == 0 only on padding rows (not stored)
-    o_ptrs = (Out + b * so_b + (kv_head * G + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t
-              + dims[None, :] * so_d)
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    _merge_splits(PartAcc, PartM, PartL, Out, bh, b, kv_head, num_splits, n_active, rows, so_b, so_h, so_t, so_d,
+                  T, G, D)
 
 
 def _interpreting() -> bool:
@@ -207,16 +224,13 @@ def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 
 
 
 def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, num_sms: int = H200_NUM_SMS,
-                       programs_per_sm: int = PROGRAMS_PER_SM, key_bytes: int = 0) -> int:
-    """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs,
-    or one (written in place, no combine launch) when the range is at most DIRECT_MAX_BYTES of K+V.
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs and give
+    each split at least MIN_TILES_PER_SPLIT tiles of keys (one: written in place, no merge).
 
-    n_kv_programs = B * Hkv; n_keys is the per-sequence key bound; key_bytes the K+V bytes of one key of
-    one head (0: never direct); a split never holds less than one tile."""
-    if n_keys * key_bytes <= DIRECT_MAX_BYTES and key_bytes > 0:
-        return 1
+    n_kv_programs = B * Hkv; n_keys is the per-sequence key bound."""
     n_tiles = max(1, triton.cdiv(n_keys, block_n))
-    return max(1, min(n_tiles, programs_per_sm * num_sms // max(1, n_kv_programs)))
+    return max(1, min(n_tiles // MIN_TILES_PER_SPLIT, programs_per_sm * num_sms // max(1, n_kv_programs)))
 
 
 def default_launch_config(rows: int, head_dim: int) -> dict:
@@ -244,11 +258,13 @@ def _check_inputs(q, k_cache, v_cache, lengths):
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, *,
                      sinks: int = 0, window: int = 0, scale: float | None = None, max_len: int | None = None,
                      num_splits: int | None = None, out: torch.Tensor | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None, merge: bool = True) -> torch.Tensor:
     """Split-K Triton verify attention; see the module docstring. Returns out ([B, Hq, T, D], q.dtype).
 
     max_len: optional host bound on max(lengths) + T, used only to size the grid (default: cache capacity);
-    keys past it are not read. block_n / num_warps / num_stages / num_splits override the tuned defaults."""
+    keys past it are not read. block_n / num_warps / num_stages / num_splits override the tuned defaults.
+    merge: several splits are merged by the last of them to finish, in the same launch (False: by a second,
+    combine launch; the same bits, for A/B timing)."""
     B, Hq, Hkv, T, D = _check_inputs(q, k_cache, v_cache, lengths)
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"verify_attention supports power-of-two head dims 16..256, got D={D}")
@@ -270,8 +286,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seq_bound = min(max_len, k_cache.shape[2]) if max_len is not None else k_cache.shape[2]
     n_keys = max(1, key_upper_bound(seq_bound, T, sinks, window))
     if num_splits is None:
-        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device),
-                                        key_bytes=2 * D * k_cache.element_size())
+        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(n_keys, block_n)))  # a split holds at least one tile
     if out is None:
         out = torch.empty_like(q)
@@ -288,14 +303,16 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
     dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
     pdl = pdl_options(q.device)
+    merge = merge and not direct
+    counters = arrival_counters(q.device, B * Hkv) if merge else scratch
 
     _verify_attention_split_kernel[(num_splits, B * Hkv)](
-        q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out,
+        q, k_cache, v_cache, lengths, part_acc, part_m, part_l, out, counters,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         Hkv, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot, DIRECT=direct, num_warps=num_warps, num_stages=num_stages, **pdl)
-    if direct:
+        UPCAST_DOT=upcast_dot, DIRECT=direct, MERGE=merge, num_warps=num_warps, num_stages=num_stages, **pdl)
+    if direct or merge:
         return out
     combine_rows = min(16, triton.next_power_of_2(rows))
     _verify_attention_combine_kernel[(B * Hkv, triton.cdiv(rows, combine_rows))](

@@ -1,5 +1,6 @@
-"""(Used by the experiments here only: select_radix.py, sparse_verify_merge.py; moved out of dustin/kernels/
-with them.) Zero-initialised int32 device buffers that kernels leave at zero when they finish (split counters,
+"""(Used by the experiment here only: select_radix.py; moved out of dustin/kernels/ with it; the engine's
+kernels use dustin/kernels/arrival.py.)
+Zero-initialised int32 device buffers that kernels leave at zero when they finish (split counters,
 histograms), so a launch needs no memset of its own.
 
 One buffer per (purpose, device), grown on demand. A buffer that is outgrown is kept alive, not freed:
