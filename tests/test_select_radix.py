@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dustin.kernels.arrival import zeroed_int32
 from dustin.kernels.selection import select_dustin, select_dustin_reference
-from scripts.experiments.scratch import zeroed_int32
 from scripts.experiments.select_radix import CAND_BLOCK, CHUNK, select_dustin_radix
 
 

@@ -23,29 +23,36 @@ import torch
 import triton
 import triton.language as tl
 
-_BUFFERS: dict[torch.device, torch.Tensor] = {}
+_BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 MIN_SLOTS = 4096
 
 
-def arrival_counters(device: torch.device | str, n: int) -> torch.Tensor:
-    """An int32 buffer of at least n zeros on `device`; the kernels given it must leave it zeroed.
+def zeroed_int32(purpose: str, device: torch.device | str, n: int, minimum: int = MIN_SLOTS) -> torch.Tensor:
+    """An int32 buffer of at least n zeros for `purpose` on `device`; the kernels given it must leave it zeroed.
 
-    Grown on demand. An outgrown buffer is kept alive, not freed: a CUDA graph captured earlier may still point at
-    it. During a capture a too-small buffer is not grown (that memory would belong to the graph's pool); the graph
-    gets its own zeroed buffer instead (a memset node replayed with it)."""
+    One buffer per (purpose, device), grown on demand. An outgrown buffer is kept alive, not freed: a CUDA graph
+    captured earlier may still point at it. During a capture a too-small buffer is not grown (that memory would
+    belong to the graph's pool); the graph gets its own zeroed buffer instead (a memset node replayed with it)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    buf = _BUFFERS.get(device)
+    key = (purpose, device)
+    buf = _BUFFERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     if buf is not None:
         _OUTGROWN.append(buf)
-    _BUFFERS[device] = torch.zeros(max(n, MIN_SLOTS), dtype=torch.int32, device=device)
-    return _BUFFERS[device]
+    _BUFFERS[key] = torch.zeros(max(n, minimum), dtype=torch.int32, device=device)
+    return _BUFFERS[key]
+
+
+def arrival_counters(device: torch.device | str, n: int) -> torch.Tensor:
+    """The arrival counters of `device` (at least n, all zero between launches): one buffer shared by every
+    kernel that counts arrivals (module docstring)."""
+    return zeroed_int32("arrivals", device, n)
 
 
 @triton.jit

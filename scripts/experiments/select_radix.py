@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.arrival import zeroed_int32
 from dustin.kernels.selection import in_list, select_dustin, sort_row_width, write_sorted_row
-from scripts.experiments.scratch import zeroed_int32
 
 SHIFT = 21  # the histogram bins the top 32 - SHIFT = 11 bits of a key
 NB = 1 << (32 - SHIFT)
