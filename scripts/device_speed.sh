@@ -13,6 +13,8 @@
 #                                        # the context), and with FORMER=1 dustin on the former 11-layer S_draft
 #                                        # config (on 2026-12-02 it ran as CANDIDATE=1: the 3-layer one, then a
 #                                        # candidate, beside the 11-layer config then shipped)
+#   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
+#                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
 #                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -69,6 +71,12 @@ elif [ "$mode" = round ]; then
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
       --config docs/results/profile_h200/config_11_draft_layers.json --json-out "$OUT/bench_e2e_real_former.json"
   fi
+elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
+  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 3 --steps 12"
+  run 330 $e2e --rope-scaling yarn:4 --contexts 65536 --batches 8 --methods vanilla,dustin \
+    --json-out "$OUT/bench_e2e_real_code_64k.json"
+  run $((560 - SECONDS)) $e2e --batches 16 --contexts 16384 --methods dustin --budget auto --budget-p 0.99 \
+    --budget-max 16384 --json-out "$OUT/bench_e2e_real_auto99_16384.json"
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py
