@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # GPU needle check of the leaner S_draft candidate (docs/profiling.md, "A cheaper S_draft"): held-out needles,
 # multi-key then single, at 8k, 16k and 30k tokens, 5 depths, greedy, 32 new tokens, for
-#   vanilla; dustin with the 11-layer config ("shipped": dustin/configs/' file until 2026-12-02, now
-#   docs/results/profile_h200/config_11_draft_layers.json) at k = 512 and 256;
-#   dustin with the candidate (docs/results/profile_cpu/candidate_config.json, 3 draft score layers, shipped since)
-#   at k = 512, 256.
+#   vanilla; dustin with the shipped 11-layer config (dustin/configs/) at k = 512 and 256;
+#   dustin with the candidate (docs/results/profile_cpu/candidate_config.json, 3 draft score layers; shipped for a
+#   few hours on 2026-12-02, withdrawn after RULER, docs/accuracy.md) at k = 512, 256.
 # On a GPU machine with the default pair fetched (`dustin models fetch`), from the repository root:
 #   bash scripts/device_sdraft_check.sh OUTDIR      # -> OUTDIR/needles_{candidate,shipped}_{multikey,single}.json + logs
 #   DEVICE_ENV=1 bash scripts/device_sdraft_check.sh "$OUT"   # on the project's device machine (scripts/device_env.sh)
@@ -22,7 +21,7 @@ mkdir -p "$out"
 [ "${DEVICE_ENV:-0}" = 1 ] && . scripts/device_env.sh
 SECONDS=0  # the budget counts from here (device_env.sh may first convert the pair)
 deadline=${DEADLINE:-300}
-shipped=docs/results/profile_h200/config_11_draft_layers.json
+shipped=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
 candidate=docs/results/profile_cpu/candidate_config.json
 common="--device cuda --contexts 8192,16384,30000 --depths 5 --budgets 512,256"
 runs=${RUNS:-candidate shipped}

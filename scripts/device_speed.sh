@@ -10,9 +10,8 @@
 #                                        # code 32k x 16 for every method, one-shot generate (vanilla, dustin)
 #   bash scripts/device_speed.sh round   # after staging: `bench e2e --real` code 16k / 32k x 16 (vanilla, dustin, with
 #                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
-#                                        # the context), and with FORMER=1 dustin on the former 11-layer S_draft
-#                                        # config (on 2026-12-02 it ran as CANDIDATE=1: the 3-layer one, then a
-#                                        # candidate, beside the 11-layer config then shipped)
+#                                        # the context; AUTO_CONTEXTS picks the contexts, " " none), and with ALT=1
+#                                        # dustin on the 3-layer S_draft config (docs/results/profile_h200/)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
@@ -67,9 +66,9 @@ elif [ "$mode" = round ]; then
     run $((420 - SECONDS)) $e2e --contexts $c --methods dustin --budget auto --budget-p 0.99 --budget-max $c \
       --json-out "$OUT/bench_e2e_real_auto99_$c.json"
   done
-  if [ -n "${FORMER:-}" ]; then  # the 11-layer S_draft config shipped until 2026-12-02
+  if [ -n "${ALT:-}" ]; then  # the faster 3-layer S_draft config (2-3 RULER points lower, docs/accuracy.md)
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
-      --config docs/results/profile_h200/config_11_draft_layers.json --json-out "$OUT/bench_e2e_real_former.json"
+      --config docs/results/profile_h200/config_3_draft_layers.json --json-out "$OUT/bench_e2e_real_3layer.json"
   fi
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 3 --steps 12"
