@@ -30,15 +30,6 @@ ROWS = [  # (label, method, --config or None for the shipped one)
 ]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
@@ -52,6 +43,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from dustin.bench.serve import make_prompts
+    from dustin.eval.inputs import common_prefix
     from dustin.models.fetch import resolve_model_path
 
     out = Path(a.out)
