@@ -20,7 +20,7 @@ done
 if [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ] && ls /root/dh/gguf/*.gguf >/dev/null 2>&1; then
   t0=$(date +%s.%N)
   python3 -m dustin models fetch > /tmp/fetch.log 2>&1 || { tail -5 /tmp/fetch.log; false; }
-  grep -v "━" /tmp/fetch.log | tail -4  # each model's "ready" line: seconds to check its GGUF and to convert it
+  grep "ready in" /tmp/fetch.log  # each model's "ready" line: seconds to check its GGUF and to convert it
   echo "== models fetch (convert the pair): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s on $(nproc) cores"
 fi
 set +e
