@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from dustin.attention.reference import verify_attention_reference  # noqa: E402
 from dustin.attention.sdpa import verify_attention_sdpa  # noqa: E402
+from dustin.kernels.sparse_verify import sparse_verify_attention  # noqa: E402
 from dustin.kernels.verify_attention import default_num_splits, key_upper_bound, verify_attention  # noqa: E402
 
 
@@ -209,3 +210,24 @@ def test_a_rows_output_does_not_depend_on_the_batch_or_the_bound(dtype):
     assert all(torch.equal(r, row[0]) for r in row[1:])
     ref = verify_attention_reference(q[1:], k[1:], v[1:], torch.tensor([1200], dtype=torch.int32))
     torch.testing.assert_close(row[0], ref[0], **_tol(dtype))
+
+
+def test_triton_backend_writes_the_o_proj_input_in_place():
+    """The Triton backend's verify and sparse-verify outputs are [B, Hq, T, D] views of token-major memory: the
+    o_proj input `out.transpose(1, 2).reshape(B, T, Hq * D)` is a view of the same storage (no copy kernel), and the
+    values are those of the head-major output."""
+    from dustin.attention.backend import AttentionBackend
+    from dustin.attention.context import SparsePlan
+
+    q, k, v, L = _inputs([100, 33], 8, 2, 5, 64, dtype=torch.bfloat16, seed=7)
+    tri = AttentionBackend("triton")
+    idx = torch.stack([torch.randperm(30)[:24] for _ in range(2)]).int()
+    cnt = torch.tensor([24, 17], dtype=torch.int32)
+    plan = SparsePlan(idx, cnt)
+    for got, want in ((tri.verify(q, k, v, L, max_len=110), verify_attention(q, k, v, L, max_len=110)),
+                      (tri.sparse_verify(q, k, v, L, plan, max_len=110),
+                       sparse_verify_attention(q, k, v, L, idx, cnt))):
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert not want.transpose(1, 2).is_contiguous()  # the head-major layout needs a copy there
+        flat = got.transpose(1, 2).reshape(2, 5, 8 * 64)
+        assert flat.data_ptr() == got.data_ptr()  # a view of the kernel's output: no copy

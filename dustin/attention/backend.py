@@ -65,18 +65,29 @@ class AttentionBackend:
         return pa.prefill_attention_sdpa(q, k_cache, v_cache, plan)
 
     def verify(self, q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int):
+        """q [B, Hq, T, D] -> [B, Hq, T, D]; the Triton kernels write it token-major (see `token_major`)."""
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.verify_attention import verify_attention
-            return verify_attention(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
+            return verify_attention(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len,
+                                    out=token_major(q))
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
 
     def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.sparse_verify import sparse_verify_attention
-            return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts)
+            return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
+                                           out=token_major(q))
         S = min(max_len, k_cache.shape[2])
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S,
                                      mask=sparse_mask(lengths, plan, q.shape[2], S))
+
+
+def token_major(q: torch.Tensor) -> torch.Tensor:
+    """An empty [B, Hq, T, D] attention output whose memory is [B, T, Hq, D]: the o_proj input
+    `out.transpose(1, 2).reshape(B, T, Hq * D)` is then a view, not a copy kernel per layer (the target's verify
+    forward of T = Γ + 1 tokens paid one per layer). For T = 1 both layouts are the same memory."""
+    B, H, T, D = q.shape
+    return torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
 def _interpreting() -> bool:
