@@ -62,15 +62,18 @@ def test_linear_with_bias_and_residual(b, t, n, k, split, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_reads_an_attention_output_in_place(dtype):
-    """o_proj's input is the attention's [B, H, T, D] output: read as [B, T, H * D] without a transpose copy."""
+    """o_proj's input is the attention's [B, H, T, D] output (head-major, or token-major memory as the Triton
+    backend writes it): read as [B, T, H * D] without a transpose copy."""
     g = torch.Generator().manual_seed(3)
     B, H, T, D, N = 3, 6, 5, 32, 80
     attn = _randn(B, H, T, D, gen=g, dtype=dtype)
     w, res = _randn(N, H * D, gen=g, dtype=dtype, scale=0.1), _randn(B, T, N, gen=g, dtype=dtype)
     ref = res + F.linear(attn.transpose(1, 2).reshape(B, T, H * D), w)
+    token_major = attn.transpose(1, 2).contiguous().transpose(1, 2)  # the Triton backend's layout, same values
     for split in (1, 2):
-        out = decode_linear(attn, w, residual=res, heads=H, tiles=Tiles(bn=16, bk=64, split=split))
-        torch.testing.assert_close(out, ref, **_tol(dtype))
+        for a in (attn, token_major):
+            out = decode_linear(a, w, residual=res, heads=H, tiles=Tiles(bn=16, bk=64, split=split))
+            torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 @pytest.mark.parametrize("b,t,k,n", [(2, 1, 96, 40), (5, 5, 200, 72), (16, 2, 64, 16)])
