@@ -341,14 +341,14 @@ def _check_rows(x2_rows: int, K: int, w: torch.Tensor) -> None:
         raise ValueError(f"weight must be a contiguous [N, {K}] matrix, got {tuple(w.shape)}")
 
 
-def _split_workspace(t: Tiles, tiles: int, bm: int, accs: int, device: torch.device):
+def _split_workspace(t: Tiles, tiles: int, bm: int, accs: int, dummy: torch.Tensor):
     """(fp32 workspace for the split-K partials, arrival counters) of a launch of `tiles` output tiles split
-    t.split ways, `accs` accumulators of [t.bn, bm] each; (dummy, dummy) unsplit."""
+    t.split ways, `accs` accumulators of [t.bn, bm] each; unsplit, (dummy, dummy): the kernel never touches them,
+    so nothing is allocated."""
     if t.split == 1:
-        dummy = torch.empty(1, dtype=torch.float32, device=device)
         return dummy, dummy
-    ws = torch.empty(t.split * tiles * accs * t.bn * bm, dtype=torch.float32, device=device)
-    return ws, arrival_counters(device, tiles)
+    ws = torch.empty(t.split * tiles * accs * t.bn * bm, dtype=torch.float32, device=dummy.device)
+    return ws, arrival_counters(dummy.device, tiles)
 
 
 class RowNorm(NamedTuple):
@@ -403,14 +403,14 @@ def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torc
         assert residual.shape == out.shape and residual.stride(-1) == 1 and residual.stride(0) == T * residual.stride(1)
     t = tiles or linear_tiles(M, N, K, x.dtype, splittable=True)
     grid_n, bm = triton.cdiv(N, t.bn), _block_rows(M)
-    ws, counters = _split_workspace(t, grid_n, bm, 1, x.device)
+    ws, counters = _split_workspace(t, grid_n, bm, 1, out)
     if next_norm is not None:
         g, next_eps = next_norm
         assert g.shape == (N,)
         xg, sso = torch.empty_like(out), torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
     else:
-        g, xg, sso = out, out, ws
-    ss, nt, nt_pad, eps = _norm_args(norm, M, ws)
+        g, xg, sso = out, out, out
+    ss, nt, nt_pad, eps = _norm_args(norm, M, out)
     _linear_kernel[(grid_n, t.split)](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, ss, out, g, xg,
         sso, ws, counters,
@@ -462,7 +462,7 @@ def qkv_rope(x: torch.Tensor | RowNorm, weight: torch.Tensor, bias: torch.Tensor
     q = torch.empty(B, n_heads, T, D, dtype=x.dtype, device=x.device)
     ss, nt, nt_pad, eps = _norm_args(norm, M, q)
     n_tiles, bm = (n_heads + 2 * n_kv_heads) * (half // t.bn), _block_rows(M)
-    ws, counters = _split_workspace(t, n_tiles, bm, 2, x.device)
+    ws, counters = _split_workspace(t, n_tiles, bm, 2, q)
     _qkv_rope_kernel[(n_tiles, t.split)](
         x, weight, bias if bias is not None else q, ss, cos, sin, positions, q, k_cache, v_cache, ws, counters,
         M, K, T, nt, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
