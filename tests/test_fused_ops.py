@@ -1,11 +1,11 @@
-"""Fused residual-add + RMSNorm and RoPE kernels (dustin/kernels/fused_ops.py) against the PyTorch ops they
-replace in the model, under the Triton interpreter: odd widths, strided q/k views, GQA, ragged positions."""
+"""Fused residual-add + RMSNorm, RoPE and query-capture kernels (dustin/kernels/fused_ops.py) against the PyTorch
+ops they replace, under the Triton interpreter: odd widths, strided q/k views, GQA, ragged positions."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dustin.kernels.fused_ops import add_rms_norm, rope_qk
+from dustin.kernels.fused_ops import add_rms_norm, capture_query, capture_query_reference, rope_qk
 from dustin.models.args import ModelArgs
 from dustin.models.rope import RotaryEmbedding, apply_rope
 from dustin.models.transformer import rms_norm
@@ -83,3 +83,24 @@ def test_rope_writes_the_cache_like_kv_cache_write(hq, hkv, t, d, k_out):
     want.write(layer, apply_rope(k[rows], cos[rows], sin[rows]), v[rows], positions[rows] + 7, rows)
     torch.testing.assert_close(got.k, want.k, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.k[:, 0], before[:, 0]) and torch.equal(got.k[:, 2], before[:, 2])
+
+
+@pytest.mark.parametrize("hq,d,heads,gamma", [(14, 64, (13, 0, 6, 7), 4), (12, 128, (5,), 3), (7, 32, (6, 1, 2), 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capture_query_matches_the_reference(hq, d, heads, gamma, dtype):
+    """Draft forwards of 1 and 2 tokens into a view of a larger buffer (other layers' slots untouched), with
+    positions before the step's base and past base + Γ - 1 clamped into range, as graph warm-up makes them."""
+    B = 5
+    g = torch.Generator().manual_seed(hq * d)
+    heads_t = torch.tensor(heads)
+    base = torch.tensor([3, 900, 17, 40, 0])
+    q_all = torch.randn(B, 3, len(heads) + 1, gamma, d, generator=g).to(dtype).expand(2, -1, -1, -1, -1, -1).clone()
+    p_all = torch.randint(0, 50, (B, gamma), generator=g).expand(2, -1, -1).clone()  # [copy, B, (NL, Hs_max,) Γ, D]
+    for t, offsets in ((1, [0, 1, -4, 2, gamma + 3]), (2, [1, gamma - 2, 0, 9, -1]), (1, [gamma - 1] * B)):
+        q = torch.randn(B, t, hq, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, T, D], strided like the model's
+        positions = (base + torch.tensor(offsets))[:, None] + torch.arange(t) - (t - 1)
+        capture_query(q, heads_t, positions, base, q_all[0][:, 1, :len(heads)], p_all[0])
+        capture_query_reference(q, heads_t, positions, base, q_all[1][:, 1, :len(heads)], p_all[1])
+        assert torch.equal(q_all[0], q_all[1]) and torch.equal(p_all[0], p_all[1])
+    slot = (base + torch.tensor([gamma - 1] * B) - base).clamp(0, gamma - 1)
+    assert torch.equal(q_all[0][torch.arange(B), 1, :len(heads), slot], q[:, heads_t, -1])  # the last call's queries

@@ -143,6 +143,8 @@ def compile_all_kernels() -> list[Compiled]:
             verify_attention.verify_attention(q, k, k, L, max_len=S)
             verify_attention.verify_attention(q, k, k, L, sinks=4, window=508, max_len=S)  # streaming draft
             verify_attention.verify_attention(q, k, k, L, max_len=S, num_splits=4)  # merged in the launch
+            if hkv == 8:  # more programs than SMs: launched without PDL (verify_attention.use_pdl_for)
+                verify_attention.verify_attention(q, k, k, L, max_len=S, num_splits=11)
             verify_attention.verify_attention(q, k, k, L, max_len=S, num_splits=4, merge=False)  # combine launch
         q, k = torch.zeros(B, 40, 5, 128, dtype=bf), torch.zeros(B, 8, S, 128, dtype=bf)
         idx, cnt = torch.zeros(B, 512, dtype=i32), torch.full((B,), 512, dtype=i32)
@@ -181,6 +183,10 @@ def compile_all_kernels() -> list[Compiled]:
                               positions=torch.zeros(B, 5, dtype=torch.long))
         for n in (4864, 8960, 27648 // 2):  # SwiGLU epilogue: 0.5B, 1.5B, 32B over 2 ranks; halves of gate_up
             fused_ops.silu_mul(*torch.zeros(B, 5, 2 * n, dtype=bf).chunk(2, dim=-1))
+        lng = torch.long  # the draft's lookahead query capture: 4 of 14 heads, D 64, Γ 4, a view of a layer's slots
+        fused_ops.capture_query(torch.zeros(B, 14, 2, 64, dtype=bf), torch.arange(4), torch.zeros(B, 2, dtype=lng),
+                                torch.zeros(B, dtype=lng), torch.zeros(B, 3, 4, 4, 64, dtype=bf)[:, 1],
+                                torch.zeros(B, 4, dtype=lng))
         selection.select_streaming(L, 512)
         compile_decode_layers(decode_linear)
         # packed chunked prefill: the 1.5B target (12 heads on 2, D 128), the 0.5B draft (14 on 2, D 64)

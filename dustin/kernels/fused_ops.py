@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for decode-sized forwards: residual add + RMSNorm, RoPE on q and k at once, and
-the SwiGLU epilogue SiLU(gate) * up.
+"""Fused elementwise kernels for decode-sized forwards: residual add + RMSNorm, RoPE on q and k at once, the
+SwiGLU epilogue SiLU(gate) * up, and the capture of a few heads' queries for the lookahead scores.
 
 Why: a decode or verify step has B * (Γ+1) <= 128 rows, so every elementwise op is a tiny kernel whose cost is
 its launch (~3-5 us even inside a CUDA graph), not its bytes. In eager PyTorch an RMSNorm is ~7 kernels and
@@ -178,3 +178,52 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                                                                 BLOCK=SILU_MUL_BLOCK, num_warps=4,
                                                                 **pdl_options(gate.device))
     return out.view(gate.shape)
+
+
+@triton.jit
+def _capture_query_kernel(q_ptr, heads_ptr, pos_ptr, base_ptr, buf_ptr, pbuf_ptr, T, GAMMA,
+                          sq_b, sq_h, sq_t, sp_b, sp_t, sb_b, sb_h, sb_g, spb_b,
+                          D: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per (row b, captured head h): q[b, heads[h], T - 1] into buf[b, h, slot]; h == 0 also writes
+    the position into pbuf[b, slot]. slot = clamp(position - base[b], 0, GAMMA - 1)."""
+    pdl_start(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + b * sp_b + (T - 1) * sp_t).to(tl.int64)
+    slot = tl.minimum(tl.maximum(pos - tl.load(base_ptr + b).to(tl.int64), 0), GAMMA - 1)
+    head = tl.load(heads_ptr + h).to(tl.int64)
+    d = tl.arange(0, D)
+    x = tl.load(q_ptr + b * sq_b + head * sq_h + (T - 1) * sq_t + d)
+    tl.store(buf_ptr + b * sb_b + h * sb_h + slot * sb_g + d, x.to(buf_ptr.dtype.element_ty))
+    if h == 0:
+        tl.store(pbuf_ptr + b * spb_b + slot, pos.to(pbuf_ptr.dtype.element_ty))
+
+
+def capture_query_reference(q: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, base: torch.Tensor,
+                            buf: torch.Tensor, pos_buf: torch.Tensor) -> None:
+    """`capture_query` in PyTorch ops (CPU tensors; the kernel's reference)."""
+    gamma, Hs, D = buf.shape[2], heads.shape[0], q.shape[-1]
+    pos = positions[:, -1]
+    slot = (pos - base).clamp(0, gamma - 1)
+    buf.scatter_(2, slot[:, None, None, None].expand(-1, Hs, 1, D), q[:, heads, -1:].to(buf.dtype))
+    pos_buf.scatter_(1, slot[:, None], pos[:, None].to(pos_buf.dtype))
+
+
+def capture_query(q: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, base: torch.Tensor,
+                  buf: torch.Tensor, pos_buf: torch.Tensor) -> None:
+    """Keep the last token's query of some heads in a slot per row: with p = positions[b, -1] and
+    slot = clamp(p - base[b], 0, Γ - 1), buf[b, :, slot] = q[b, heads, -1] and pos_buf[b, slot] = p.
+
+    q [B, Hq, T, D] (last dim contiguous, D a power of two), heads [Hs] head indices, positions [B, T], base [B],
+    buf [B, Hs, Γ, D] (last dim contiguous, other strides free: a view into a larger buffer), pos_buf [B, Γ]. The
+    draft's lookahead scores (`DraftLookaheadScores`) call this once per observed layer of every draft forward:
+    one launch instead of the five small ones of `capture_query_reference` (index, slot arithmetic, clamp, two
+    scatters), which made ~170 of a step's kernels with 11 score layers."""
+    B, _, T, D = q.shape
+    Hs, gamma = heads.shape[0], buf.shape[2]
+    assert buf.shape == (B, Hs, gamma, D) and pos_buf.shape == (B, gamma) and positions.shape == (B, T)
+    assert D & (D - 1) == 0 and q.stride(-1) == 1 and buf.stride(-1) == 1 and pos_buf.stride(-1) == 1
+    _capture_query_kernel[(B, Hs)](q, heads, positions, base, buf, pos_buf, T, gamma, q.stride(0), q.stride(1),
+                                   q.stride(2), positions.stride(0), positions.stride(1), buf.stride(0),
+                                   buf.stride(1), buf.stride(2), pos_buf.stride(0), D=D, num_warps=1,
+                                   **pdl_options(q.device))

@@ -216,6 +216,15 @@ def _num_sms(device: torch.device) -> int:
     return H200_NUM_SMS
 
 
+def use_pdl_for(programs: int, device: torch.device) -> dict:
+    """Launch options of a split-kernel grid of `programs`: Programmatic Dependent Launch (when on,
+    dustin/kernels/launch.py) only for a grid that fits on the SMs at once, such as the streaming draft's 3 splits
+    x B x Hkv. A full attention over a long context (vanilla's, 8 splits x 16 x 2 at 32k) runs for ~125 us at
+    the bandwidth limit; launched early, its programs would be placed on whatever SMs its predecessor had freed,
+    not spread evenly (the likely cause of vanilla's slower step with PDL on, launch.py)."""
+    return pdl_options(device) if programs <= _num_sms(device) else {"PDL": False, "launch_pdl": False}
+
+
 def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 0) -> int:
     """Most keys one (sequence, head) visits, given seq_upper_bound >= max(lengths) + T (host ints only)."""
     if sinks > 0 or window > 0:
@@ -311,7 +320,8 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         Hkv, num_splits, sinks, window, scale * math.log2(math.e),
         T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STREAMING=streaming, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot, DIRECT=direct, MERGE=merge, num_warps=num_warps, num_stages=num_stages, **pdl)
+        UPCAST_DOT=upcast_dot, DIRECT=direct, MERGE=merge, num_warps=num_warps, num_stages=num_stages,
+        **use_pdl_for(num_splits * B * Hkv, q.device))
     if direct or merge:
         return out
     combine_rows = min(16, triton.next_power_of_2(rows))

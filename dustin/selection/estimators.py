@@ -118,19 +118,16 @@ class DraftLookaheadScores:
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         if ctx.prompt:
             return  # prefill: no lookahead yet
-        # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1})
-        sel = q[:, self.by_layer[layer], -1:]  # [B, Hs, 1, D]
+        # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1}), into slot position - base
         if self._q_all is None:  # first call: eager (graph warm-up runs before capture)
-            B, _, _, D = sel.shape
+            B, _, _, D = q.shape
             sets = self._sets
             self._q_all = torch.zeros(B, len(sets.order), sets.hs, self.gamma, D, dtype=q.dtype, device=q.device)
         if layer not in self._q_buf:
-            self._q_buf[layer] = self._q_all[:, self._sets.order.index(layer), :sel.shape[1]]
-        pos = ctx.positions[:, -1]
-        slot = (pos - self._base).clamp(0, self.gamma - 1)
-        buf = self._q_buf[layer]
-        buf.scatter_(2, slot[:, None, None, None].expand(-1, buf.shape[1], 1, buf.shape[3]), sel)
-        self._pos_buf.scatter_(1, slot[:, None], pos[:, None])
+            self._q_buf[layer] = self._q_all[:, self._sets.order.index(layer), :len(self.by_layer[layer])]
+        from dustin.kernels import fused_ops
+        capture = fused_ops.capture_query if _kernel_ok(q) else fused_ops.capture_query_reference
+        capture(q, self.by_layer[layer], ctx.positions, self._base, self._q_buf[layer], self._pos_buf)
 
     @torch.inference_mode()
     def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor, per_layer: bool = False,
