@@ -289,7 +289,10 @@ class Engine:
         st = s.stats
         st.capture_s = s._capture_total() - c0
         st.prefill_s = timing["prefill_s"]
-        st.decode_s = max(wall - st.prefill_s - st.capture_s, 0.0)
+        # captures made while other rows still prefilled are inside prefill_s already: subtract only the later ones
+        # (a one-shot batch of long prompts captures its step graph during the prefill of its last rows)
+        after_prefill = s._capture_total() - timing.get("capture_total_at_prefill", c0)
+        st.decode_s = max(wall - st.prefill_s - after_prefill, 0.0)
         st.phases = s.timer.totals()
         return s, outputs, timing
 

@@ -492,8 +492,9 @@ class LLMEngine:
                   ) -> tuple[list[list[int]], dict]:
         """Offline: run prompts to completion through this loop (they are queued as waiting requests as room
         allows, in order); their new token ids, and timings: `prefill_s`, the wall time until every prompt was
-        prefilled (decode steps of rows that finished their prefill earlier run meanwhile), and
-        `produced_after_prefill`, tokens booked after that point."""
+        prefilled (decode steps of rows that finished their prefill earlier run meanwhile, graph captures too),
+        `produced_after_prefill`, tokens booked after that point, and `capture_total_at_prefill`, the session's
+        graph-capture seconds so far at that point."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         pending = list(zip(ids, prompts, plist, strict=False))
@@ -514,6 +515,7 @@ class LLMEngine:
                     torch.cuda.synchronize(self.engine.device)
                 timing["prefill_s"] = time.perf_counter() - t0
                 timing["produced_after_prefill"] = -self.session.stats.produced
+                timing["capture_total_at_prefill"] = self.session._capture_total()
         timing["produced_after_prefill"] += self.session.stats.produced
         return [results[i] for i in ids], timing
 
