@@ -64,10 +64,10 @@ def check_kernels(rows: list) -> None:
     from dustin.models.rope import RotaryEmbedding, apply_rope
     from dustin.models.transformer import rms_norm
 
-    for name, (m1, m2) in SHAPES.items():
+    for name, ms in SHAPES.items():
         a = named_config(name)
         D, hq, hkv = a.head_dim, a.n_heads, a.n_kv_heads
-        for m in (m1, m2):
+        for m in ms:
             B, T = 16, m // 16
             for dt in (torch.float32, torch.bfloat16):
                 g = torch.Generator(device="cuda").manual_seed(m)
@@ -140,11 +140,11 @@ def check_models(rows: list) -> None:
     from dustin.models.args import named_config
     from dustin.models.loader import random_model
 
-    for name, (_, m2) in SHAPES.items():
+    for name, ms in SHAPES.items():
         a = replace(named_config(name), n_layers=6)
         model = random_model(a, "cuda", torch.float32, seed=3, backend=AttentionBackend.for_device("cuda"))
         B, P = 16, 700
-        for T in (1, m2 // 16):  # decode passes of 1 and 2 tokens per row
+        for T in (1, *(m // 16 for m in ms[1:])):  # decode passes of 1 and 2 tokens per row (and more: experiments)
             cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, 1024, torch.float32, "cuda")
             g = torch.Generator(device="cuda").manual_seed(T)
             with torch.no_grad():
