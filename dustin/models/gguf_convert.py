@@ -26,9 +26,11 @@ the parent and its workers (sampled every 50 ms):
 (the new peak is the parent, 0.44 GB, mostly torch and transformers, plus ~90 MB per worker). The whole
 `python3 -m dustin models fetch --home <folder holding only the two GGUFs>` (re-hash both, convert both) took
 16.2 s on a quiet machine, 25 s beside another job's test run. With one worker, in this process: 17.9 s and 8.6 s.
-On the 16-core H200 machine the same command took 61.4 s (2026-12-02; the goal is 20 s): not broken down yet,
-which is what the per-model times of `dustin models fetch`'s "ready" lines are for (suspects: 16 workers'
-interpreter starts and imports at once, the write of 4.1 GB to that machine's disk).
+On the 16-core H200 machine the same command took 44.8-64.1 s over three runs (2026-12-02; in the last, converting
+the 1.5B took 33.0 s and the 0.5B 20.0 s; the goal is 20 s for both), not broken down yet: each "ready" line of
+`dustin models fetch` now also says when the tensors and when this process's files (transformers' import, the
+tokenizer) were done (`ConversionTimes`), to tell which side is slow there (suspects: transformers and torch
+importing from a cold disk, the write of 4.1 GB to that machine's disk).
 """
 from __future__ import annotations
 
@@ -67,14 +69,30 @@ _ROWS_PER_CHUNK = 256
 _MAX_PARALLEL_JOBS = 4096  # 4-byte job records that fit any pipe buffer (16 KB), written before a worker reads
 
 
+class ConversionTimes(NamedTuple):
+    """Where a conversion's wall time went (seconds from its start): the files this process writes beside the
+    workers (config, generation config, tokenizer: transformers' import included) were done at `files_s`, every
+    tensor at `tensors_s`; `workers` processes converted the tensors (1: this process, after the files)."""
+    files_s: float
+    tensors_s: float
+    workers: int
+
+    def describe(self) -> str:
+        where = f"{self.workers} worker processes" if self.workers > 1 else "this process"
+        return f"tensors done at {self.tensors_s:.1f} s on {where}, config and tokenizer at {self.files_s:.1f} s"
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: dict | None = None,
-                 workers: int | None = None) -> Path:
+                 workers: int | None = None, times: list | None = None) -> Path:
     """Convert a Qwen2 GGUF into a Hugging Face folder (bf16 safetensors), written atomically to `out_dir`.
 
     We dequantize ourselves rather than use transformers' GGUF loader (it needs `accelerate` and holds the
     whole model in memory). `workers` processes (default: $DUSTIN_CONVERT_WORKERS, else one per usable CPU)
     convert tensors in parallel in bounded chunks; `workers=1` converts in this process, with the same bytes.
+    `times`: a list that gets this conversion's `ConversionTimes` appended (what `dustin models fetch` prints).
     """
+    import time
+    t0 = time.perf_counter()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     header = _read_gguf(gguf_path)
     config_args, plan = _plan_conversion(header, gguf_path)
@@ -91,7 +109,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
             GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                              pad_token_id=config.pad_token_id).save_pretrained(tmp)
             _write_tokenizer(gguf_path, header.fields, config, tmp, progress)
+            files_s = time.perf_counter() - t0
             weights.finish(progress)
+            if times is not None:
+                times.append(ConversionTimes(files_s, time.perf_counter() - t0, len(weights.procs) or 1))
         if marker is not None:  # written last: its presence means the folder is complete
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _replace_dir(tmp, out_dir)

@@ -23,6 +23,7 @@ import torch
 
 from dustin.errors import InputError
 from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
+from dustin.kernels.selection import rows_contain
 
 _NEG_INF = float("-inf")
 
@@ -69,18 +70,6 @@ def adaptive_budgets(s_target: torch.Tensor | None, s_draft: torch.Tensor | None
     k = (n + sw).clamp(rule.k_min, rule.k_max)
     m = torch.round((k - sw).float() * m_share).long()
     return k, m
-
-
-def rows_contain(members: torch.Tensor, queries: torch.Tensor, size: int,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, Q] bool: whether row b's members (positions in [0, size); with `keep`, only those kept) include
-    queries[b, i]. A [B, size] mask filled by scatter and read by gather costs O(size + members + queries) per row;
-    comparing every query with every member costs O(queries x members), which for `--budget auto` without a cap
-    at 16 x 32k was a [16, 32k, 22k] boolean tensor in every step."""
-    mask = torch.zeros(members.shape[0], size + 1, dtype=torch.bool, device=members.device)
-    slots = members if keep is None else torch.where(keep, members, torch.full_like(members, size))
-    mask.scatter_(1, slots.long(), True)
-    return mask.gather(1, queries.long())
 
 
 def select_ragged(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor,
