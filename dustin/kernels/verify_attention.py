@@ -221,7 +221,9 @@ def use_pdl_for(programs: int, device: torch.device) -> dict:
     dustin/kernels/launch.py) only for a grid that fits on the SMs at once, such as the streaming draft's 3 splits
     x B x Hkv. A full attention over a long context (vanilla's, 8 splits x 16 x 2 at 32k) runs for ~125 us at
     the bandwidth limit; launched early, its programs would be placed on whatever SMs its predecessor had freed,
-    not spread evenly (the likely cause of vanilla's slower step with PDL on, launch.py)."""
+    not spread evenly (the likely cause, not profiled). Vanilla's step with PDL on was 10% slower than without on
+    random weights before this rule, 1-2% on the real pair after it (docs/benchmarks.md, "Programmatic Dependent
+    Launch": not one A/B of the rule alone)."""
     return pdl_options(device) if programs <= _num_sms(device) else {"PDL": False, "launch_pdl": False}
 
 
