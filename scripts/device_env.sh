@@ -21,6 +21,7 @@ if [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ] && ls
   t0=$(date +%s.%N)
   python3 -m dustin models fetch > /tmp/fetch.log 2>&1 || { tail -5 /tmp/fetch.log; false; }
   grep "ready in" /tmp/fetch.log  # each model's "ready" line: seconds to check its GGUF and to convert it
-  echo "== models fetch (convert the pair): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s on $(nproc) cores"
+  echo "== models fetch (convert the pair): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s on $(nproc) cores" \
+    "(cgroup CPU quota: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || echo none))"
 fi
 set +e

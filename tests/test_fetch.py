@@ -288,10 +288,25 @@ def test_worker_errors_keep_their_type():
     assert "ValueError: bad" in str(roundtrip(ValueError("bad")))
 
 
-def test_worker_count(monkeypatch):
+def test_worker_count(monkeypatch, tmp_path):
     monkeypatch.delenv(gguf_convert.WORKERS_ENV, raising=False)
-    assert gguf_convert._worker_count(None, 1000) == (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                      else os.cpu_count())
+    monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "no-cgroup")
+    visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert gguf_convert._worker_count(None, 1000) == visible
+    # a cgroup CPU quota below the visible CPUs caps the default (v2 and v1 files), rounded up
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cpu.max").write_text("50000 100000\n")
+    monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "v2")
+    assert gguf_convert._cpu_quota() == 0.5 and gguf_convert._worker_count(None, 1000) == 1
+    (tmp_path / "v2" / "cpu.max").write_text("max 100000\n")
+    assert gguf_convert._cpu_quota() is None and gguf_convert._worker_count(None, 1000) == visible
+    (tmp_path / "v1" / "cpu").mkdir(parents=True)
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "v1")
+    assert gguf_convert._cpu_quota() == 1.5 and gguf_convert._worker_count(None, 1000) == min(visible, 2)
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert gguf_convert._cpu_quota() is None
     assert gguf_convert._worker_count(64, 10) == 10  # never more workers than tensors
     monkeypatch.setenv(gguf_convert.WORKERS_ENV, "3")
     assert gguf_convert._worker_count(None, 1000) == 3 and gguf_convert._worker_count(5, 1000) == 5

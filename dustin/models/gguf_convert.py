@@ -30,7 +30,8 @@ On the 16-core H200 machine the same command took 44.8-64.1 s over three runs (2
 the 1.5B took 33.0 s and the 0.5B 20.0 s; the goal is 20 s for both), not broken down yet: each "ready" line of
 `dustin models fetch` now also says when the tensors and when this process's files (transformers' import, the
 tokenizer) were done (`ConversionTimes`), to tell which side is slow there (suspects: transformers and torch
-importing from a cold disk, the write of 4.1 GB to that machine's disk).
+importing from a cold disk, the write of 4.1 GB to that machine's disk, a container CPU quota below the 16 CPUs
+its affinity mask shows: the default worker count now stays within such a quota, `_cpu_quota`).
 """
 from __future__ import annotations
 
@@ -122,9 +123,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
     return out_dir
 
 
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cpu_quota(root: Path | None = None) -> float | None:
+    """CPUs' worth of time the container's cgroup allows (v2 `cpu.max`, v1 `cpu/cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), or None without a quota. A container may see 16 CPUs in its affinity mask and be
+    allowed the time of fewer; one worker per visible CPU would then oversubscribe it (as Go's and Java's runtimes
+    also read these files)."""
+    root = root or _CGROUP
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
 def _worker_count(workers: int | None, tensors: int) -> int:
     """The argument, else $DUSTIN_CONVERT_WORKERS, else the CPUs this process may run on (os.cpu_count()
-    where the OS cannot say); never more than there are tensors."""
+    where the OS cannot say) within its cgroup's CPU quota; never more than there are tensors."""
     if workers is None:
         env = os.environ.get(WORKERS_ENV, "").strip()
         if env:
@@ -132,10 +155,11 @@ def _worker_count(workers: int | None, tensors: int) -> int:
                 workers = int(env)
             except ValueError:
                 raise DustinError(f"{WORKERS_ENV} must be a whole number of processes, got {env!r}") from None
-        elif hasattr(os, "sched_getaffinity"):
-            workers = len(os.sched_getaffinity(0))
         else:
-            workers = os.cpu_count() or 1
+            workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            quota = _cpu_quota()
+            if quota is not None:
+                workers = min(workers, max(1, math.ceil(quota)))
     if workers < 1:
         raise DustinError(f"the conversion needs at least 1 worker process, got {workers}")
     return max(1, min(workers, tensors))
