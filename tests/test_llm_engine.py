@@ -202,3 +202,24 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     assert got[0] == _offline(engine, [prompts[0]], "dustin", 18, **SPARSE)[0]
     for key in ("prompt_tokens_total", "steps_total"):
         assert follower.counters[key] == leader.counters[key]
+
+
+def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monkeypatch):
+    """A one-shot batch's step graph can be captured while its last prompts still prefill: that capture is inside
+    prefill_s already, and decode_s must not subtract it again (a GPU run reported decode_s 0 and 7.6e11 tokens/s).
+    Here a 5 s capture is booked during the first engine step, before the prefill ends."""
+    from dustin.engine.session import Session
+
+    booked = {"s": 0.0}
+    monkeypatch.setattr(Session, "capture_total", lambda self: booked["s"])
+    step = LLMEngine.step
+
+    def step_with_a_capture(self):
+        booked["s"] = 5.0
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step_with_a_capture)
+    res = engine.generate(_prompts(3, seed=4, low=5, high=30),
+                          GenerationConfig(method="classic", max_new_tokens=16, stop_at_eos=False, draft_window=32))
+    assert res.capture_s == 5.0  # booked to the call, apart from both timings
+    assert res.decode_s > 0 and res.tokens_per_s < 1e7  # before the fix: decode_s 0, tokens/s ~1e10

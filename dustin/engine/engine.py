@@ -279,7 +279,7 @@ class Engine:
         s = core.session
         s.begin_run(cfg.seed)
         s.policy.budget_stats(reset=True)  # a kept engine's histogram counts this call only
-        c0 = s._capture_total()
+        c0 = s.capture_total()
         t0 = time.perf_counter()
         params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
                   for m in limits]
@@ -287,11 +287,11 @@ class Engine:
         wall = time.perf_counter() - t0
         timing["kernel_warmup"], core.warmup_stats = core.warmup_stats, None  # this call's only
         st = s.stats
-        st.capture_s = s._capture_total() - c0
+        st.capture_s = s.capture_total() - c0
         st.prefill_s = timing["prefill_s"]
         # captures made while other rows still prefilled are inside prefill_s already: subtract only the later ones
         # (a one-shot batch of long prompts captures its step graph during the prefill of its last rows)
-        after_prefill = s._capture_total() - timing.get("capture_total_at_prefill", c0)
+        after_prefill = s.capture_total() - timing.get("capture_total_at_prefill", c0)
         st.decode_s = max(wall - st.prefill_s - after_prefill, 0.0)
         st.phases = s.timer.totals()
         return s, outputs, timing

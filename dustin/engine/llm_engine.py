@@ -515,7 +515,7 @@ class LLMEngine:
                     torch.cuda.synchronize(self.engine.device)
                 timing["prefill_s"] = time.perf_counter() - t0
                 timing["produced_after_prefill"] = -self.session.stats.produced
-                timing["capture_total_at_prefill"] = self.session._capture_total()
+                timing["capture_total_at_prefill"] = self.session.capture_total()
         timing["produced_after_prefill"] += self.session.stats.produced
         return [results[i] for i in ids], timing
 

@@ -312,7 +312,7 @@ class Session:
         """One target forward (vanilla) or one draft-then-verify round (speculative), then the step's one host
         sync and its bookkeeping, before returning. On a GPU with graphs, the whole device part replays as one
         CUDA graph (`StepGraph`)."""
-        t0, c0 = time.perf_counter(), self._capture_total()
+        t0, c0 = time.perf_counter(), self.capture_total()
         self.complete(self.launch(overlapped=False))
         self._account(t0, c0)
 
@@ -359,7 +359,7 @@ class Session:
                 self.step()
                 n += 1
             return
-        t0, c0 = time.perf_counter(), self._capture_total()
+        t0, c0 = time.perf_counter(), self.capture_total()
         inflight, n = None, 0
         while True:
             launch = not self.is_done and (max_steps is None or n < max_steps)
@@ -402,8 +402,8 @@ class Session:
         return self._device_step(max_len, graphed_forwards=self.use_graphs)
 
     def _account(self, t0: float, c0: float) -> None:
-        """Decode time since t0, less the one-time graph cost incurred since (c0 = `_capture_total` at t0)."""
-        self.stats.capture_s = self._capture_total()
+        """Decode time since t0, less the one-time graph cost incurred since (c0 = `capture_total` at t0)."""
+        self.stats.capture_s = self.capture_total()
         self.stats.decode_s += time.perf_counter() - t0 - (self.stats.capture_s - c0)
 
     def add_one_time_s(self, seconds: float) -> None:
@@ -411,7 +411,7 @@ class Session:
         with the capture time, not the decode time."""
         self._warmup_s += seconds
 
-    def _capture_total(self) -> float:
+    def capture_total(self) -> float:
         """One-time graph cost so far: captures plus their warm-up runs (tokens of a warm-up step count)."""
         graphs = sum(r.capture_s for r in self.runners.values()) + sum(g.capture_s for g in self._graphs.values())
         return graphs + self._warmup_s
