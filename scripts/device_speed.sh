@@ -10,8 +10,9 @@
 #                                        # code 32k x 16 for every method, one-shot generate (vanilla, dustin)
 #   bash scripts/device_speed.sh round   # after staging: `bench e2e --real` code 16k / 32k x 16 (vanilla, dustin, with
 #                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
-#                                        # the context; AUTO_CONTEXTS picks the contexts, " " none), and with ALT=1
-#                                        # dustin on the 3-layer S_draft config (docs/results/profile_h200/)
+#                                        # the context; AUTO_CONTEXTS picks the contexts, " " none), and with
+#                                        # ALT=<config JSON> dustin on that config (e.g. a leaner S_draft,
+#                                        # docs/results/profile_h200/config_5_draft_layers.json)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
@@ -66,9 +67,9 @@ elif [ "$mode" = round ]; then
     run $((420 - SECONDS)) $e2e --contexts $c --methods dustin --budget auto --budget-p 0.99 --budget-max $c \
       --json-out "$OUT/bench_e2e_real_auto99_$c.json"
   done
-  if [ -n "${ALT:-}" ]; then  # the faster 3-layer S_draft config (2-3 RULER points lower, docs/accuracy.md)
+  if [ -n "${ALT:-}" ]; then  # another config on the same prompts
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
-      --config docs/results/profile_h200/config_3_draft_layers.json --json-out "$OUT/bench_e2e_real_3layer.json"
+      --config "$ALT" --json-out "$OUT/bench_e2e_real_$(basename "${ALT%.json}").json"
   fi
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 3 --steps 12"

@@ -44,13 +44,16 @@ def _tol(dtype):
     return {"atol": 1e-3, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-5}
 
 
+@pytest.mark.parametrize("kv_slots", [False, True])
 @pytest.mark.parametrize("B,L_total,layers,Hkv,heads,Tq,D,ctx,dtype", MULTI_CASES)
-def test_multi_layer_matches_reference(B, L_total, layers, Hkv, heads, Tq, D, ctx, dtype):
+def test_multi_layer_matches_reference(B, L_total, layers, Hkv, heads, Tq, D, ctx, dtype, kv_slots):
+    """Both ways of reading K: a slot per head (repeats masked) and a slot per KV head of the cache (unused
+    ones masked; with Hkv 7 > 3 heads, more slots than heads)."""
     gen = torch.Generator().manual_seed(31)
     q, k_all, lay, kvh, ctx_t, qpos = _inputs(B, L_total, layers, Hkv, heads, Tq, D, ctx, dtype, gen)
     start = torch.rand(B, k_all.shape[3] + 2, generator=gen)  # accumulate onto existing scores; wider row
     got = attention_scores_multi(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t,
-                                 num_programs=3, block_n=16)
+                                 num_programs=3, block_n=16, kv_slots=kv_slots)
     want = attention_scores_multi_reference(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t)
     torch.testing.assert_close(got, want, **_tol(dtype))
     for b, c in enumerate(ctx):  # nothing added past the committed context
@@ -73,7 +76,7 @@ def test_shared_kv_heads_out_of_order(dtype):
     qpos = ctx_t.long()[:, None] + torch.arange(Tq)[None, :]
     start = torch.rand(B, S_cap + 3, generator=gen)
     want = attention_scores_multi_reference(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t)
-    for kw in ({"num_programs": 3, "block_n": 16}, {}):
+    for kw in ({"num_programs": 3, "block_n": 16}, {}, {"kv_slots": False}):  # {}: a slot per KV head
         got = attention_scores_multi(q, k_all, lay, kvh, ctx_t + Tq, qpos, start.clone(), ctx_lengths=ctx_t, **kw)
         torch.testing.assert_close(got, want, **_tol(dtype))
 

@@ -107,18 +107,27 @@ def _q_tile(q_ptr, b, l, row_head, row_t, row_ok, d, sq_b, sq_l, sq_h, sq_t):
 @triton.jit
 def _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s,
             HS: tl.constexpr, TQ: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-            IEEE: tl.constexpr):
+            IEEE: tl.constexpr, KV_SLOTS: tl.constexpr):
     """Raw logits [R_PAD, BLOCK_N] of the rows of Q tile q (KV head row_kv per row) against keys j: one K tile
-    read per distinct KV head of the layer, multiplied with all rows on that KV head in one tl.dot."""
+    read per distinct KV head of the layer, multiplied with all rows on that KV head in one tl.dot.
+
+    KV_SLOTS > 0 (the cache has KV_SLOTS <= HS KV heads): one slot per KV head of the cache, skipped (masked
+    load, zero rows) when no row uses it. Else one slot per head, standing for its KV head unless an earlier head
+    used it. Each slot costs sm_90 codegen a staged K and Q tile in shared memory, so the fewer slots the more
+    programs per SM: the draft's and the target's 4 score heads sit on 2 KV heads (2 slots instead of 4)."""
     s = tl.zeros([R_PAD, BLOCK_N], dtype=tl.float32)
     k_base = k_ptr + lyr * sk_l + b * sk_b
     rows = tl.arange(0, R_PAD)
-    for h in tl.static_range(HS):
-        # Slot h stands for the KV head of head h unless an earlier head already used it (or it is -1). All of
-        # this depends on the layer only, not on the key block (the compiler hoists it out of the key loop).
-        kvh = tl.max(tl.where(rows == h * TQ, row_kv, -1), 0)
-        seen = tl.sum(((rows < h * TQ) & (row_kv == kvh)).to(tl.int32), 0)
-        kvh = tl.where(seen == 0, kvh, -1)
+    for h in tl.static_range(KV_SLOTS if KV_SLOTS > 0 else HS):
+        # Which KV head the slot reads (-1: none). All of this depends on the layer only, not on the key block
+        # (the compiler hoists it out of the key loop).
+        if KV_SLOTS > 0:
+            used = tl.sum((row_kv == h).to(tl.int32), 0)
+            kvh = tl.where(used > 0, h, -1)
+        else:
+            kvh = tl.max(tl.where(rows == h * TQ, row_kv, -1), 0)
+            seen = tl.sum(((rows < h * TQ) & (row_kv == kvh)).to(tl.int32), 0)
+            kvh = tl.where(seen == 0, kvh, -1)
         k = tl.load(k_base + kvh.to(tl.int64) * sk_h + j[:, None] * sk_s + d[None, :],
                     mask=(j_ok & (j * 0 + kvh >= 0))[:, None], other=0.0)  # -1: pad or repeat, no read
         # The rows of every head on this KV head (none for -1: that dot multiplies zeros). Not under an
@@ -138,7 +147,7 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
                         NL: tl.constexpr, HS: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr,
                         P1: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         HAS_KLEN: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_LAYERS: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                        IEEE: tl.constexpr, KV_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride of a large cache overflows int32
     pid = tl.program_id(1)
@@ -155,7 +164,8 @@ def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, m
     for blk in range(pid, tl.cdiv(key_end, BLOCK_N), P1):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < key_end
-        s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD, BLOCK_N, IEEE)
+        s = _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s, HS, TQ, R_PAD, BLOCK_N, IEEE,
+                    KV_SLOTS)
         s = tl.where(j_ok[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         # scratch [B, NL, HS*TQ, S_CAP]: pass 2 reads these instead of K
         lg = lg_ptr + ((b * NL + l) * (HS * TQ) + rows[:, None]) * S_CAP + j[None, :]
@@ -254,7 +264,7 @@ def _split_heads(q, layers, kv_heads, group):
 
 def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positions, out, *, scale=None,
                            ctx_lengths=None, accumulate=True, num_programs=None, block_n=None, num_warps=None,
-                           num_stages=None, group_heads=None):
+                           num_stages=None, group_heads=None, kv_slots=None):
     """Eq. 5 over several layers in one estimate (2 launches).
 
     q [B, NL, Hs, Tq, D] (any strides, last dim contiguous): layer l's queries; they read layer layers[l]
@@ -264,7 +274,8 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     key_lengths[b] - 1. Adds the mass on j < ctx_lengths[b] (default: key_lengths, else S_cap) into out
     fp32 [B, >= S_cap]; accumulate=False writes it instead and zeroes the rest of the row. Returns out.
     num_programs / block_n / num_warps / num_stages / group_heads (heads per launch entry) override the
-    launch (for tuning)."""
+    launch (for tuning); kv_slots (default: when the cache has no more KV heads than a launch entry has heads)
+    gives each KV head of the cache one slot of `_logits` instead of each head."""
     B, NL, Hs, Tq, D = q.shape
     S_cap = k_all.shape[3]
     assert k_all.dim() == 5 and k_all.shape[1] == B and k_all.shape[4] == D
@@ -291,15 +302,21 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     kv_heads = kv_heads.contiguous()
     dummy = kv_heads  # stands in for the absent optional tensors (never read: constexpr flags)
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    n_kv = k_all.shape[2]
+    slots = n_kv if (kv_slots if kv_slots is not None else n_kv <= Hs) else 0
+    # H200, S_draft of the shipped config (11 layers x 4 heads on 2 KV heads x 4 queries, D 64), B 16 x 32k, both
+    # passes: a slot per head, 2 stages 756 us; a slot per KV head, 2 stages 733 us, 3 stages 593 us (4: 607; 8
+    # warps slower everywhere) (scripts/experiments/score_slots.py)
+    stages = 3 if slots and D <= 64 else 2
     common = {"NL": NL, "HS": Hs, "TQ": Tq, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
               "HAS_KLEN": key_lengths is not None, "HAS_QPOS": query_positions is not None,
-              "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or 2,
+              "num_warps": num_warps or (4 if r_pad <= 32 else 8), "num_stages": num_stages or stages,
               **pdl_options(q.device)}
     opt = lambda t: dummy if t is None else t  # noqa: E731
     sp = query_positions.stride() if query_positions is not None else (0, 0)
     _score_pass1_kernel[(B, p1, NL)](q, k_all, opt(layers), kv_heads, opt(key_lengths), opt(query_positions), ml,
                                      lg, scale * _LOG2E, *q.stride()[:4], *k_all.stride()[:4], *sp, S_cap, D=D,
-                                     HAS_LAYERS=layers is not None, IEEE=ieee, **common)
+                                     HAS_LAYERS=layers is not None, IEEE=ieee, KV_SLOTS=slots, **common)
     _score_pass2_kernel[(B, p2)](kv_heads, opt(key_lengths), opt(ctx_lengths), opt(query_positions), ml, lg, out,
                                  *sp, out.stride(0), S_cap, out.shape[1], NL_PAD=triton.next_power_of_2(NL),
                                  P_PAD=triton.next_power_of_2(p1), P2=p2, HAS_CTX=ctx_lengths is not None,
