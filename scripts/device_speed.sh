@@ -11,8 +11,8 @@
 #   bash scripts/device_speed.sh round   # after staging: `bench e2e --real` code 16k / 32k x 16 (vanilla, dustin, with
 #                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
 #                                        # the context; AUTO_CONTEXTS picks the contexts, " " none), and with
-#                                        # ALT=<config JSON> dustin on that config (e.g. a leaner S_draft,
-#                                        # docs/results/profile_h200/config_5_draft_layers.json)
+#                                        # ALT=<config JSON> dustin on that config (e.g. the 11-layer S_draft one,
+#                                        # docs/results/profile_h200/config_11_draft_layers.json)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
