@@ -41,6 +41,29 @@ def test_greedy_speculative_equals_vanilla(engine, gamma):
         assert 1.0 < out.tau <= gamma + 1
 
 
+def test_steps_on_bf16_logits_choose_what_fp32_logits_choose(tiny_pair, monkeypatch):
+    """A step's forwards return bf16 logits (no fp32 copy); greedy acceptance and sampling must choose exactly
+    the tokens they choose on the fp32 logits (the same values cast): greedy speculative = vanilla, and a seeded
+    sampled run equals one whose forwards return fp32."""
+    from dustin.engine.session import Session
+    target, draft = tiny_pair
+    eng = Engine(load_model(target, dtype=torch.bfloat16), load_model(draft, dtype=torch.bfloat16))
+    prompts = _prompts([5, 23, 61])
+    vanilla = _run(eng, prompts, method="vanilla", max_new_tokens=24)
+    spec = _run(eng, prompts, method="classic", gamma=3, max_new_tokens=24)
+    assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in vanilla.sequences]
+    sampled = dict(method="classic", gamma=3, max_new_tokens=24, temperature=0.8, top_k=20, seed=5)
+    bf16 = _run(eng, prompts, **sampled)
+
+    def fp32_forward(self, which, tokens, positions, lengths, max_len, **kw):
+        return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=True, **kw)
+
+    monkeypatch.setattr(Session, "_forward", fp32_forward)
+    fp32 = _run(eng, prompts, **sampled)
+    assert [s.token_ids for s in bf16.sequences] == [s.token_ids for s in fp32.sequences]
+    assert len({tuple(s.token_ids) for s in bf16.sequences}) == 3
+
+
 def test_outputs_are_not_degenerate(engine):
     """The equality above is meaningful only if the outputs vary with the prompt."""
     out = _run(engine, _prompts([8, 8, 8], seed=3), method="vanilla", max_new_tokens=20)

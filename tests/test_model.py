@@ -50,6 +50,23 @@ def test_rope_scaling_is_applied(tmp_path):
     assert (scaled - unscaled).abs().max() > 1e-2
 
 
+def test_logits_in_the_model_dtype_are_the_fp32_logits_before_the_cast(tiny_qwen2):
+    """float_logits=False (a speculative step's forwards) returns the lm_head's bf16 output; the default fp32
+    logits are exactly that tensor cast, so an argmax or a later cast sees the same values."""
+    model = load_model(tiny_qwen2, dtype=torch.bfloat16)
+    a = model.args
+    tokens = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        outs = []
+        for float_logits in (True, False):
+            cache = KVCache(a.n_layers, 2, a.n_kv_heads, a.head_dim, 16, torch.bfloat16, "cpu")
+            ctx = ForwardContext(cache, torch.arange(9)[None].expand(2, 9), torch.zeros(2, dtype=torch.int32), 9,
+                                 fresh=True)
+            outs.append(model(tokens, ctx, float_logits=float_logits))
+    assert outs[0].dtype == torch.float32 and outs[1].dtype == torch.bfloat16
+    assert torch.equal(outs[1].float(), outs[0])
+
+
 def test_cached_decode_of_ragged_batch_matches_full_forward(tiny_qwen2):
     """Append 1 and then 3 tokens per sequence to a ragged cache; logits equal a full forward of each."""
     model, ref = load_model(tiny_qwen2), hf_model(tiny_qwen2)

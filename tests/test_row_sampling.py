@@ -31,6 +31,33 @@ def test_per_row_rules_equal_the_reference():
     assert torch.all((got[3] > 0).sum(-1) <= 50)  # top-k 50 and top-p 0.5 both cut
 
 
+def test_bf16_logits_give_the_probabilities_and_tokens_of_their_fp32_cast():
+    """A speculative step's forwards return logits in the model's dtype (no fp32 copy): every rule must compute
+    on their exact fp32 values, so bf16 logits and the same values as fp32 give bit-equal probabilities and the
+    same draws (batch rule, per-row rules, acceptance)."""
+    from dustin.engine.sampling import accept_speculative, choose
+    gen = torch.Generator().manual_seed(4)
+    low = (torch.randn(len(RULES), 3, 97, generator=gen) * 3).to(torch.bfloat16)
+    high = low.float()
+    for rule in RULES:
+        assert torch.equal(probabilities(low, rule), probabilities(high, rule))
+    assert torch.equal(_sampler(RULES)._probabilities(low), _sampler(RULES)._probabilities(high))
+    for logits in (low, high):  # the same fresh state each time: the same draws
+        s = _sampler(RULES, seeds=[1, 2, 3, 4, 5])
+        tok, probs = s.choose(logits[:, 0])
+        drafts = torch.randint(0, 97, (len(RULES), 2), generator=torch.Generator().manual_seed(0))
+        n, nxt = s.accept(drafts, torch.stack([probs, probs], 1), logits)
+        if logits is low:
+            first = (tok, probs, n, nxt)
+    assert all(torch.equal(a, b) for a, b in zip(first, (tok, probs, n, nxt), strict=True))
+    rule = SamplingRule(0.9, 10, 0.95)
+    draws = [choose(x[:, 0], rule, torch.Generator().manual_seed(2))[0] for x in (low, high)]
+    assert torch.equal(*draws)
+    d_probs = probabilities(high[:, :2], rule)
+    accepted = [accept_speculative(drafts, d_probs, x, rule, torch.Generator().manual_seed(3)) for x in (low, high)]
+    assert all(torch.equal(a, b) for a, b in zip(*accepted, strict=True))
+
+
 def test_counter_noise_is_uniform_and_reproducible():
     seeds = torch.tensor([3, -7, 1 << 40])
     u = counter_uniform(seeds, torch.zeros(3, dtype=torch.long), 20000)

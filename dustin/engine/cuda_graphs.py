@@ -19,10 +19,12 @@ from dustin.models.transformer import Transformer
 
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
-                 window: int = 0, sparse_k: int | None = None, observers=(), warmup: int = 2) -> None:
+                 window: int = 0, sparse_k: int | None = None, observers=(), warmup: int = 2,
+                 float_logits: bool = True) -> None:
         """sparse_k: capture sparse verification over a static [batch, sparse_k] index plan (copied in per call).
         observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
-        replay repeats their writes; warm-up and capture also run them, on dummy inputs)."""
+        replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits: as
+        `Transformer.forward`'s."""
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(batch, num_new, dtype=torch.long, device=dev)
@@ -41,11 +43,11 @@ class GraphedForward:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):  # compile Triton kernels and let the allocator settle before capture
-                model(self.tokens, self.ctx)
+                model(self.tokens, self.ctx, float_logits=float_logits)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = model(self.tokens, self.ctx)
+            self.logits = model(self.tokens, self.ctx, float_logits=float_logits)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                  plan: SparsePlan | None = None) -> torch.Tensor:

@@ -33,21 +33,24 @@ class ModelRunner:
         self.capture_s = 0.0  # time spent capturing (warm-up runs included)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, max_len: int, *,
-                sinks: int = 0, window: int = 0, sparse=None, observers=(), graphed: bool = True) -> torch.Tensor:
-        """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions.
+                sinks: int = 0, window: int = 0, sparse=None, observers=(), graphed: bool = True,
+                float_logits: bool = True) -> torch.Tensor:
+        """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions (fp32, or
+        with float_logits=False in the model's dtype: `Transformer.forward`).
         graphed=False: run eagerly even when graphs are on (the step loop captures a whole step around it)."""
         if graphed and self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
             sparse_k = None if sparse is None else sparse.indices.shape[1]
-            key = (tokens.shape[1], sparse_k)
+            key = (tokens.shape[1], sparse_k, float_logits)
             if key not in self._graphs:
                 t0 = time.perf_counter()
                 self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
-                                                   window=window, sparse_k=sparse_k, observers=observers)
+                                                   window=window, sparse_k=sparse_k, observers=observers,
+                                                   float_logits=float_logits)
                 self.capture_s += time.perf_counter() - t0
             return self._graphs[key](tokens, positions, lengths, sparse)
         ctx = ForwardContext(self.cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
                              observers=list(observers))
-        return self.model(tokens, ctx)
+        return self.model(tokens, ctx, float_logits=float_logits)
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: list[int], start: int = 0, observers=()) -> torch.Tensor:

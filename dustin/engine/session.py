@@ -508,7 +508,9 @@ class Session:
         return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
 
     def _forward(self, which: str, tokens, positions, lengths, max_len: int, **kw) -> torch.Tensor:
-        return self.runners[which].forward(tokens, positions, lengths, max_len, **kw)
+        """A step's forward: logits in the model's dtype (the sampler casts where it computes probabilities;
+        greedy choices and acceptance are argmaxes, the same on either dtype)."""
+        return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=False, **kw)
 
     def _bookkeep(self, host: list[list[int]], stage: torch.Tensor, live: list[tuple[int, int, bool]]) -> None:
         """Commit one step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch,

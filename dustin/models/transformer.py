@@ -261,21 +261,28 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(args)
         self.backend = backend or AttentionBackend.for_device("cpu")
 
-    def forward(self, tokens: torch.Tensor, ctx: ForwardContext,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T)."""
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
+                float_logits: bool = True) -> torch.Tensor:
+        """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T).
+
+        float_logits=False: the lm_head's output as it is, in the activation dtype. The fp32 logits are that
+        tensor cast (exactly: every bf16 / fp16 value is an fp32 value), so a caller that only takes an argmax,
+        or casts where it needs fp32 (dustin.engine.sampling does), gets the same tokens without the copy: in a
+        speculative step, one [B, T, V] write and its re-read per forward, 5 per step at Γ = 4."""
         h, residual = self.embed_tokens(tokens), None
         cos, sin = self.rotary(ctx.positions)
         if self._takes_decode_kernels(h, ctx):
-            return self.decode_logits(h, cos, sin, ctx, logits_at)
+            return self.decode_logits(h, cos, sin, ctx, logits_at, float_logits)
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, ctx, self.backend)
         if logits_at is not None:
             rows = torch.arange(h.shape[0], device=h.device)
             h, residual = h[rows, logits_at], residual[rows, logits_at]
-        return self.lm_head(self.norm.add_forward(residual, h)[1]).float()
+        logits = self.lm_head(self.norm.add_forward(residual, h)[1])
+        return logits.float() if float_logits else logits
 
-    def decode_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
+                      float_logits: bool = True) -> torch.Tensor:
         """`forward` after the embedding, through `DecoderLayer.decode_forward` (its conditions:
         `_takes_decode_kernels`)."""
         from dustin.kernels.decode_linear import row_norm
@@ -286,7 +293,8 @@ class Transformer(nn.Module):
             h, normed = layer.decode_forward(h, normed, cos, sin, ctx, self.backend, nxt)
         if logits_at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        return logits.float() if float_logits else logits
 
     def _takes_decode_kernels(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
         """Decode and verify forwards on a GPU: few rows, new tokens appended to every row's cache (no prefill,
