@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU needle check of the leaner S_draft candidate (docs/profiling.md, "A cheaper S_draft"): held-out needles,
 # multi-key then single, at 8k, 16k and 30k tokens, 5 depths, greedy, 32 new tokens, for
-#   vanilla; dustin with the shipped 11-layer config (dustin/configs/) at k = 512 and 256;
+#   vanilla; dustin with the shipped config (dustin/configs/; 11 draft layers when this ran, 5 since 2026-12-02) at
+#   k = 512 and 256;
 #   dustin with the candidate (docs/results/profile_cpu/candidate_config.json, 3 draft score layers; shipped for a
 #   few hours on 2026-12-02, withdrawn after RULER, docs/accuracy.md) at k = 512, 256.
 # On a GPU machine with the default pair fetched (`dustin models fetch`), from the repository root:
