@@ -75,3 +75,12 @@ def pdl_options(device: torch.device) -> dict:
 
 def clear_cache() -> None:
     _cuda_pdl.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device, cpu: int) -> int:
+    """The SM count of a CUDA device, by which the kernels size their grids and splits; `cpu`: the count a launch
+    on CPU tensors (the interpreter) assumes, which the kernel's tests pin their split counts to."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return cpu

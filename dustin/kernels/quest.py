@@ -20,25 +20,19 @@ from shapes: no .item(), CUDA-graph friendly. CPU tensors outside the Triton int
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 PAGE_SIZE = 16
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @triton.jit
@@ -145,7 +139,7 @@ def page_scores(q, page_min, page_max, lengths, *, page_size=PAGE_SIZE, out=None
     assert out.stride(-1) == 1 and D & (D - 1) == 0
     block_p = 32  # 32 pages x D 128 x min+max in fp32 = 64 registers a thread at 4 warps
     # ~4 programs per SM over the batch, each a whole number of page blocks: q is re-read per program
-    per_head = max(1, triton.cdiv(4 * _num_sms(q.device), B * H))
+    per_head = max(1, triton.cdiv(4 * num_sms(q.device, 4), B * H))
     chunk = triton.cdiv(triton.cdiv(n_pages, per_head), block_p) * block_p
     _page_scores_kernel[(B * H, triton.cdiv(n_pages, chunk))](
         q, page_min, page_max, lengths, out, n_pages, chunk, *q.stride()[:3], *page_min.stride()[:3],

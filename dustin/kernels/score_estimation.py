@@ -50,7 +50,6 @@ bandwidth; 8 warps or fewer/more programs measured slower.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -62,18 +61,13 @@ from dustin.attention.reference import (  # noqa: F401  (re-exported: the kernel
     attention_scores_multi_reference,
     attention_scores_reference,
 )
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 # Heads (and rows: heads x queries) per launch entry at most: 4 slots x (128 keys + 16 rows) x D 128 x 2 B
 # = 147456 B of K and Q tiles (+ 8192) fits sm_90's 232448 B; tests/test_kernels_compile.py asserts it.
 _MAX_GROUP_HEADS = 4
 _MAX_GROUP_ROWS = 64
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 @triton.jit
@@ -243,8 +237,8 @@ def _launch_config(B, NL, S_cap, r_pad, D, device, num_programs, block_n):
     n_blocks = triton.cdiv(S_cap, block_n)
     # ~4 programs per SM over the whole batch (an H200 sweep found 2-8 within 5% of each other); pass 1
     # splits them over the layers, pass 2 loops over the layers in every program.
-    p2 = num_programs or triton.cdiv(4 * _num_sms(device), B)
-    p1 = num_programs or triton.cdiv(4 * _num_sms(device), B * NL)
+    p2 = num_programs or triton.cdiv(4 * num_sms(device, 2), B)
+    p1 = num_programs or triton.cdiv(4 * num_sms(device, 2), B * NL)
     return block_n, max(1, min(p1, n_blocks)), max(1, min(p2, n_blocks))
 
 

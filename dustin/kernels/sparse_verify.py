@@ -32,7 +32,6 @@ every case measured (16.5 vs 20.2 us at 32B 8k x 8, 18.3 vs 21.1 us at 7B 32k x 
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -42,7 +41,7 @@ import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -198,15 +197,10 @@ def _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _default_num_splits(n_programs: int, k_max: int, block_n: int, device: torch.device) -> int:
     """About one program per SM: on an H200 (k 512) splitting B*Hkv = 128 programs only added partial
     traffic, while B*Hkv = 32 wanted 4 splits; never a split smaller than one block."""
-    sms = _num_sms(device)
+    sms = num_sms(device, 4)
     return max(1, min(sms // max(n_programs, 1), triton.cdiv(k_max, block_n)))
 
 

@@ -34,7 +34,6 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -43,7 +42,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 H200_NUM_SMS = 132
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
@@ -209,13 +208,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_NUM_SMS
-
-
 def use_pdl_for(programs: int, device: torch.device) -> dict:
     """Launch options of a split-kernel grid of `programs`: Programmatic Dependent Launch (when on,
     dustin/kernels/launch.py) only for a grid that fits on the SMs at once, such as the streaming draft's 3 splits
@@ -224,7 +216,7 @@ def use_pdl_for(programs: int, device: torch.device) -> dict:
     not spread evenly (the likely cause, not profiled). Vanilla's step with PDL on was 10% slower than without on
     random weights before this rule, 1-2% on the real pair after it (docs/benchmarks.md, "Programmatic Dependent
     Launch": not one A/B of the rule alone)."""
-    return pdl_options(device) if programs <= _num_sms(device) else {"PDL": False, "launch_pdl": False}
+    return pdl_options(device) if programs <= num_sms(device, H200_NUM_SMS) else {"PDL": False, "launch_pdl": False}
 
 
 def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 0) -> int:
@@ -234,14 +226,14 @@ def key_upper_bound(seq_upper_bound: int, T: int, sinks: int = 0, window: int = 
     return seq_upper_bound
 
 
-def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, num_sms: int = H200_NUM_SMS,
+def default_num_splits(n_kv_programs: int, n_keys: int, block_n: int, sms: int = H200_NUM_SMS,
                        programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits per (sequence, KV head): the most that keep the grid within one wave of resident programs and give
     each split at least MIN_TILES_PER_SPLIT tiles of keys (one: written in place, no merge).
 
     n_kv_programs = B * Hkv; n_keys is the per-sequence key bound."""
     n_tiles = max(1, triton.cdiv(n_keys, block_n))
-    return max(1, min(n_tiles // MIN_TILES_PER_SPLIT, programs_per_sm * num_sms // max(1, n_kv_programs)))
+    return max(1, min(n_tiles // MIN_TILES_PER_SPLIT, programs_per_sm * sms // max(1, n_kv_programs)))
 
 
 def default_launch_config(rows: int, head_dim: int) -> dict:
@@ -297,7 +289,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     seq_bound = min(max_len, k_cache.shape[2]) if max_len is not None else k_cache.shape[2]
     n_keys = max(1, key_upper_bound(seq_bound, T, sinks, window))
     if num_splits is None:
-        num_splits = default_num_splits(B * Hkv, n_keys, block_n, _num_sms(q.device))
+        num_splits = default_num_splits(B * Hkv, n_keys, block_n, num_sms(q.device, H200_NUM_SMS))
     num_splits = max(1, min(num_splits, triton.cdiv(n_keys, block_n)))  # a split holds at least one tile
     if out is None:
         out = torch.empty_like(q)
