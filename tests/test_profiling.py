@@ -796,6 +796,8 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
     (["--contexts", "1,x"], "--contexts must be a comma-separated list of integers"),
     (["--trace-contexts", "0"], "--trace-contexts must be a comma-separated list of integers >= 1"),
     (["--search-m", "64,,-1"], "--search-m must be a comma-separated list of integers >= 1"),
+    (["--roles", "draft,teacher"], "--roles must name target and/or draft once each"),
+    (["--roles", "draft,draft"], "--roles must name target and/or draft once each"),
 ])
 def test_profile_flag_errors_before_any_model_loads(capsys, tmp_path, argv, needle):
     from dustin.cli.main import main
@@ -806,6 +808,26 @@ def test_profile_flag_errors_before_any_model_loads(capsys, tmp_path, argv, need
     assert code == 2
     assert err.startswith("dustin: error:") and err.count("\n") == 1 and needle in err, err
     assert "does not exist" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.realmodels
+def test_profile_srh_of_the_draft_alone(tmp_path, capsys, real_pair_cli):
+    """`--roles draft` runs the draft's needle trials only (its SRHs again, e.g. at longer contexts), leaving the
+    target's files alone. (The real pair: the needle prompts need a chat template.)"""
+    from dustin.cli.main import main
+
+    try:
+        from dustin.data.corpora import essays
+        essays("profile")
+    except InputError as e:
+        pytest.skip(f"essay data packages not available: {e}")
+    out = tmp_path / "o"
+    code = main(["profile", "srh", "--out", str(out), "--roles", "draft", "--contexts", "300", "--depths", "2",
+                 "--needles", "1", "--srh-max-new-tokens", "8"])
+    assert code == 0, capsys.readouterr().err
+    assert (out / "srh_draft.json").is_file() and (out / "srh_draft_trials.jsonl").is_file()
+    assert not (out / "srh_target.json").exists() and not (out / "srh_target_trials.jsonl").exists()
+    assert json.loads((out / "srh_draft.json").read_text())["trials"] == 2
 
 
 def test_profile_rejects_a_pair_without_a_shared_tokenizer(tiny_pair, tmp_path, capsys):

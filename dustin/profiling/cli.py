@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
     s.add_argument("--needles", type=int, default=3, help="how many of the profiling needles")
     s.add_argument("--srh-max-new-tokens", type=int, default=50)
     s.add_argument("--batch-tokens", type=int, default=1 << 18, help="prompt tokens per trial batch")
+    s.add_argument("--roles", default="target,draft",
+                   help="which models' SRHs: target, draft or both (e.g. the draft's again at longer contexts)")
     t = p.add_argument_group("trace")
     t.add_argument("--trace-contexts", default="8192,16384,30720", help="tokens per validation text")
     t.add_argument("--trace-kinds", default="essays,squad,hotpotqa,code")
@@ -57,6 +59,9 @@ def _validate(args) -> None:
         raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), got {args.budget}")
     if args.contexts:
         int_list("--contexts", args.contexts)
+    roles = args.roles.split(",")
+    if not roles or any(r not in ("target", "draft") for r in roles) or len(set(roles)) != len(roles):
+        raise InputError(f"--roles must name target and/or draft once each, got {args.roles!r}")
     int_list("--trace-contexts", args.trace_contexts)
     int_list("--search-m", args.search_m)
     from dustin.data.corpora import KINDS
@@ -113,7 +118,7 @@ def _srh(engine, args, out: Path, progress) -> None:
     limit = min(limit - args.srh_max_new_tokens - 64, args.max_context or limit)
     contexts = int_list("--contexts", args.contexts) if args.contexts else default_contexts(limit)
     haystacks = shuffled_haystacks(essays("profile"), len(needles), args.seed)
-    for role in ("target", "draft"):
+    for role in args.roles.split(","):
         res = run_srh(engine, role, out, contexts, args.depths, needles, haystacks,
                       max_new_tokens=args.srh_max_new_tokens, batch_tokens=args.batch_tokens, progress=progress)
         srh_heatmap(res, out / f"srh_{role}.png", title=f"SRH scores, {role} ({res['counted']}/{res['trials']} "
