@@ -39,8 +39,9 @@ Retrieval Heads only. Design:
   heads launch as before. `_HeadSets` sorts heads by KV head, so GQA siblings mostly share a group and its
   K reads. H200, B 16 x 32k, CUDA graph, groups of 4 (other sizes): 12 heads x 1 query at D 128, 1 layer
   337 us (1/2/3/6 heads: 528/409/407/453), 4 layers 1351 us (2: 1261); 14 heads on 2 KV heads x 4 queries
-  at D 64, 3 layers 963 us (7: 823). Each group re-reads its KV heads' keys: one slot per distinct KV head
-  instead of per head would be the next step.
+  at D 64, 3 layers 963 us (7: 823). Each group re-reads its KV heads' keys. Within a group, an entry whose
+  heads outnumber the cache's KV heads reads K through one slot per KV head (`_logits`' KV_SLOTS): 2 slots
+  instead of 4 for the default pair's 4 heads on 2 KV heads, which leaves room for a third pipeline stage.
 - No host syncs: grids depend only on shapes.
 Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k, single pass, multi-layer: S_draft (4 heads on
 2 KV heads x 4 queries, 3 Qwen2.5-0.5B layers) 233 us before the KV-dedup / Q-once loading, 224 us after;
