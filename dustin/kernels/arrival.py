@@ -66,3 +66,17 @@ def last_to_arrive(cnt_ptr, slot, n_arrivals):
     if last:
         tl.atomic_xchg(cnt_ptr + slot, 0)
     return last
+
+
+@triton.jit
+def merge_partial(m_all, l_all, acc, m_s, l_s, acc_s):
+    """Fold one split's attention partial into running totals, by log-sum-exp: m is the rows' running max logit
+    (log2 units), l the sum of exp2(logit - m), acc the [rows, D] sum of those weights times V. Returns the new
+    (m, l, acc). Both split-attention merges (dense and sparse verify) take their partials in split order through
+    this one step. A row no split has seen yet keeps m = -inf: `m_safe` keeps -inf - -inf from making NaNs."""
+    m_new = tl.maximum(m_all, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_all - m_safe)
+    beta = tl.exp2(m_s - m_safe)
+    return m_new, l_all * alpha + l_s * beta, acc * alpha[:, None] + acc_s * beta[:, None]
+

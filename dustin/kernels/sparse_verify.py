@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
-from dustin.kernels.arrival import arrival_counters, last_to_arrive
+from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -183,12 +183,7 @@ def _merge_rows(acc_ptr, ml_ptr, out_ptr, pid_bh, b, kvh, rows, so_b, so_h, so_t
         l_s = tl.load(ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
         a_s = tl.load(acc_ptr + (part * BLOCK_M + rows[:, None]) * D + d[None, :], mask=row_ok[:, None],
                       other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_tot, m_s)
-        alpha = tl.exp2(m_tot - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_tot = l_tot * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m_tot = m_new
+        m_tot, l_tot, acc = merge_partial(m_tot, l_tot, acc, m_s, l_s, a_s)
     # l_tot >= 1 for every real row: the last split always sees new-token key c = 0.
     out = acc / tl.where(row_ok, l_tot, 1.0)[:, None]
     head = kvh * GROUP + rows // T

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.kernels.arrival import arrival_counters, last_to_arrive
+from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 H200_NUM_SMS = 132
@@ -171,13 +171,7 @@ def _merge_splits(PartAcc, PartM, PartL, Out, bh, b, kv_head, num_splits, n_acti
         l_s = tl.load(PartL + part, mask=row_valid, other=0.0, cache_modifier=".cg")
         acc_s = tl.load(PartAcc + part[:, None] * D + dims[None, :], mask=row_valid[:, None], other=0.0,
                         cache_modifier=".cg")
-        m_new = tl.maximum(m_all, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_all - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_all = l_all * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_all = m_new
+        m_all, l_all, acc = merge_partial(m_all, l_all, acc, m_s, l_s, acc_s)
     out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # l == 0 only on padding rows (not stored)
     o_ptrs = (Out + b * so_b + (kv_head * G + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t
               + dims[None, :] * so_d)
