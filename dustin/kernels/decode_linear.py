@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import H200_NUM_SMS, pdl_options, pdl_start
 
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
 _FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
@@ -277,7 +277,6 @@ class Tiles:
     stages: int = 4
 
 
-_SMS = 132  # an H100/H200's SMs: split-K stops at one wave of programs
 
 
 def _block_rows(m: int) -> int:
@@ -303,12 +302,13 @@ def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: i
 def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool, halves: int = 1) -> Tiles:
     """Tiles for a projection of N outputs (per half: gate_up programs compute `halves` = 2 tiles of BN rows).
     64 weight rows a program (narrower tiles re-read the activations more often than they gain), then K split
-    while the programs still fit in one wave on the SMs and each part keeps >= 1024 of K. Two tiles a program
+    while the programs still fit in one wave on an H200's SMs (a shape rule: the tiles do not depend on the
+    device, so CPU tests run the GPU's launches) and each part keeps >= 1024 of K. Two tiles a program
     (gate_up) stream BK = 128 through 3-4 stages. Measured on an H200 at the default pair's shapes
     (scripts/gpu_decode_layers.py --sweep / --pipeline)."""
     bn, split = 64, 1
     if splittable:
-        while split < 8 and triton.cdiv(N, bn) * split * 2 <= _SMS and K // (split * 2) >= 1024:
+        while split < 8 and triton.cdiv(N, bn) * split * 2 <= H200_NUM_SMS and K // (split * 2) >= 1024:
             split *= 2
     if halves == 2:
         return _fit(2 * bn, M, K, dtype, bn, split, bk=128, stages=4 if K <= 1024 else 3)
@@ -325,7 +325,7 @@ def qkv_tiles(M: int, n_heads: int, half: int, K: int, dtype: torch.dtype) -> Ti
     8.01 -> 7.40 us (4; 2: 7.34) (scripts/gpu_split_merge.py)."""
     q = QKV_TILES
     n_tiles, split = n_heads * (half // q.bn), 1
-    while split < 4 and n_tiles * split * 2 <= 2 * _SMS and K // (split * 2) >= 128:
+    while split < 4 and n_tiles * split * 2 <= 2 * H200_NUM_SMS and K // (split * 2) >= 128:
         split *= 2
     return _fit(2 * q.bn, M, K, dtype, q.bn, split, bk=q.bk, stages=q.stages)
 

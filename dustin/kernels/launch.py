@@ -77,6 +77,9 @@ def clear_cache() -> None:
     _cuda_pdl.cache_clear()
 
 
+H200_NUM_SMS = 132  # the SM count that shape rules assume where a launch's shape must not depend on the device
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device, cpu: int) -> int:
     """The SM count of a CUDA device, by which the kernels size their grids and splits; `cpu`: the count a launch

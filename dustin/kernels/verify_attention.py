@@ -42,9 +42,8 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
-from dustin.kernels.launch import num_sms, pdl_options, pdl_start
+from dustin.kernels.launch import H200_NUM_SMS, num_sms, pdl_options, pdl_start
 
-H200_NUM_SMS = 132
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
 # a grid just past a whole wave (e.g. 1.2-1.5 waves) is the worst case.
