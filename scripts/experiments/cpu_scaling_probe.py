@@ -3,14 +3,16 @@
     PYTHONPATH=. python3 scripts/experiments/cpu_scaling_probe.py [--mb 32] [--workers 1,2,4,8,16] [--dir /tmp]
 
 Why: `dustin models fetch` converts the 0.5B draft's GGUF in 5.4 s on 2 worker processes of our 2-core CPU, but
-took 12.5 s on 16 worker processes of the H200 machine (which reports 16 CPUs and no cgroup CPU quota): about
-the time the same work takes on ONE of our cores. Each worker here does what a conversion worker does to a
-tensor (dequantize GGML blocks with the gguf package, round to bf16 with `_to_bf16`, pwrite the result into a
-file in --dir), on `--mb` MB of synthetic Q8_0 and Q5_0 blocks, and reports its import, compute and write times.
-W workers run at once, for each W of --workers: if the machine runs them in parallel, the wall time stays flat
-as W grows (up to its real core count); if it grows with W, the processes share fewer cores than reported, and
-the conversion needs fewer or cheaper workers there, not more. Also printed: os.cpu_count(), the affinity mask,
-/proc/cpuinfo's model and the load average. Writes $OUT/cpu_scaling_probe.json when OUT is set.
+took 12.5 s on 16 worker processes of the H200 machine (which reports 16 CPUs and no cgroup CPU quota). Its "ready"
+line said the config and tokenizer were done at 12.5 s too, so the tensors were done no later: the tokenizer (since
+made ~5x cheaper) was at least as slow as the workers. Whether the workers themselves run in parallel there decides
+whether the tensors become the critical path now. Each worker here does what a conversion worker does to a tensor
+(dequantize GGML blocks with the gguf package, round to bf16 with `_to_bf16`, pwrite the result into a file in
+--dir), on `--mb` MB of synthetic Q8_0 and Q5_0 blocks, and reports its import, compute and write times. W workers
+run at once, for each W of --workers: if the machine runs them in parallel, the wall time stays flat as W grows (up
+to its real core count); if it grows with W, the processes share fewer cores than reported, and the conversion
+needs fewer or cheaper workers there, not more. Also printed: os.cpu_count(), the affinity mask, /proc/cpuinfo's
+model and the load average. Writes $OUT/cpu_scaling_probe.json when OUT is set.
 """
 from __future__ import annotations
 
