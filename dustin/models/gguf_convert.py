@@ -643,8 +643,10 @@ def _qwen2_tokenizer(fields: dict):
     the file's merges, CONTROL tokens (type 3) added as special, USER_DEFINED (type 4) as plain added tokens,
     both on the backend tokenizer; the special tokens named by their ids), without its own pass over the
     metadata: that pass makes a numpy view per vocabulary string and took 3.5 of the 4.9 s the tokenizer cost
-    per model (2-core CPU), on the conversion's critical path. tests/test_fetch.py checks that tokenizer.json,
-    tokenizer_config.json and chat_template.jinja come out byte-identical to the loader's.
+    per model (2-core CPU), on the conversion's critical path. For both default GGUFs, tokenizer.json,
+    tokenizer_config.json and chat_template.jinja came out byte-identical to the loader's under transformers 5.24
+    (and the same under 5.17, whose loader differs: `_tokenizer_from_gguf`); tests/test_fetch.py checks the files
+    against the GGUF's fields and the encodings against the loader's.
     """
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
