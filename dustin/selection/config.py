@@ -67,12 +67,14 @@ class SparseConfig:
     def load(cls, path: str | Path) -> "SparseConfig":
         path = Path(path)
         if not path.is_file():
-            raise InputError(f"sparse config {path} does not exist")
+            raise InputError(f"sparse config {path} {'is a directory' if path.is_dir() else 'does not exist'}")
         try:
             raw = json.loads(path.read_text())
             heads = {role: tuple(ScoreHeads(int(e["layer"]), tuple(int(h) for h in e["heads"]))
                                  for e in raw.get(role, [])) for role in ("target", "draft")}
             scalars = {k: int(raw[k]) for k in ("budget", "draft_topm", "sinks", "window") if k in raw}
+        except OSError as e:
+            raise InputError(f"sparse config {path} cannot be read: {e.strerror or e}") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise InputError(f"sparse config {path} is malformed ({e})") from None
         return cls(**heads, **scalars, source=str(path))
