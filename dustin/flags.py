@@ -26,6 +26,39 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "defa
                         "cards document)")
 
 
+# where the commands write: files whose folder must exist, and folders made with their parents
+_OUTPUT_FILES = ("json_out", "plot_out")
+_OUTPUT_FOLDERS = ("out",)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written, with one InputError line, before any model loads: a file
+    flag's folder must be a writable folder, a folder flag's nearest existing ancestor too (the command makes
+    the rest). Otherwise an evaluation or benchmark would run for its whole length and fail at its first write."""
+    import os
+    from pathlib import Path
+
+    from dustin.errors import InputError
+
+    for name in _OUTPUT_FILES + _OUTPUT_FOLDERS:
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        flag, path = f"--{name.replace('_', '-')}", Path(value)
+        if name in _OUTPUT_FILES:
+            if path.is_dir():
+                raise InputError(f"{flag} {value} is a folder, not a file")
+            folder = path.parent
+            if not folder.is_dir():
+                raise InputError(f"{flag} {value}: the folder {folder} does not exist")
+        else:
+            folder = next(p for p in (path, *path.parents) if p.exists())
+            if not folder.is_dir():
+                raise InputError(f"{flag} {value}: {folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(f"{flag} {value}: the folder {folder} is not writable")
+
+
 def int_list(flag: str, text: str, low: int = 1) -> list[int]:
     """A comma-separated flag of integers >= low (e.g. --contexts, --budgets), or one InputError line."""
     from dustin.errors import InputError

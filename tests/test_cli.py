@@ -136,3 +136,32 @@ def test_generate_json_reports_the_dtype_auto_chose(tiny_pair, capsys, monkeypat
                  "--prompts-jsonl", str(prompts), "--max-new-tokens", "3", "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == dtype
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "tasks", "--tasks", "code", "--json-out", "{tmp}/missing/r.json"],
+     "--json-out {tmp}/missing/r.json: the folder {tmp}/missing does not exist"),
+    (["eval", "needles", "--json-out", "{tmp}"], "--json-out {tmp} is a folder, not a file"),
+    (["bench", "e2e", "--plot-out", "{tmp}/missing/p.png"],
+     "--plot-out {tmp}/missing/p.png: the folder {tmp}/missing does not exist"),
+    (["profile", "trace", "--out", "{tmp}/a-file/prof"], "--out {tmp}/a-file/prof: {tmp}/a-file is not a folder"),
+])
+def test_unwritable_outputs_are_refused_before_the_models_load(capsys, tmp_path, argv, needle):
+    """The output paths are checked first (the target does not even exist here): a run is not spent on a result
+    it cannot write."""
+    (tmp_path / "a-file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--target", str(tmp_path / "no-model")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"dustin: error: {needle.replace('{tmp}', str(tmp_path))}\n"
+
+
+def test_an_io_error_is_one_line(capsys, monkeypatch):
+    """An OSError no command turned into its own message (here: disk full while fetching) is one line, exit 1."""
+    from dustin.models import fetch
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", "/models/x")
+    monkeypatch.setattr(fetch, "fetch_default_pair", full)
+    assert main(["models", "fetch", "--quiet"]) == 1
+    assert capsys.readouterr().err == "dustin: error: No space left on device: /models/x\n"

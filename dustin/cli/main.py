@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dustin.errors import DustinError, InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, check_outputs
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -198,6 +198,7 @@ def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_outputs(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "demo":
@@ -241,6 +242,9 @@ def _dispatch(argv: list[str] | None) -> int:
     except DustinError as e:
         print(f"dustin: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # an I/O failure no command turned into its own message (disk full, a file gone)
+        print(f"dustin: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("dustin: interrupted", file=sys.stderr)
         return 130

@@ -398,10 +398,11 @@ def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> lis
         return list(prompt)
     if tokenizer is None:
         raise InputError("this model folder has no tokenizer: pass token ids instead of text")
-    if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    if chat:  # the template's text, then its ids as apply_chat_template(tokenize=True) makes them
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False)
+    # verbose=False: a prompt longer than the model is `check_prompts`' one error line, not also transformers' warning
+    return tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
 
 
 def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
