@@ -29,7 +29,8 @@ def _args(**kw):
 
     base = dict(tasks="niah_single_1,vt", contexts="4096", budgets="256,auto:0.9", methods="vanilla,dustin,quest",
                 samples=2, batch_size=4, gamma=4, draft_window=512, config=None, seed=0, budget_min=128,
-                budget_max=1024, target="default", draft="default", dtype="auto", longbench_dir=None)
+                budget_max=1024, target="default", draft="default", dtype="auto", longbench_dir=None,
+                report_only=False)
     base.update(kw)
     return Namespace(**base)
 

@@ -177,6 +177,16 @@ def test_missing_data(tmp_path, monkeypatch):
         fresh("qmsum").samples(CharTok(), 4096, 1, 0)
 
 
+def test_missing_data_is_refused_before_the_models_load(tmp_path, capsys):
+    """`dustin eval tasks` asks every task for its data before loading (the target does not even exist here)."""
+    from dustin.cli.main import main
+    assert main(["eval", "tasks", "--tasks", "vt,qmsum", "--longbench-dir", str(tmp_path),
+                 "--target", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dustin: error: LongBench file {tmp_path / 'qmsum.jsonl'} not found")
+    assert err.count("\n") == 1
+
+
 def test_folder_attribute_and_bad_input(data, tmp_path_factory):
     other = tmp_path_factory.mktemp("other")
     (other / "musique.jsonl").write_text('{"input": "q", "context": "c", "answers": ["a"]}\nnot json\n')

@@ -62,6 +62,9 @@ def plan(args) -> dict:
     if args.longbench_dir:
         os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
     tasks = get_tasks(args.tasks)
+    if not args.report_only:
+        for task in tasks:  # a missing LongBench file: one line now, not after the model loads
+            task.check_data()
     contexts, budgets = int_list("--contexts", args.contexts, 1), budget_list("--budgets", args.budgets)
     methods = method_list(args.methods)
     if args.samples < 1:

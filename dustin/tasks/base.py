@@ -26,6 +26,11 @@ class Task(Protocol):
     family: str  # "ruler" | "code" | "longbench"
     max_new_tokens: int
 
+    def check_data(self) -> None:
+        """Raise one InputError line if data the task reads from the user's disk is not there: called before any
+        model loads. (Data that dustin downloads itself is fetched on first use.)"""
+        ...
+
     def samples(self, tokenizer, context: int, n: int, seed: int) -> list[Sample]: ...
 
     def score(self, prediction: str, references: list[str]) -> float:

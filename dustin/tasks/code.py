@@ -48,6 +48,9 @@ class CodeCompletion:
     family = "code"
     max_new_tokens = MAX_NEW_TOKENS
 
+    def check_data(self) -> None:
+        """Nothing to check: the sources are this Python's standard library and installed packages."""
+
     def samples(self, tokenizer, context: int, n: int, seed: int) -> list[Sample]:
         from dustin.data.corpora import python_sources
 

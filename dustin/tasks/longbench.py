@@ -142,6 +142,9 @@ class LongBenchTask:
     def __repr__(self) -> str:
         return f"LongBenchTask({self.name!r})"
 
+    def check_data(self) -> None:
+        self.path()
+
     def path(self) -> Path:
         folder = self.folder or os.environ.get(ENV)
         if not folder:

@@ -173,6 +173,9 @@ class RulerTask:
         self.max_new_tokens, self.template, self.answer_prefix = TEMPLATES[kind]
         self.metric = string_match_part if kind == "qa" else string_match_all
 
+    def check_data(self) -> None:
+        """Nothing on the user's disk: the haystacks' data packages are downloaded on first use."""
+
     def samples(self, tokenizer, context: int, n: int, seed: int) -> list[Sample]:
         if not isinstance(context, int) or context <= self.max_new_tokens:
             raise InputError(f"RULER task {self.name}: context {context} leaves no room for a prompt "
