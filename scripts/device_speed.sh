@@ -12,7 +12,9 @@
 #                                        # kernels per step), dustin with --budget auto p = 0.99 and no cap (k up to
 #                                        # the context; AUTO_CONTEXTS picks the contexts, " " none), and with
 #                                        # ALT=<config JSON> dustin on that config (e.g. the 11-layer S_draft one,
-#                                        # docs/results/profile_h200/config_11_draft_layers.json)
+#                                        # docs/results/profile_h200/config_11_draft_layers.json); `round` and
+#                                        # `long` time 40 steps after 4 warm-up steps (12 steps did not resolve
+#                                        # 0.3 ms between configs on real prompts)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
@@ -60,7 +62,7 @@ if [ "$mode" = real ]; then
     --json-out "$OUT/bench_e2e_real_code_32k.json" --plot-out "$OUT/bench_e2e_real_code_32k.png"
   oneshot
 elif [ "$mode" = round ]; then
-  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 3 --steps 12"
+  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 4 --steps 40"
   run $((300 - SECONDS)) $e2e --contexts 32768,16384 --methods vanilla,dustin \
     --json-out "$OUT/bench_e2e_real_code.json" --plot-out "$OUT/bench_e2e_real_code.png"
   for c in ${AUTO_CONTEXTS:-16384 32768}; do
@@ -72,7 +74,7 @@ elif [ "$mode" = round ]; then
       --config "$ALT" --json-out "$OUT/bench_e2e_real_$(basename "${ALT%.json}").json"
   fi
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
-  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 3 --steps 12"
+  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 4 --steps 40"
   run 330 $e2e --rope-scaling yarn:4 --contexts 65536 --batches 8 --methods vanilla,dustin \
     --json-out "$OUT/bench_e2e_real_code_64k.json"
   run $((560 - SECONDS)) $e2e --batches 16 --contexts 16384 --methods dustin --budget auto --budget-p 0.99 \
