@@ -398,11 +398,17 @@ def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> lis
         return list(prompt)
     if tokenizer is None:
         raise InputError("this model folder has no tokenizer: pass token ids instead of text")
-    if chat:  # the template's text, then its ids as apply_chat_template(tokenize=True) makes them
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               tokenize=False)
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     # verbose=False: a prompt longer than the model is `check_prompts`' one error line, not also transformers' warning
     return tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` in the chat template, the assistant's turn opened: the template's text, then its ids
+    as apply_chat_template(tokenize=True) makes them, without transformers' length warning (above)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
 def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,

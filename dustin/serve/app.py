@@ -131,14 +131,11 @@ class _Server:
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
+        from dustin.engine.engine import encode_chat
         try:
-            ids = tok.apply_chat_template([m.template_dict() for m in body.messages], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+            return encode_chat(tok, [m.template_dict() for m in body.messages])
         except Exception as e:  # noqa: BLE001 - jinja raises for message orders the template refuses
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        if hasattr(ids, "keys"):  # a BatchEncoding from older transformers
-            ids = ids["input_ids"]
-        return list(ids)
 
     def room(self, prompt_len: int) -> int:
         """The largest max_tokens a prompt of `prompt_len` tokens may ask for (the engine's context minus the
