@@ -896,6 +896,7 @@ def _check_profile(out, folders):
     raw = json.loads((out / "config.json").read_text())
     t_id, d_id = raw["models"]["target"], raw["models"]["draft"]
     assert t_id["n_layers"] == 28 and d_id["n_layers"] == 24
+    assert (t_id["name"], d_id["name"]) == (folders[0].name, folders[1].name)
     assert all(len(i["fingerprint"]) == 32 for i in (t_id, d_id)) and t_id["fingerprint"] != d_id["fingerprint"]
     report = json.loads((out / "search.json").read_text())
     assert report["search"]["target_layer"] == cfg.target[0].layer

@@ -12,6 +12,7 @@ FIG_BUDGETS = (64, 128, 256, 384, 512, 768, 1024)
 
 
 def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
+    from dustin.models.fetch import resolve_model_path
     from dustin.profiling.plots import fig_draft_lookahead, fig_layerwise, fig_target_history
     from dustin.profiling.srh import load_srh
     from dustin.profiling.trace import DELTAS, load_traces
@@ -37,8 +38,10 @@ def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
     costs["search_s"] = round(load_s + sum(p["seconds"] for p in log["phases"].values()), 1)
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()] \
         if (out / "runs.jsonl").is_file() else []
-    config = {**cfg.to_json(), "models": {"target": {"name": Path(str(args.target)).name, **t_id},
-                                          "draft": {"name": Path(str(args.draft)).name, **d_id}},
+    # the model folders' names ("default" names the fetched default pair's folders, which is what the file must say)
+    t_name, d_name = (resolve_model_path(str(spec), role).name
+                      for spec, role in ((args.target, "target"), (args.draft, "draft")))
+    config = {**cfg.to_json(), "models": {"target": {"name": t_name, **t_id}, "draft": {"name": d_name, **d_id}},
               "profile": {"arr_srh_validation": log["phases"]["3"]["arr"], "validation_steps": int(val.L.numel()),
                           "date": time.strftime("%Y-%m-%d"), "device": str(device), "costs_s": costs,
                           "runs": runs}}
