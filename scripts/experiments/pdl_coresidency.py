@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from dustin.bench.decode import copy_bandwidth  # noqa: E402
 from dustin.kernels import decode_linear as dl  # noqa: E402
 from dustin.kernels import launch  # noqa: E402
+from scripts.experiments.launch_floor import _time  # noqa: E402  (us per instance of n, in one CUDA graph)
 
 DIM, HQ, HKV, D, INTER, EPS = 896, 14, 2, 64, 4864, 1e-6  # Qwen2.5-0.5B (the default draft)
 
@@ -98,37 +99,6 @@ def layer_bytes() -> int:
     return 2 * ((HQ + 2 * HKV) * D * DIM + DIM * HQ * D + 2 * INTER * DIM + DIM * INTER)
 
 
-def graph_us(fn, reps: int = 5) -> float:
-    """Median us of one replay of fn() captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second)."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a))
-    return nbytes / (us * 1e-6)
-
-
 def set_pdl(on: bool) -> None:
     os.environ["DUSTIN_PDL"] = "1" if on else "0"
     launch.clear_cache()
@@ -146,7 +116,7 @@ def main() -> int:
         return compile_only(args, budgets)
     dev = torch.device("cuda")
     model = Draft(args.layers, args.batch, dev)
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth()
     floor = layer_bytes() / bw * 1e6
     rows = {"device": torch.cuda.get_device_name(dev), "layers": args.layers, "batch": args.batch,
             "copy_bw_TBps": round(bw / 1e12, 3), "weight_us_per_layer": round(floor, 2), "runs": []}
@@ -159,7 +129,7 @@ def main() -> int:
             torch.cuda.synchronize()
             if ref is None:
                 ref = out.clone()
-            us = graph_us(lambda t=tiles: model.forward(t)) / args.layers
+            us = _time(lambda t=tiles: model.forward(t), args.layers)  # us per layer
             run = {"budget": budget, "pdl": pdl, "us_per_layer": round(us, 2),
                    "pct_of_weight_roofline": round(100 * floor / us, 1),
                    "max_abs_diff_vs_first": float((out.float() - ref.float()).abs().max()),
