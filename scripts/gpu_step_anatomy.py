@@ -60,6 +60,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=14, help="kernels printed per method (the JSON keeps all)")
     p.add_argument("--no-decode-kernels", action="store_true",
                    help="decode/verify forwards through the unfused layer (A/B of dustin/kernels/decode_linear.py)")
+    p.add_argument("--tag", default="", help="appended to the JSON's name (A/B runs of one setting)")
     e2e.add_arguments(p)
     a = p.parse_args()
     t_name, d_name = a.pair.split(":")
@@ -110,7 +111,7 @@ def main() -> int:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
         tag = (("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
-               + ("_pdl" if pdl else ""))
+               + ("_pdl" if pdl else "") + (f"_{a.tag}" if a.tag else ""))
         Path(os.environ["OUT"], f"anatomy_{t_name}{tag}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,
              "device": torch.cuda.get_device_name(), "pdl": pdl, "rows": rows}, indent=1))

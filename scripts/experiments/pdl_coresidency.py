@@ -64,39 +64,45 @@ def layer_tiles(budget: int, rows: int) -> dict:
 
 
 class Draft:
-    """`layers` decode layers of the draft's shapes with random bf16 weights, their inputs and caches."""
+    """`layers` decode layers of a model's shapes (the draft's by default) with random bf16 weights, their inputs
+    and caches."""
 
-    def __init__(self, layers: int, batch: int, device: torch.device):
+    def __init__(self, layers: int, batch: int, device: torch.device, shape=(DIM, HQ, HKV, D, INTER)):
         g = torch.Generator(device=device).manual_seed(0)
         bf = torch.bfloat16
+        self.dim, self.hq, self.hkv, self.d, self.inter = dim, hq, hkv, d, inter = shape
 
         def rnd(*shape, scale=0.02):
             return (torch.randn(*shape, generator=g, device=device) * scale).to(bf)
 
-        self.w = [{"qkv": rnd((HQ + 2 * HKV) * D, DIM), "b": rnd((HQ + 2 * HKV) * D), "o": rnd(DIM, HQ * D),
-                   "gu": rnd(2 * INTER, DIM), "down": rnd(DIM, INTER), "g1": rnd(DIM, scale=1.0),
-                   "g2": rnd(DIM, scale=1.0)} for _ in range(layers)]
-        self.x = rnd(batch, 1, DIM, scale=1.0)
-        self.cos = torch.ones(batch, 1, D, device=device)
-        self.sin = torch.zeros(batch, 1, D, device=device)
+        self.w = [{"qkv": rnd((hq + 2 * hkv) * d, dim), "b": rnd((hq + 2 * hkv) * d), "o": rnd(dim, hq * d),
+                   "gu": rnd(2 * inter, dim), "down": rnd(dim, inter), "g1": rnd(dim, scale=1.0),
+                   "g2": rnd(dim, scale=1.0)} for _ in range(layers)]
+        self.x = rnd(batch, 1, dim, scale=1.0)
+        self.cos = torch.ones(batch, 1, d, device=device)
+        self.sin = torch.zeros(batch, 1, d, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.cache = torch.zeros(2, batch, HKV, 64, D, dtype=bf, device=device)
+        self.cache = torch.zeros(2, batch, hkv, 64, d, dtype=bf, device=device)
 
-    def forward(self, tiles: dict) -> torch.Tensor:
+    def forward(self, tiles: dict | None = None, mod=dl) -> torch.Tensor:
+        """The layers through `mod` (dustin.kernels.decode_linear, or another version of it) with `tiles` (None:
+        the tiles `mod` picks)."""
+        t = tiles or {}
         x = self.x
-        norm = dl.row_norm(x, self.w[0]["g1"], EPS)
+        norm = mod.row_norm(x, self.w[0]["g1"], EPS)
         for i, w in enumerate(self.w):
-            q = dl.qkv_rope(norm, w["qkv"], w["b"], self.cos, self.sin, self.pos, self.cache[0], self.cache[1],
-                            n_heads=HQ, n_kv_heads=HKV, tiles=tiles["qkv"])
-            h, norm2 = dl.decode_linear(q, w["o"], residual=x, heads=HQ, next_norm=(w["g2"], EPS), tiles=tiles["o"])
-            a = dl.gate_up_silu(norm2, w["gu"], tiles=tiles["gate_up"])
+            q = mod.qkv_rope(norm, w["qkv"], w["b"], self.cos, self.sin, self.pos, self.cache[0], self.cache[1],
+                             n_heads=self.hq, n_kv_heads=self.hkv, tiles=t.get("qkv"))
+            h, norm2 = mod.decode_linear(q, w["o"], residual=x, heads=self.hq, next_norm=(w["g2"], EPS),
+                                         tiles=t.get("o"))
+            a = mod.gate_up_silu(norm2, w["gu"], tiles=t.get("gate_up"))
             g_next = self.w[(i + 1) % len(self.w)]["g1"]
-            x, norm = dl.decode_linear(a, w["down"], residual=h, next_norm=(g_next, EPS), tiles=tiles["down"])
+            x, norm = mod.decode_linear(a, w["down"], residual=h, next_norm=(g_next, EPS), tiles=t.get("down"))
         return x
 
-
-def layer_bytes() -> int:
-    return 2 * ((HQ + 2 * HKV) * D * DIM + DIM * HQ * D + 2 * INTER * DIM + DIM * INTER)
+    def weight_bytes(self) -> int:
+        dim, hq, hkv, d, inter = self.dim, self.hq, self.hkv, self.d, self.inter
+        return 2 * ((hq + 2 * hkv) * d * dim + dim * hq * d + 2 * inter * dim + dim * inter)
 
 
 def set_pdl(on: bool) -> None:
@@ -117,7 +123,7 @@ def main() -> int:
     dev = torch.device("cuda")
     model = Draft(args.layers, args.batch, dev)
     bw = copy_bandwidth()
-    floor = layer_bytes() / bw * 1e6
+    floor = model.weight_bytes() / bw * 1e6
     rows = {"device": torch.cuda.get_device_name(dev), "layers": args.layers, "batch": args.batch,
             "copy_bw_TBps": round(bw / 1e12, 3), "weight_us_per_layer": round(floor, 2), "runs": []}
     ref = None
