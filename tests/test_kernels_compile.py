@@ -27,8 +27,6 @@ KERNELS = {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_verify_
            "_assemble_kernel", "_page_minmax_kernel", "_page_scores_kernel", "_prefill_attention_kernel",
            "_linear_kernel", "_gate_up_kernel", "_qkv_rope_kernel", "_capture_query_kernel"}
 NO_PDL = {"_prefill_attention_kernel"}  # prefill only, between cuBLAS GEMMs: launched without PDL
-# read their weights before the wait (decode_linear._weights_ahead: weights are never written by a step's kernels)
-READ_AHEAD = {"_linear_kernel", "_gate_up_kernel", "_qkv_rope_kernel"}
 WAVES_WITHOUT_PDL = {"_verify_attention_split_kernel"}  # without PDL when its grid exceeds the SMs (use_pdl_for)
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90)
 
@@ -62,8 +60,7 @@ def test_step_kernels_wait_for_their_predecessor_first(launches):
     def ok(name: str, consts: str, pdl: str, order: str) -> bool:
         if name in WAVES_WITHOUT_PDL and "PDL=False" in consts.split():
             return pdl == "False" and order == "no wait"
-        expected = "reads ahead, wait first" if name in READ_AHEAD else "wait first"
-        return pdl == "True" and order == expected and "PDL=True" in consts.split()
+        return pdl == "True" and order == "wait first" and "PDL=True" in consts.split()
 
     bad = [f"{name} ({consts}): launch_pdl {pdl}, {order}" for name, _, consts, pdl, order in launches
            if name not in NO_PDL and not ok(name, consts, pdl, order)]
@@ -80,11 +77,7 @@ def test_pdl_order_reads_the_ptx():
     load = "\t@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
     atom = "\tatom.global.gpu.acq_rel.add.u32 %r5, [%rd2], 1;\n"
     assert pdl_order(head + wait + trigger + load + atom) == "wait first"
-    assert pdl_order(head + load + wait + trigger) == "reads ahead, wait first"
-    prefetch = "\t@%p2 cp.async.bulk.prefetch.L2.global [%rd3], %r6;\n"
-    assert pdl_order(head + load + prefetch + wait + trigger + atom) == "reads ahead, wait first"
-    store = "\tst.global.b32 [%rd5], %r7;\n"
-    assert pdl_order(head + load + store + wait + trigger) == "st.global.b32 before griddepcontrol.wait"
+    assert pdl_order(head + load + wait + trigger) == "ld.global.v4.b32 before griddepcontrol.wait"
     assert pdl_order(head + atom + wait + trigger) == "atom.global.gpu.acq_rel.add.u32 before griddepcontrol.wait"
     assert pdl_order(head + "\tcp.async.cg.shared.global [%r1], [%rd1], 16;\n" + wait + trigger).startswith("cp.async")
     assert pdl_order(head + load) == "no wait"

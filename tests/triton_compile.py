@@ -39,16 +39,12 @@ class Compiled(NamedTuple):
 # stores, atomics and reductions, async copies (cp.async*), prefetches; ld.param reads the kernel's arguments
 _INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)")
 _MEMORY = ("ld.", "ldu.", "st.", "atom.", "red.", "cp.", "prefetch.", "multimem.")
-# what a kernel that reads its weights ahead (decode_linear._weights_ahead) may do before the wait: global loads, L2
-# prefetches, and its own shared memory (the loaded tile's layout change); no global stores, atomics or async copies
-_AHEAD = ("ld.global.", "cp.async.bulk.prefetch.L2.", "st.shared.", "ld.shared.")
 
 
 def pdl_order(ptx: str) -> str:
     """'wait first' when the PTX has griddepcontrol.wait before every memory access and
-    griddepcontrol.launch_dependents after it; 'reads ahead, wait first' when the accesses before the wait are only
-    global loads, L2 prefetches and the program's own shared memory; else what is wrong ('no wait',
-    'no launch_dependents', or the first offending instruction found before the wait)."""
+    griddepcontrol.launch_dependents after it; else what is wrong ('no wait', 'no launch_dependents', or the first
+    instruction found before the wait)."""
     ops = [m.group(1) for m in (_INSTRUCTION.match(line.split("//")[0]) for line in ptx.splitlines()) if m]
     wait = next((i for i, op in enumerate(ops) if op.startswith("griddepcontrol.wait")), None)
     trigger = next((i for i, op in enumerate(ops) if op.startswith("griddepcontrol.launch_dependents")), None)
@@ -57,13 +53,8 @@ def pdl_order(ptx: str) -> str:
     if trigger is None:
         return "no launch_dependents"
     early = [op for op in ops[:wait] if op.startswith(_MEMORY) and not op.startswith("ld.param")]
-    if trigger < wait:
-        return "griddepcontrol.launch_dependents before griddepcontrol.wait"
-    if not early:
-        return "wait first"
-    if all(op.startswith(_AHEAD) for op in early):
-        return "reads ahead, wait first"
-    return f"{next(op for op in early if not op.startswith(_AHEAD))} before griddepcontrol.wait"
+    early += ["griddepcontrol.launch_dependents"] if trigger < wait else []
+    return f"{early[0]} before griddepcontrol.wait" if early else "wait first"
 
 
 @contextlib.contextmanager

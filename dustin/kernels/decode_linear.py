@@ -39,11 +39,8 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
-from dustin.kernels.launch import H200_NUM_SMS, l2_prefetch_ok, pdl_options, pdl_start, prefetch_l2
+from dustin.kernels.launch import H200_NUM_SMS, pdl_options, pdl_start
 
-READ_AHEAD = True  # the first weight tile read before the wait (`_weights_ahead`)
-# and the program's weights past its first tile requested into L2 there (under PDL)
-L2_AHEAD = True
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
 _FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
 
@@ -57,38 +54,13 @@ def _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptr, wrow, w_ok, kk, k_ok, K):
-    """The [len(wrow), BK] weight tile W[wrow, kk]."""
-    return tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _dot(acc, w, x, F32DOT: tl.constexpr):
-    """acc + w @ x. F32DOT: an IEEE fp32 product (fp32 models; and the CPU interpreter, whose bf16 tl.dot
-    multiplies raw bit patterns)."""
+def _wdot(acc, w_ptr, wrow, w_ok, kk, k_ok, x, K, F32DOT: tl.constexpr):
+    """acc + W[wrow, kk] @ x. F32DOT: an IEEE fp32 product (fp32 models; and the CPU interpreter, whose bf16
+    tl.dot multiplies raw bit patterns)."""
+    w = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
     if F32DOT:
         return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(w, x, acc)
-
-
-@triton.jit
-def _wdot(acc, w_ptr, wrow, w_ok, kk, k_ok, x, K, F32DOT: tl.constexpr):
-    """acc + W[wrow, kk] @ x."""
-    return _dot(acc, _load_w(w_ptr, wrow, w_ok, kk, k_ok, K), x, F32DOT)
-
-
-@triton.jit
-def _weights_ahead(w_ptr, wrow, w_ok, k_lo, k_hi, K, BK: tl.constexpr, L2: tl.constexpr):
-    """Before the grid-dependency wait: this program's first weight tile W[wrow, k_lo:k_lo + BK] into registers and,
-    with L2, the rest of its weights W[wrow, k_lo + BK:k_hi] requested into L2 (`prefetch_l2`). Weights are never
-    written by a step's kernels, so reading them while the predecessor still runs cannot read a stale value: under
-    PDL the weight stream starts during the previous kernel instead of after it."""
-    kk = k_lo + tl.arange(0, BK)
-    w0 = _load_w(w_ptr, wrow, w_ok, kk, kk < k_hi, K)
-    if L2:
-        size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_l2(w_ptr + wrow.to(tl.int64) * K + k_lo + BK, (k_hi - k_lo - BK) * size, w_ok & (k_hi - k_lo > BK))
-    return w0
 
 
 @triton.jit
@@ -98,52 +70,33 @@ def _rows(T, sx_b, sx_t, M, BM: tl.constexpr):
 
 
 @triton.jit
-def _rstd(ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr):
-    """Each row's 1 / rms (ones without a norm). The rows' sums of squares come as NT partial sums [NT, M] (written
-    by the kernel that produced x: one per N tile of its epilogue), added here in tile order."""
+def _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr):
+    """acc * rstd per row. The rows' sums of squares come as NT partial sums [NT, M] (written by the kernel
+    that produced x: one per N tile of its epilogue), added here in tile order."""
     if HAS_NORM:
         t = tl.arange(0, NT_PAD)
         ss = tl.sum(tl.load(ss_ptr + t[:, None] * M + rows[None, :], mask=(t < NT)[:, None] & row_ok[None, :],
                             other=0.0), 0)
-        return 1.0 / tl.sqrt(ss / K + eps)
-    return tl.full([rows.shape[0]], 1.0, tl.float32)
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[None, :]
+    return acc
 
 
 @triton.jit
-def _linear_operands(ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, g_ptr, sr_m, K, eps,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
-                     EMIT_NORM: tl.constexpr):
-    """The epilogue's inputs (rstd [BM], bias [BN], residual [BN, BM], the next norm's weight [BN], fp32; zeros where
-    absent), loaded right after the wait, before the K loop: their latency then overlaps the weight stream instead
-    of adding a memory round trip after it."""
-    rstd = _rstd(ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
-    bias = tl.zeros([n.shape[0]], tl.float32)
+def _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, pid_n,
+                sr_m, so_m, K, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                NT_PAD: tl.constexpr, EMIT_NORM: tl.constexpr):
+    acc = _scaled(acc, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    res = tl.zeros([n.shape[0], rows.shape[0]], tl.float32)
-    if HAS_RES:
-        res = tl.load(r_ptr + rows[None, :] * sr_m + n[:, None], mask=n_ok[:, None] & row_ok[None, :],
-                      other=0.0).to(tl.float32)
-    g = tl.zeros([n.shape[0]], tl.float32)
-    if EMIT_NORM:
-        g = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    return rstd, bias, res, g
-
-
-@triton.jit
-def _linear_out(acc, rstd, bias, res, g, M, rows, row_ok, n, n_ok, out_ptr, xg_ptr, sso_ptr, pid_n, so_m,
-                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, EMIT_NORM: tl.constexpr):
-    if HAS_NORM:
-        acc = acc * rstd[None, :]
-    if HAS_BIAS:
-        acc += bias[:, None]
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(out_ptr.dtype.element_ty)  # the projection's output, rounded as a separate GEMM would round it
     ok = n_ok[:, None] & row_ok[None, :]
     if HAS_RES:  # residual + y in fp32, rounded once (as the add of the residual stream rounds)
-        y = (y.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+        r = tl.load(r_ptr + rows[None, :] * sr_m + n[:, None], mask=ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y, mask=ok)
     if EMIT_NORM:  # the next RMSNorm's input: out * g, and this tile's share of each row's sum of squares
         yf = tl.where(ok, y.to(tl.float32), 0.0)
+        g = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(xg_ptr + rows[None, :] * so_m + n[:, None], (yf * g[:, None]).to(out_ptr.dtype.element_ty),
                  mask=ok)
         tl.store(sso_ptr + pid_n * M + rows, tl.sum(yf * yf, 0), mask=row_ok)
@@ -177,59 +130,41 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, s
                    M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
                    HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr,
-                   EMIT_NORM: tl.constexpr, F32DOT: tl.constexpr, AHEAD: tl.constexpr = False,
-                   L2: tl.constexpr = False, PDL: tl.constexpr = False):
+                   EMIT_NORM: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = [residual +] [bias +] [rstd[m] *] x[m] . W[n] (HAS_NORM: x is already scaled by the norm's
     weight; EMIT_NORM: also out * g and the tile's partial sums of squares of out's rows, the next norm's
-    input). Grid (N tiles, SPLIT). The first weight tile is read before the wait (`_weights_ahead`)."""
+    input). Grid (N tiles, SPLIT)."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
-    k_lo, k_hi = _k_range(pid_s, K, SPLIT, BK)
-    if AHEAD:
-        w0 = _weights_ahead(w_ptr, n, n_ok, k_lo, k_hi, K, BK, L2)
-    else:
-        w0 = tl.zeros([BN, BK], dtype=w_ptr.dtype.element_ty)
-    pdl_start(PDL)
-    rstd, bias, res, g = _linear_operands(ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, g_ptr, sr_m, K, eps,
-                                          HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    k_start = k_lo
-    if AHEAD:
-        kk = k_lo + tl.arange(0, BK)
-        acc = _dot(acc, w0, _load_x(x_ptr, xrow, row_ok, kk, kk < k_hi, sx_h, HD), F32DOT)
-        k_start = k_lo + BK
-    for k0 in range(k_start, k_hi, BK):
+    k_lo, k_hi = _k_range(pid_s, K, SPLIT, BK)
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < k_hi
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, sx_h, HD)
         acc = _wdot(acc, w_ptr, n, n_ok, kk, k_ok, x, K, F32DOT)
-    last = True
-    if SPLIT > 1:  # the last split of this tile gets the sum of all partials in split order
+    if SPLIT == 1:
+        _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, pid_n,
+                    sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
+    else:
         last, acc, _ = _split_sum(acc, acc, ws_ptr, cnt_ptr, pid_n, pid_s, tl.num_programs(0), SPLIT, 1, BN, BM)
-    if last:
-        _linear_out(acc, rstd, bias, res, g, M, rows, row_ok, n, n_ok, out_ptr, xg_ptr, sso_ptr, pid_n, so_m,
-                    HAS_BIAS, HAS_RES, HAS_NORM, EMIT_NORM)
+        if last:  # the last split of this tile, with the sum of all partials in split order
+            _linear_out(acc, ss_ptr, NT, M, rows, row_ok, n, n_ok, b_ptr, r_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr,
+                        pid_n, sr_m, so_m, K, eps, HAS_BIAS, HAS_RES, HAS_NORM, NT_PAD, EMIT_NORM)
 
 
 @triton.jit
-def _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w2, w_ok, k_lo, k_hi, K, first1, first2,
-               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr, AHEAD: tl.constexpr):
+def _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w2, w_ok, k_lo, k_hi, K,
+               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr):
     """W[w1, k_lo:k_hi] @ x[:, k_lo:k_hi]^T and the same of W[w2] ([BN, BM] each) in one pass: two weight tiles share
-    each activation tile (gate and up; the two halves of RoPE's pairs). first1 / first2: their tiles at k_lo,
-    read ahead (`_weights_ahead`)."""
+    each activation tile (gate and up; the two halves of RoPE's pairs)."""
     acc1 = tl.zeros([BN, BM], dtype=tl.float32)
     acc2 = tl.zeros([BN, BM], dtype=tl.float32)
-    k_start = k_lo
-    if AHEAD:
-        kk = k_lo + tl.arange(0, BK)
-        x = _load_x(x_ptr, xrow, row_ok, kk, kk < k_hi, 0, 1 << 30)
-        acc1 = _dot(acc1, first1, x, F32DOT)
-        acc2 = _dot(acc2, first2, x, F32DOT)
-        k_start = k_lo + BK
-    for k0 in range(k_start, k_hi, BK):
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < k_hi
         x = _load_x(x_ptr, xrow, row_ok, kk, k_ok, 0, 1 << 30)
@@ -249,30 +184,18 @@ def _k_range(pid_s, K, SPLIT: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr, AHEAD: tl.constexpr = False,
-                    L2: tl.constexpr = False, PDL: tl.constexpr = False):
+                    HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up]). Not
     split over K: at the default pair's shapes 2 and 4 splits measured 35-80% slower on an H200
     (scripts/gpu_split_merge.py)."""
+    pdl_start(PDL)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < INTER
-    if AHEAD:
-        first_g = _weights_ahead(w_ptr, n, n_ok, 0, K, K, BK, L2)
-        first_u = _weights_ahead(w_ptr, INTER + n, n_ok, 0, K, K, BK, L2)
-    else:
-        first_g = tl.zeros([BN, BK], dtype=w_ptr.dtype.element_ty)
-        first_u = first_g
-    pdl_start(PDL)
-    rstd = _rstd(ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
-    acc_g, acc_u = _two_tiles(x_ptr, xrow, row_ok, w_ptr, n, INTER + n, n_ok, 0, K, K, first_g, first_u,
-                              BN, BM, BK, F32DOT, AHEAD)
+    acc_g, acc_u = _two_tiles(x_ptr, xrow, row_ok, w_ptr, n, INTER + n, n_ok, 0, K, K, BN, BM, BK, F32DOT)
     dt = out_ptr.dtype.element_ty
-    if HAS_NORM:
-        acc_g = acc_g * rstd[None, :]
-        acc_u = acc_u * rstd[None, :]
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
+    g = _scaled(acc_g, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD).to(dt).to(tl.float32)
+    u = _scaled(acc_u, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD).to(dt).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u  # as dustin.kernels.fused_ops.silu_mul: fp32, rounded once
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y.to(dt), mask=n_ok[:, None] & row_ok[None, :])
 
@@ -283,10 +206,11 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_p
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, DB: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr,
-                     AHEAD: tl.constexpr = False, L2: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """One program per (head of [q | k | v], DB of the HALF half-dims) and split of K: the head's dims j and
     HALF + j (j in [d0, d0 + DB)) as two accumulators; q heads are rotated into q [B, HQ, T, 2 HALF], k heads
     rotated and v heads as they are written into the KV cache at each token's position. Grid (tiles, SPLIT)."""
+    pdl_start(PDL)
     pid, pid_s = tl.program_id(0), tl.program_id(1)
     h = pid // (HALF // DB)
     j = (pid % (HALF // DB)) * DB + tl.arange(0, DB)
@@ -294,45 +218,25 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_p
     w1 = h * (2 * HALF) + j
     w_ok = j < HALF
     k_lo, k_hi = _k_range(pid_s, K, SPLIT, BK)
-    if AHEAD:
-        first1 = _weights_ahead(w_ptr, w1, w_ok, k_lo, k_hi, K, BK, L2)
-        first2 = _weights_ahead(w_ptr, w1 + HALF, w_ok, k_lo, k_hi, K, BK, L2)
-    else:
-        first1 = tl.zeros([DB, BK], dtype=w_ptr.dtype.element_ty)
-        first2 = first1
-    pdl_start(PDL)
-    # the epilogue's inputs before the K loop (as `_linear_operands`): rstd, bias, cos / sin of each row's position
-    rstd = _rstd(ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
-    bias1 = tl.zeros([DB], tl.float32)
-    bias2 = tl.zeros([DB], tl.float32)
-    if HAS_BIAS:
-        bias1 = tl.load(b_ptr + w1).to(tl.float32)
-        bias2 = tl.load(b_ptr + w1 + HALF).to(tl.float32)
-    cs = ((rows // T) * sc_b + (rows % T) * sc_t)[None, :] + j[:, None]
-    ok = row_ok[None, :]
-    c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0)
-    c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0)
-    s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0)
-    s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0)
-    pos = tl.load(pos_ptr + (rows // T) * sp_b + (rows % T) * sp_t, mask=row_ok, other=0).to(tl.int64)
-    acc1, acc2 = _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w1 + HALF, w_ok, k_lo, k_hi, K, first1, first2,
-                            DB, BM, BK, F32DOT, AHEAD)
+    acc1, acc2 = _two_tiles(x_ptr, xrow, row_ok, w_ptr, w1, w1 + HALF, w_ok, k_lo, k_hi, K, DB, BM, BK, F32DOT)
     last = True
     if SPLIT > 1:
         last, acc1, acc2 = _split_sum(acc1, acc2, ws_ptr, cnt_ptr, pid, pid_s, tl.num_programs(0), SPLIT, 2, DB, BM)
     if last:
-        if HAS_NORM:
-            acc1 = acc1 * rstd[None, :]
-            acc2 = acc2 * rstd[None, :]
-        _qkv_rope_out(acc1 + bias1[:, None], acc2 + bias2[:, None], c1, c2, s1, s2, pos, q_ptr, kc_ptr, vc_ptr,
-                      h, j, rows, row_ok, T, s_row, s_head, s_pos, HQ, HKV, HALF)
+        acc1 = _scaled(acc1, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
+        acc2 = _scaled(acc2, ss_ptr, NT, M, rows, row_ok, K, eps, HAS_NORM, NT_PAD)
+        _qkv_rope_out(acc1, acc2, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, h, j, w1, rows, row_ok, T,
+                      sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, HQ, HKV, HALF, HAS_BIAS)
 
 
 @triton.jit
-def _qkv_rope_out(acc1, acc2, c1, c2, s1, s2, pos, q_ptr, kc_ptr, vc_ptr, h, j, rows, row_ok, T,
-                  s_row, s_head, s_pos, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
-    """qkv_rope's epilogue (bias and rstd applied): RoPE of q and k heads, q stored, k and v written into the
-    cache."""
+def _qkv_rope_out(acc1, acc2, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, h, j, w1, rows, row_ok, T,
+                  sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, HQ: tl.constexpr, HKV: tl.constexpr,
+                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """qkv_rope's epilogue: bias, RoPE of q and k heads, q stored, k and v written into the cache."""
+    if HAS_BIAS:
+        acc1 += tl.load(b_ptr + w1).to(tl.float32)[:, None]
+        acc2 += tl.load(b_ptr + w1 + HALF).to(tl.float32)[:, None]
     dt = q_ptr.dtype.element_ty
     y1 = acc1.to(dt).to(tl.float32)  # the projection's output as the separate GEMM rounds it
     y2 = acc2.to(dt).to(tl.float32)
@@ -340,12 +244,18 @@ def _qkv_rope_out(acc1, acc2, c1, c2, s1, s2, pos, q_ptr, kc_ptr, vc_ptr, h, j, 
     t = rows % T
     ok = row_ok[None, :]
     if h < HQ + HKV:  # RoPE as dustin.kernels.fused_ops.rope_qk computes it
+        cs = (b * sc_b + t * sc_t)[None, :] + j[:, None]
+        c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0)
+        s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0)
         y1, y2 = y1 * c1 - y2 * s1, y2 * c2 + y1 * s2
     if h < HQ:
         dst = q_ptr + ((b * HQ + h) * T + t)[None, :] * (2 * HALF) + j[:, None]
         tl.store(dst, y1.to(dt), mask=ok)
         tl.store(dst + HALF, y2.to(dt), mask=ok)
     else:
+        pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int64)
         hk = h - HQ
         cache = kc_ptr
         if hk >= HKV:
@@ -382,14 +292,10 @@ def _fit(weight_rows: int, m: int, K: int, dtype: torch.dtype, bn: int, split: i
     `weight_rows` weight rows against m activation rows (fp32 or many rows: BK <= 128)."""
     bm, size = _block_rows(m), dtype.itemsize
     bk = min(bk if bm <= 32 and size <= 2 else min(bk, 128), max(16, triton.next_power_of_2(K)))
-
-    def fitting(bk: int) -> int:  # stages that fit, one stage's room left for the first tile read ahead
-        return _SHARED_BUDGET // ((weight_rows + bm) * bk * size) - (1 if READ_AHEAD else 0)
-
-    stages = max(1, min(stages, fitting(bk)))
+    stages = max(1, min(stages, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
     while stages < 2 and bk > 32:
         bk //= 2
-        stages = max(1, min(4, fitting(bk)))
+        stages = max(1, min(4, _SHARED_BUDGET // ((weight_rows + bm) * bk * size)))
     return Tiles(bn, bk, split, 4, stages)
 
 
@@ -422,11 +328,6 @@ def qkv_tiles(M: int, n_heads: int, half: int, K: int, dtype: torch.dtype) -> Ti
     while split < 4 and n_tiles * split * 2 <= 2 * H200_NUM_SMS and K // (split * 2) >= 128:
         split *= 2
     return _fit(2 * q.bn, M, K, dtype, q.bn, split, bk=q.bk, stages=q.stages)
-
-
-def _ahead(weight: torch.Tensor, K: int) -> dict:
-    """The read-ahead constexprs of a launch (`_weights_ahead`)."""
-    return {"AHEAD": READ_AHEAD, "L2": READ_AHEAD and L2_AHEAD and l2_prefetch_ok(weight, K)}
 
 
 def _f32dot(x: torch.Tensor) -> bool:
@@ -516,8 +417,7 @@ def decode_linear(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, bias: torc
         M, N, K, T, nt, sx_b, sx_t, sx_h, residual.stride(1) if residual is not None else 0, N, eps,
         HD=hd, BM=bm, BN=t.bn, BK=t.bk, SPLIT=t.split, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, EMIT_NORM=next_norm is not None,
-        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **_ahead(weight, K),
-        **pdl_options(x.device))
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return (out, RowNorm(xg, sso, next_eps)) if next_norm is not None else out
 
 
@@ -536,8 +436,7 @@ def gate_up_silu(x: torch.Tensor | RowNorm, weight: torch.Tensor, *, tiles: Tile
     _gate_up_kernel[(triton.cdiv(inter, t.bn),)](
         x, weight, ss, out, M, inter, K, T, nt, x.stride(0), x.stride(1), inter, eps,
         BM=_block_rows(M), BN=t.bn, BK=t.bk, HAS_NORM=norm is not None, NT_PAD=nt_pad,
-        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **_ahead(weight, K),
-        **pdl_options(x.device))
+        F32DOT=_f32dot(x), num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return out
 
 
@@ -569,6 +468,5 @@ def qkv_rope(x: torch.Tensor | RowNorm, weight: torch.Tensor, bias: torch.Tensor
         M, K, T, nt, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
         *k_cache.stride()[:3], eps, HQ=n_heads, HKV=n_kv_heads, HALF=half, DB=t.bn, BM=bm, BK=t.bk, SPLIT=t.split,
         HAS_BIAS=bias is not None, HAS_NORM=norm is not None, NT_PAD=nt_pad, F32DOT=_f32dot(x),
-        num_warps=t.warps, num_stages=t.stages, **_ahead(weight, K),
-        **pdl_options(x.device))
+        num_warps=t.warps, num_stages=t.stages, **pdl_options(x.device))
     return q

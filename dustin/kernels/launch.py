@@ -52,24 +52,6 @@ def pdl_start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs, nbytes, mask):
-    """Ask the L2 cache to fetch [ptrs, ptrs + nbytes) of each element where mask holds (sm_90's
-    `cp.async.bulk.prefetch.L2`; ptrs and nbytes 16-byte aligned). A prefetch returns no data to the program and L2
-    is where every SM's writes meet, so it can never make a program read a stale value: it may precede
-    `pdl_start`'s wait. Compiled for CUDA only (the interpreter has no inline assembly); launch it through a
-    constexpr that `l2_prefetch_ok` decides."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, mask.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def l2_prefetch_ok(t: torch.Tensor, row_elems: int) -> bool:
-    """Whether rows of `row_elems` elements of t can be prefetched by `prefetch_l2` (16-byte aligned start and
-    length) and the launch is compiled for sm_90+ (`use_pdl`: the prefetch only pays while a predecessor runs)."""
-    return use_pdl(t.device) and t.data_ptr() % 16 == 0 and (row_elems * t.element_size()) % 16 == 0
-
-
 @functools.lru_cache(maxsize=None)
 def _cuda_pdl(index: int) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DUSTIN_PDL") != "1":
