@@ -165,3 +165,54 @@ def test_an_io_error_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(fetch, "fetch_default_pair", full)
     assert main(["models", "fetch", "--quiet"]) == 1
     assert capsys.readouterr().err == "dustin: error: No space left on device: /models/x\n"
+
+
+_NO_TORCH = """
+import sys
+from dustin.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["--help"], "generate"),
+    (["generate", "--help"], "--prompts-jsonl"),
+    (["generate", "--max-new-tokens", "x", "--prompt", "a"], "invalid int value: 'x'"),
+    (["bench", "--help"], "e2e"),
+    (["eval", "--help"], "needles"),
+    (["serve", "--help"], "--port"),
+])
+def test_help_and_flag_errors_do_not_import_torch(argv, shown):
+    """`dustin --help`, a command's --help and a mistyped flag answer without importing torch (~2 s): only the
+    subcommand that argv names gets its flags, and those of generate / serve are torch-free."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    assert shown in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert proc.stderr.rstrip().endswith("no torch"), proc.stderr[-2000:]
+
+
+def test_every_subcommand_keeps_its_flags():
+    """Building the parser for one command leaves the others' flags out; each command, named, still gets all of
+    its own (the same as the full parser's)."""
+    import argparse
+
+    from dustin.cli.main import build_parser
+
+    def flags(parser, path):
+        for name in path:
+            action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            parser = action.choices[name]
+        return sorted(o for a in parser._actions for o in a.option_strings)
+
+    full = build_parser()
+    for path in (["generate"], ["bench", "e2e"], ["bench", "serve"], ["eval", "tasks"], ["eval", "needles"],
+                 ["serve"], ["profile"], ["warmup"], ["demo"]):
+        own = flags(build_parser(path), path)
+        assert own == flags(full, path) and len(own) > 3, path
+    assert flags(build_parser(["generate"]), ["bench", "e2e"]) == ["--help", "-h"]

@@ -5,6 +5,7 @@ Errors caused by input (DustinError) print one line naming the problem and exit 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -29,29 +30,52 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     add_sparse_args(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Commands:
+    """Which subcommands get their flags: all of them, or the one `argv` names. A command's flags come from its own
+    module, and most of those import torch (~2 s); `dustin --help`, `dustin bench --help` or a mistyped flag of
+    `dustin generate` should not wait for the others. Every subcommand is still listed, with its help line."""
+
+    def __init__(self, argv: list[str] | None):
+        self.path = None if argv is None else list(argv[:2])
+
+    def wants(self, *command: str) -> bool:
+        return self.path is None or self.path[:len(command)] == list(command)
+
+
+def _command(sub, cmd: _Commands, path: tuple[str, ...], module: str, help: str) -> None:
+    """Subcommand path[-1] of `sub`, with the flags of `module`.add_arguments when the command line names it."""
+    parser = sub.add_parser(path[-1], help=help)
+    if cmd.wants(*path):
+        importlib.import_module(module).add_arguments(parser)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `argv`, only the subcommand it names gets its flags (`_Commands`)."""
+    cmd = _Commands(argv)
     parser = argparse.ArgumentParser(prog="dustin", description="Long-context speculative decoding with sparse "
                                      "verification.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt or a batch")
-    add_model_args(gen)
-    _add_decoding_args(gen)
-    src = gen.add_argument_group("input").add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
-    src.add_argument("--prompts-jsonl", type=Path, help='batch: one JSON object per line with a "prompt" field')
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print the result as JSON")
+    if cmd.wants("generate"):
+        add_model_args(gen)
+        _add_decoding_args(gen)
+        src = gen.add_argument_group("input").add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", help="prompt text")
+        src.add_argument("--prompt-file", type=Path, help="file whose whole content is the prompt")
+        src.add_argument("--prompts-jsonl", type=Path, help='batch: one JSON object per line with a "prompt" field')
+        gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+        gen.add_argument("--json", action="store_true", help="print the result as JSON")
 
     demo = sub.add_parser("demo", help="vanilla vs classic vs magicdec vs dustin on a long real code prompt "
                                        "(default pair)")
-    add_model_args(demo)
-    demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--source", default=None, help="stdlib module file to complete (default: a long one)")
-    add_speculation_args(demo)
-    add_sparse_args(demo)
+    if cmd.wants("demo"):
+        add_model_args(demo)
+        demo.add_argument("--context-tokens", type=int, default=3000, help="prompt length in tokens")
+        demo.add_argument("--max-new-tokens", type=int, default=64)
+        demo.add_argument("--source", default=None, help="stdlib module file to complete (default: a long one)")
+        add_speculation_args(demo)
+        add_sparse_args(demo)
 
     models = sub.add_parser("models", help="manage the default model pair")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -61,50 +85,42 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="rebuild even if complete")
     fetch.add_argument("--quiet", action="store_true")
 
-    from dustin.cli.warmup import add_arguments as add_warmup
-    add_warmup(sub.add_parser("warmup", help="compile the prefill's and decode step's Triton kernels for given batch "
-                                             "sizes and a context into Triton's on-disk cache (GPU), so later runs "
-                                             "load them"))
+    _command(sub, cmd, ("warmup",), "dustin.cli.warmup",
+             "compile the prefill's and decode step's Triton kernels for given batch sizes and a context into "
+             "Triton's on-disk cache (GPU), so later runs load them")
 
     bench = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    from dustin.bench.decode import add_arguments as add_decode_bench
-    add_decode_bench(bsub.add_parser("decode", help="vanilla decode and verify step latency vs bandwidth limit"))
-    from dustin.bench.e2e import add_arguments as add_e2e_bench
-    add_e2e_bench(bsub.add_parser("e2e", help="end-to-end decoding throughput per method (acceptance-controlled, "
-                                             "random weights, torchrun for tensor parallelism; --real: the real "
-                                             "pair on real prompts, τ measured)"))
-    from dustin.bench.serve import add_arguments as add_serve_bench
-    add_serve_bench(bsub.add_parser("serve", help="load generator against dustin serve: Poisson arrivals of long "
-                                                  "prompts, throughput and TTFT / TPOT / ITL percentiles per method"))
+    _command(bsub, cmd, ("bench", "decode"), "dustin.bench.decode",
+             "vanilla decode and verify step latency vs bandwidth limit")
+    _command(bsub, cmd, ("bench", "e2e"), "dustin.bench.e2e",
+             "end-to-end decoding throughput per method (acceptance-controlled, random weights, torchrun for tensor "
+             "parallelism; --real: the real pair on real prompts, τ measured)")
+    _command(bsub, cmd, ("bench", "serve"), "dustin.bench.serve",
+             "load generator against dustin serve: Poisson arrivals of long prompts, throughput and TTFT / TPOT / "
+             "ITL percentiles per method")
     try:
-        from dustin.bench.attention import add_arguments as add_attention_bench
-        add_attention_bench(bsub.add_parser("attention", help="verify self-attention breakdown: full vs sparse"))
+        _command(bsub, cmd, ("bench", "attention"), "dustin.bench.attention",
+                 "verify self-attention breakdown: full vs sparse")
     except ImportError:  # triton missing: the GPU attention benchmark is unavailable
-        pass
+        bsub.choices.pop("attention", None)
 
     ev = sub.add_parser("eval", help="evaluation")
     esub = ev.add_subparsers(dest="eval_command", required=True)
-    from dustin.eval.fidelity import add_arguments as add_fidelity
-    add_fidelity(esub.add_parser("fidelity", help="τ, output equality and ARR of sparse verification"))
-    from dustin.eval.retrieval import add_arguments as add_needles
-    add_needles(esub.add_parser("needles", help="held-out needle-in-a-haystack retrieval per method and budget"))
+    _command(esub, cmd, ("eval", "fidelity"), "dustin.eval.fidelity",
+             "τ, output equality and ARR of sparse verification")
+    _command(esub, cmd, ("eval", "needles"), "dustin.eval.retrieval",
+             "held-out needle-in-a-haystack retrieval per method and budget")
+    _command(esub, cmd, ("eval", "tasks"), "dustin.eval.tasks",
+             "long-context task accuracy (RULER, code completion, LongBench) per method and budget")
+    _command(esub, cmd, ("eval", "arr-kl"), "dustin.eval.arr_kl",
+             "correlation of ARR with the KL divergence of sparse vs full forwards (appendix B)")
 
-    from dustin.eval.tasks import add_arguments as add_tasks
-    add_tasks(esub.add_parser("tasks", help="long-context task accuracy (RULER, code completion, LongBench) per "
-                                            "method and budget"))
-
-    from dustin.eval.arr_kl import add_arguments as add_arr_kl
-    add_arr_kl(esub.add_parser("arr-kl", help="correlation of ARR with the KL divergence of sparse vs full forwards "
-                                              "(appendix B)"))
-
-    from dustin.serve.cli import add_arguments as add_serve
-    add_serve(sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching "
-                                          "(/v1/completions, /v1/chat/completions, /metrics)"))
-
-    from dustin.profiling.cli import add_arguments as add_profile
-    add_profile(sub.add_parser("profile", help="offline profile of a pair: retrieval heads, attention traces, "
-                                             "Algorithm 1 -> a tuned sparse config"))
+    _command(sub, cmd, ("serve",), "dustin.serve.cli",
+             "OpenAI-compatible HTTP server with continuous batching (/v1/completions, /v1/chat/completions, "
+             "/metrics)")
+    _command(sub, cmd, ("profile",), "dustin.profiling.cli",
+             "offline profile of a pair: retrieval heads, attention traces, Algorithm 1 -> a tuned sparse config")
     return parser
 
 
@@ -195,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         check_outputs(args)

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
+
+if TYPE_CHECKING:  # sampling imports torch, and the CLI reads METHODS from here to build its flags
+    from dustin.engine.sampling import SamplingRule
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingRule:
+        from dustin.engine.sampling import SamplingRule
+
         return SamplingRule(self.temperature, self.top_k, self.top_p)
 
     @property
