@@ -99,11 +99,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _command(bsub, cmd, ("bench", "serve"), "dustin.bench.serve",
              "load generator against dustin serve: Poisson arrivals of long prompts, throughput and TTFT / TPOT / "
              "ITL percentiles per method")
-    try:
-        _command(bsub, cmd, ("bench", "attention"), "dustin.bench.attention",
-                 "verify self-attention breakdown: full vs sparse")
-    except ImportError:  # triton missing: the GPU attention benchmark is unavailable
-        bsub.choices.pop("attention", None)
+    _command(bsub, cmd, ("bench", "attention"), "dustin.bench.attention",
+             "verify self-attention breakdown: full vs sparse")
 
     ev = sub.add_parser("eval", help="evaluation")
     esub = ev.add_subparsers(dest="eval_command", required=True)

@@ -84,20 +84,19 @@ class Draft:
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.cache = torch.zeros(2, batch, hkv, 64, d, dtype=bf, device=device)
 
-    def forward(self, tiles: dict | None = None, mod=dl) -> torch.Tensor:
-        """The layers through `mod` (dustin.kernels.decode_linear, or another version of it) with `tiles` (None:
-        the tiles `mod` picks)."""
+    def forward(self, tiles: dict | None = None) -> torch.Tensor:
+        """The layers through dustin.kernels.decode_linear with `tiles` (None: the tiles it picks)."""
         t = tiles or {}
         x = self.x
-        norm = mod.row_norm(x, self.w[0]["g1"], EPS)
+        norm = dl.row_norm(x, self.w[0]["g1"], EPS)
         for i, w in enumerate(self.w):
-            q = mod.qkv_rope(norm, w["qkv"], w["b"], self.cos, self.sin, self.pos, self.cache[0], self.cache[1],
-                             n_heads=self.hq, n_kv_heads=self.hkv, tiles=t.get("qkv"))
-            h, norm2 = mod.decode_linear(q, w["o"], residual=x, heads=self.hq, next_norm=(w["g2"], EPS),
-                                         tiles=t.get("o"))
-            a = mod.gate_up_silu(norm2, w["gu"], tiles=t.get("gate_up"))
+            q = dl.qkv_rope(norm, w["qkv"], w["b"], self.cos, self.sin, self.pos, self.cache[0], self.cache[1],
+                            n_heads=self.hq, n_kv_heads=self.hkv, tiles=t.get("qkv"))
+            h, norm2 = dl.decode_linear(q, w["o"], residual=x, heads=self.hq, next_norm=(w["g2"], EPS),
+                                        tiles=t.get("o"))
+            a = dl.gate_up_silu(norm2, w["gu"], tiles=t.get("gate_up"))
             g_next = self.w[(i + 1) % len(self.w)]["g1"]
-            x, norm = mod.decode_linear(a, w["down"], residual=h, next_norm=(g_next, EPS), tiles=t.get("down"))
+            x, norm = dl.decode_linear(a, w["down"], residual=h, next_norm=(g_next, EPS), tiles=t.get("down"))
         return x
 
     def weight_bytes(self) -> int:
