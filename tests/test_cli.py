@@ -185,10 +185,13 @@ print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stder
     (["bench", "--help"], "e2e"),
     (["eval", "--help"], "needles"),
     (["serve", "--help"], "--port"),
+    (["bench", "e2e", "--help"], "--real"),
+    (["bench", "attention", "--help"], "--contexts"),
+    (["bench", "e2e", "--steps", "x"], "invalid int value: 'x'"),
 ])
 def test_help_and_flag_errors_do_not_import_torch(argv, shown):
     """`dustin --help`, a command's --help and a mistyped flag answer without importing torch (~2 s): only the
-    subcommand that argv names gets its flags, and those of generate / serve are torch-free."""
+    subcommand that argv names gets its flags, and those of generate / serve / the benchmarks are torch-free."""
     import subprocess
     import sys
 

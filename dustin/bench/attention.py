@@ -24,8 +24,6 @@ import os
 import statistics
 import time
 
-import torch
-
 from dustin.bench.plots import attention_breakdown, ctx_label
 from dustin.errors import InputError
 
@@ -54,11 +52,15 @@ class _GraphTimer:
     """us per call: CUDA graph of n calls with L2 evicted before each, minus the eviction-only graph."""
 
     def __init__(self, n=20, reps=5):
+        import torch
+
         self.n, self.reps = n, reps
         self.flush = torch.ones(32 << 20, device="cuda")  # 128 MB > the H200's 60 MB L2
         self.sink = torch.empty((), device="cuda")
 
     def _replay_us(self, graph):
+        import torch
+
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(self.reps):
@@ -70,6 +72,8 @@ class _GraphTimer:
         return statistics.median(times)
 
     def __call__(self, fn):
+        import torch
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
@@ -97,6 +101,8 @@ def _cpu_timer(fn):
 
 
 def copy_bandwidth_cpu(nbytes=16 << 20):
+    import torch
+
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     t0 = time.perf_counter()
@@ -105,6 +111,8 @@ def copy_bandwidth_cpu(nbytes=16 << 20):
 
 
 def measure(name, shape, draft, ctx, B, args, timer, dev):
+    import torch
+
     from dustin.kernels.quest import QuestPages, page_scores, quest_select
     from dustin.kernels.score_estimation import attention_scores, attention_scores_multi
     from dustin.kernels.selection import select_dustin
@@ -220,6 +228,8 @@ def print_row(r):
 
 
 def run(args) -> int:
+    import torch
+
     if args.plot_from:
         with open(args.plot_from) as f:
             return 0 if attention_breakdown(json.load(f), args.plot_out or "bench_attention.png") else 1

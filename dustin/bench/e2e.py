@@ -40,12 +40,14 @@ import json
 import os
 import time
 from dataclasses import replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from dustin.bench.plots import e2e_real, e2e_throughput
 from dustin.errors import InputError
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
@@ -121,6 +123,8 @@ def _pairs(spec: str, rope_scaling: str | None = None):
 
 def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "auto"):
     """Random target (each rank materializes only its tensor-parallel shard) and random replicated draft."""
+    import torch
+
     from dustin.attention.backend import AttentionBackend
     from dustin.engine.engine import Engine, resolve_dtype
     from dustin.models.loader import random_model
@@ -245,11 +249,15 @@ def real_prompts(tokenizer, kind: str, n_tokens: int, batch: int, seed: int) -> 
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
+    import torch
+
     gc.collect()  # sessions, graphs and the TP policy hook form reference cycles: free them before the next pair
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -268,6 +276,8 @@ def _ints(text: str, flag: str) -> list[int]:
 def _fits(engine, batch: int, context: int, a) -> bool:
     """KV caches of target (this rank's heads) and draft, plus 4 GiB of work space, against free memory; with
     --real also the saved prefill (`PrefillCache`: a copy of the prompt caches)."""
+    import torch
+
     if engine.device.type != "cuda":
         return True
     from dustin.engine.session import cache_capacity
@@ -288,6 +298,8 @@ def _copy_bandwidth(device: str) -> float:
 
 def _plan(a) -> dict:
     """Every flag checked (one InputError line each) before any model is built or loaded."""
+    import torch
+
     from dustin.engine.config import METHODS as ENGINE_METHODS
 
     plan = {"contexts": _ints(a.contexts, "--contexts"), "batches": _ints(a.batches, "--batches")}
@@ -374,6 +386,8 @@ def run(a) -> int:
 
 def _run_random(a, plan: dict, results: list[dict], meta: dict) -> None:
     """Random-weight pairs of real shapes, noise-filled caches, acceptance control."""
+    import torch
+
     from dustin.parallel.tp import tp_rank_world
 
     for t_name, d_name, t_args, d_args in _pairs(a.pairs, a.rope_scaling):
@@ -392,6 +406,8 @@ def _run_random(a, plan: dict, results: list[dict], meta: dict) -> None:
 
 def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
     """The real pair, real prompts per kind, one shared prefill per (kind, batch, context)."""
+    import torch
+
     from dustin.engine.engine import Engine
     from dustin.parallel.tp import is_main_process, tp_rank_world
 
@@ -444,6 +460,8 @@ def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], resu
 
 
 def _header(engine, base: dict, a) -> None:
+    import torch
+
     from dustin.parallel.tp import is_main_process
 
     if not is_main_process():
@@ -474,6 +492,8 @@ def _print_row(r: dict, real: bool) -> None:
 
 
 def _write(results, a, meta: dict, plot_too: bool = True) -> None:
+    import torch
+
     other_mode = {"pairs", "tau", "accept_prob"} if a.real else {"target", "draft", "prompts", "seed"}
     out = {**meta, "date": time.strftime("%Y-%m-%d"), "settings": {
         k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None))) and k not in other_mode},
