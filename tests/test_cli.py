@@ -188,10 +188,14 @@ print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stder
     (["bench", "e2e", "--help"], "--real"),
     (["bench", "attention", "--help"], "--contexts"),
     (["bench", "e2e", "--steps", "x"], "invalid int value: 'x'"),
+    (["eval", "tasks", "--help"], "--samples"),
+    (["eval", "needles", "--help"], "--depths"),
+    (["eval", "fidelity", "--help"], "--methods"),
 ])
 def test_help_and_flag_errors_do_not_import_torch(argv, shown):
     """`dustin --help`, a command's --help and a mistyped flag answer without importing torch (~2 s): only the
-    subcommand that argv names gets its flags, and those of generate / serve / the benchmarks are torch-free."""
+    subcommand that argv names gets its flags, and those of generate / serve / bench / eval are torch-free
+    (but bench decode and eval arr-kl, whose modules use torch throughout)."""
     import subprocess
     import sys
 

@@ -12,7 +12,6 @@ import time
 
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
-from dustin.eval.arr import ARRProbe
 from dustin.eval.inputs import common_prefix, long_code_prompt
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list
 
@@ -95,6 +94,8 @@ def run(args) -> int:
             cfg = GenerationConfig(method="classic", **{**base, "budget": k})
             policies = {m: engine.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))
                         for m in args.methods.split(",")}
+            from dustin.eval.arr import ARRProbe
+
             probe = ARRProbe(policies, k)
             with console.status(f"ARR at k={k}..."):
                 engine.session(prompts, cfg, policy=probe, prefill_cache=shared).run()

@@ -11,14 +11,17 @@ and a rerun with the same --json-out skips finished (kind, context, method, budg
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from dustin.engine.config import METHODS
-from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
 from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
+
+if TYPE_CHECKING:
+    from dustin.engine.session import PrefillCache
 
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
@@ -104,6 +107,8 @@ def run(args) -> int:
         limit = min(limit, engine.draft.args.max_position_embeddings)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
+    from dustin.engine.session import PrefillCache
+
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
     for (kind, ctx), rows in todo.items():
         n = min(ctx, room)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dustin.engine.config import METHODS
-from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
@@ -31,6 +31,9 @@ from dustin.flags import (
     int_list,
     method_list,
 )
+
+if TYPE_CHECKING:
+    from dustin.engine.session import PrefillCache
 
 _SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "config")
 
@@ -108,6 +111,8 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        from dustin.engine.session import PrefillCache
+
         shared = PrefillCache()  # each batch of samples is prefilled once for every method
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("tasks", total=None)
