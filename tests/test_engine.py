@@ -7,7 +7,7 @@ import torch
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.session import PrefillCache
-from dustin.errors import InputError, TokenizerMismatchError
+from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -179,3 +179,34 @@ def test_reused_prefill_gives_the_same_tokens(tiny_pair):
     assert shared.state is not None and shared.state.draft_kv is not None
     other = eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
     assert other.sequences[2].prompt_len == 51  # different prompts never reuse the saved caches
+
+
+def test_speculative_session_after_vanilla_adds_only_the_draft_caches(tiny_pair):
+    """Vanilla first, then speculative methods over the same PrefillCache: the second session prefills only the
+    draft and the saved state keeps the very target tensors of the first (no second copy of the target's caches,
+    37 GB at 20 x 64k), with the tokens of fresh runs."""
+    target, draft = tiny_pair
+    eng = Engine(load_model(target), load_model(draft))
+    prompts = _prompts([30, 7, 52])
+    kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
+    shared = PrefillCache()
+    eng.generate(prompts, GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
+    target_kv = shared.state.target_kv
+    assert shared.state.draft_kv is None
+    for m in ("classic", "magicdec"):
+        reused = eng.generate(prompts, GenerationConfig(method=m, **kw), prefill_cache=shared)
+        fresh = _run(eng, prompts, method=m, gamma=3, max_new_tokens=20)
+        assert [s.token_ids for s in reused.sequences] == [s.token_ids for s in fresh.sequences], m
+        assert shared.state.target_kv is target_kv and shared.state.draft_kv is not None
+    eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
+    assert shared.state.target_kv is not target_kv and shared.state.draft_kv is None
+
+
+def test_kv_memory_refusal_says_what_fits(tiny_pair):
+    target, draft = tiny_pair
+    eng = Engine(load_model(target), load_model(draft))
+    per_seq = eng.kv_cache_bytes(1, 1 << 20, speculative=True)
+    eng.require_kv_memory(1, 1 << 10, True, copies=2)  # a few MB: fits
+    with pytest.raises(OutOfMemoryError, match=r"held 2 times.*sequences would fit\): lower --batch-size") as e:
+        eng.require_kv_memory(int(1e13 // per_seq) + 1, 1 << 20, True, copies=2, advice="lower --batch-size")
+    assert "\n" not in str(e.value)

@@ -11,7 +11,7 @@ import pytest
 
 from dustin.errors import InputError
 from dustin.tasks import ruler_haystack as hay
-from dustin.tasks.catalog import get_tasks
+from dustin.tasks.catalog import build_samples, get_tasks
 from dustin.tasks.ruler import _fit, chat_ids, string_match_all, string_match_part
 
 NAMES = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
@@ -199,6 +199,18 @@ def test_deterministic_and_independent_of_n(tok, built, name):
     assert first[0].prompt_ids != first[1].prompt_ids
     other = t.samples(tok, 4096, 1, 1)[0]
     assert other.prompt_ids != first[0].prompt_ids and other.references != first[0].references
+
+
+def test_samples_built_on_threads_are_the_serial_ones(tok, built):
+    """build_samples: the tasks built concurrently (the tokenizer shared by the threads) give exactly the samples
+    each task gives alone, in task order."""
+    tasks = get_tasks("niah_multikey_3,vt,cwe,qa_2")
+    threaded = build_samples(tasks, tok, 4096, 2, 0, workers=4)
+    assert [(s.task, s.index) for s in threaded] == [(t.name, i) for t in tasks for i in range(2)]
+    for s in threaded:
+        ref = built[s.task][s.index]
+        assert (s.prompt_ids, s.references, s.meta) == (ref.prompt_ids, ref.references, ref.meta)
+    assert [s.prompt_ids for s in build_samples(tasks, tok, 4096, 2, 0, workers=1)] == [s.prompt_ids for s in threaded]
 
 
 def test_niah_at_16k(tok, data):

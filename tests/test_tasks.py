@@ -26,6 +26,22 @@ def test_eval_tasks_flag_errors_before_any_model_loads(capsys, tmp_path, argv, n
     assert "model folder" not in err
 
 
+def test_eval_tasks_refuses_a_batch_whose_caches_do_not_fit_before_building_samples(capsys, tiny_pair):
+    """The batch's session caches and the shared prefill's copy are counted before any sample is built or
+    prefilled: one line naming the flag, exit 3 (an out-of-memory refusal), no file written."""
+    from dustin.cli.main import main
+
+    target, draft = tiny_pair
+    code = main(["eval", "tasks", "--target", str(target), "--draft", str(draft), "--tasks", "code_completion",
+                 "--contexts", "500", "--samples", "100000000", "--batch-size", "100000000",
+                 "--methods", "vanilla,dustin", "--budgets", "64"])
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert code == 3 and last.startswith("dustin: error: the KV caches for 100000000 sequences"), err
+    assert "held 2 times" in last and last.endswith("lower --batch-size") and "Traceback" not in err
+    assert "building" not in err
+
+
 def test_candidate_lines_skip_trivial_lines_comments_and_docstrings():
     from dustin.tasks.code import candidate_lines
     from dustin.tasks.metrics import first_code_line

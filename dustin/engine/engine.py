@@ -193,6 +193,8 @@ class Engine:
         share = prefill_cache is not None and cfg.sampling.greedy and not random_prefill
         key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
         reuse = prefill_cache.lookup(key) if share else None
+        if share and reuse is None:  # another batch's prompt caches: free them before this one allocates its own
+            prefill_cache.clear()
         if policy.needs_own_prefill:  # e.g. snapkv: it scores the prompt with its last queries; prefill in full
             reuse = None
         try:
@@ -200,7 +202,7 @@ class Engine:
                         self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill,
                         limits=limits)
             if share and (reuse is None or reuse.draft_kv is None):
-                prefill_cache.store(s.prefill_state())
+                prefill_cache.store(s.prefill_state(keep=reuse))
             return s
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
@@ -377,7 +379,14 @@ class Engine:
                       capacity: int | None = None) -> None:
         gamma = cfg.gamma if cfg.spec.speculative else 0
         capacity = capacity or cache_capacity([len(p) for p in prompts], limits, gamma)
-        need = self.kv_cache_bytes(len(prompts), capacity, cfg.spec.speculative)
+        self.require_kv_memory(len(prompts), capacity, cfg.spec.speculative)
+
+    def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
+                          advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
+        """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
+        over one shared prefill holds a session's caches and the prefill's copy of them) that would not fit in
+        90% of the free device memory; the line says how many sequences would."""
+        need = copies * self.kv_cache_bytes(batch, capacity, speculative)
         free = _free_memory(self.device)
         if free is not None and need > 0.9 * free and self.device.type == "cuda":
             # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and the
@@ -387,9 +396,11 @@ class Engine:
             torch.cuda.empty_cache()
             free = _free_memory(self.device)
         if free is not None and need > 0.9 * free:
-            raise OutOfMemoryError(f"the KV caches for {len(prompts)} sequences x {capacity} positions need "
+            held = "" if copies == 1 else f", held {copies} times,"
+            fits = int(0.9 * free // max(need // batch, 1))
+            raise OutOfMemoryError(f"the KV caches for {batch} sequences x {capacity} positions{held} need "
                                    f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
-                                   f"memory is free: lower the batch size, the prompt length or --max-new-tokens")
+                                   f"memory is free ({fits} sequences would fit): {advice}")
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -111,7 +111,8 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        from dustin.engine.session import PrefillCache
+        from dustin.engine.session import PrefillCache, cache_capacity
+        from dustin.tasks.catalog import build_samples
 
         shared = PrefillCache()  # each batch of samples is prefilled once for every method
         with Progress(*columns, console=console) as progress:
@@ -119,10 +120,16 @@ def run(args) -> int:
             for ctx, tasks in pending.items():
                 if not tasks:
                     continue
+                length = min(ctx, limit - args.gamma - 1)
+                # a batch holds its session's KV caches and the shared prefill's copy: refuse now what would run
+                # out of memory only at the first speculative row, after the samples and a whole prefill
+                gamma = args.gamma if speculative else 0
+                capacity = cache_capacity([length], [max(t.max_new_tokens for t in tasks)], gamma)
+                engine.require_kv_memory(min(args.batch_size, len(tasks) * args.samples), capacity, speculative,
+                                         copies=2, advice="lower --batch-size")
                 progress.update(bar, description=f"building {len(tasks)} task(s) at {ctx}")
-                samples = [s for t in tasks for s in t.samples(engine.tokenizer, min(ctx, limit - args.gamma - 1),
-                                                              args.samples, args.seed)
-                           if missing(t.name, ctx, s.index)]
+                samples = [s for s in build_samples(tasks, engine.tokenizer, length, args.samples, args.seed)
+                           if missing(s.task, ctx, s.index)]
                 # every task's samples of one context share a batch: one prefill serves every method (the
                 # prompt caches are reused) and a GPU decodes the whole batch in the time of one sequence
                 chunks = [samples[i:i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
