@@ -6,11 +6,13 @@
 # Jobs (each `dustin eval tasks` / `eval needles` job resumes from its --json-out; a call packs what it has):
 #   ruler16   RULER's 13 tasks at 16k, 20 samples each, every row over one prefill per batch of 65
 #   ruler32   the same at 32k, batches of 33
-#   ruler64   the same at 64k with YaRN x4, batches of 20 (each prefilled once: ~7 minutes of prefill on an H200)
+#   ruler64   the same at 64k with YaRN x4, batches of 20 (the most whose caches and shared copy fit an H200); on
+#             an H200 a batch costs ~30 s for vanilla (its prefill included), ~10 s more for the draft's prefill
+#   ruler128  the same at 128k, batches of 10
 #   needles   held-out needles, single + multi-key, 8k / 16k / 30k, 5 depths
 #   long      YaRN x4: held-out single needles at 64k (8 depths) and 128k (DEPTHS128 depths, default 4)
 #   speed     YaRN x4: `dustin bench e2e --real`, code prompts, 64k x 8 and 128k x 4
-# Settings from the environment: AUTO (the auto:P rows), ROWS16 / ROWS32 / ROWS64 / NROWS / LROWS (rows of each job),
+# Settings from the environment: AUTO (the auto:P rows), ROWS16 / ROWS32 / ROWS64 / ROWS128 / NROWS / LROWS (rows of each job),
 # SMETHODS (bench methods), SAUTO (also bench dustin at --budget auto with this P), DEADLINE (seconds for this call, default 560: the device kills a call at 600 s),
 # BMAX16 / BMAX32 (--budget-max of the auto rows of ruler16 / ruler32, e.g. the context for auto without a cap) and
 # TAG (appended to the RULER jobs' JSON names, so that a second set of rows keeps its own file), CONFIG (a config
@@ -34,6 +36,7 @@ AUTO=${AUTO:-dustin@auto:0.7,dustin@auto:0.85,dustin@auto:0.95}
 ROWS16=${ROWS16:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,dustin@256,oracle@512,oracle@1024,quest@512,streaming@512}
 ROWS32=${ROWS32:-vanilla,dustin@512,$AUTO,dustin@1024,dustin@2048,dustin@4096,oracle@1024,quest@512}
 ROWS64=${ROWS64:-vanilla,dustin@256,dustin@512,dustin@1024,dustin@2048,dustin@auto:0.85,dustin@auto:0.95,oracle@1024,quest@512,streaming@512}
+ROWS128=${ROWS128:-vanilla,dustin@512,dustin@2048}
 NROWS=${NROWS:-vanilla,dustin@512,$AUTO}
 LROWS=${LROWS:-vanilla,dustin@512,dustin@2048,$AUTO}
 SMETHODS=${SMETHODS:-vanilla,dustin}
@@ -59,6 +62,9 @@ for j in "$@"; do
     ruler64) job ruler64 python3 -m dustin eval tasks $common --rope-scaling yarn:4 --tasks ruler --samples 20 \
                --contexts 65536 --batch-size 20 --rows "$ROWS64" ${CONFIG:+--config $CONFIG} \
                --json-out $A/ruler_64k${TAG:-}.json || break ;;
+    ruler128) job ruler128 python3 -m dustin eval tasks $common --rope-scaling yarn:4 --tasks ruler --samples 20 \
+               --contexts 131072 --batch-size 10 --rows "$ROWS128" ${CONFIG:+--config $CONFIG} \
+               --json-out $A/ruler_128k${TAG:-}.json || break ;;
     needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
                --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;
     long) job long64 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 65536 --depths 8 \
