@@ -34,11 +34,11 @@ def get_tasks(spec: str) -> list[Task]:
 def build_samples(tasks: list[Task], tokenizer, context: int, n: int, seed: int,
                   workers: int | None = None) -> list[Sample]:
     """Every task's `samples(tokenizer, context, n, seed)`, in task order, the tasks built on `workers` threads
-    (default: one per task, at most one per CPU core). Why threads: building a long prompt is mostly
-    tokenization (a RULER sample at 64k tokenizes its prompt ~10 times while fitting its haystack), and the
-    tokenizer releases the GIL while it encodes; serially, RULER's 13 tasks x 20 samples at 64k took ~4 minutes
-    of one core before the first prefill. A sample depends only on (task, context, seed, index), so the result is
-    the same whatever the thread count."""
+    (default: one per task, at most one per CPU core). Why threads: building a long prompt is mostly tokenization
+    (a RULER sample at 64k tokenizes its whole prompt 4-7 times while it sizes its haystack) and the tokenizer
+    releases the GIL while it encodes; built serially, RULER's 13 tasks x 20 samples at 64k kept an H200 waiting
+    for minutes before its first prefill. A sample depends only on (task, context, seed, index), so the result
+    is the same whatever the thread count."""
     workers = min(len(tasks), os.cpu_count() or 1) if workers is None else max(1, min(workers, len(tasks)))
     if workers == 1:
         return [s for t in tasks for s in t.samples(tokenizer, context, n, seed)]
