@@ -50,6 +50,17 @@ def test_finished_file_is_not_rerun_and_other_settings_are_refused(tmp_path, cap
     assert "model folder /nonexistent/model does not exist" in capsys.readouterr().err
 
 
+def test_depths_whose_caches_do_not_fit_are_refused_before_any_prompt_is_built(tiny_pair, capsys):
+    """The depths are one batch: its session caches and the shared prefill's copy are counted right after the
+    model loads, one line naming the flag, before any prompt is built (no haystack text is needed to get there)."""
+    target, draft = tiny_pair
+    code = main(["eval", "needles", "--target", str(target), "--draft", str(draft), "--contexts", "400",
+                 "--depths", "100000000", "--kinds", "single", "--methods", "vanilla,dustin", "--budgets", "64"])
+    err = capsys.readouterr().err.strip()
+    assert code == 3 and err.startswith("dustin: error: the KV caches for 100000000 sequences") and "\n" not in err
+    assert "held 2 times" in err and err.endswith("lower --depths")
+
+
 def test_multikey_prompts_place_four_needles_and_ask_the_right_one(tok):
     from dustin.eval.needles import HELDOUT_NEEDLES
     from dustin.eval.retrieval import build_prompts

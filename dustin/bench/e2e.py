@@ -274,17 +274,14 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _fits(engine, batch: int, context: int, a) -> bool:
-    """KV caches of target (this rank's heads) and draft, plus 4 GiB of work space, against free memory; with
-    --real also the saved prefill (`PrefillCache`: a copy of the prompt caches)."""
-    import torch
-
+    """KV caches of target (this rank's heads) and draft against free GPU memory; with --real held twice, the
+    session's and the saved prefill's (`PrefillCache`: a copy of the prompt caches)."""
     if engine.device.type != "cuda":
         return True
     from dustin.engine.session import cache_capacity
 
     cap = cache_capacity([context], [(a.warmup + a.steps) * (a.gamma + 1) + 1], a.gamma)  # as `_config` asks
-    saved = engine.kv_cache_bytes(batch, context) if a.real else 0
-    return engine.kv_cache_bytes(batch, cap) + saved + (4 << 30) < torch.cuda.mem_get_info(engine.device)[0]
+    return engine.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
 
 
 def _copy_bandwidth(device: str) -> float:

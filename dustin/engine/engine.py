@@ -381,21 +381,26 @@ class Engine:
         capacity = capacity or cache_capacity([len(p) for p in prompts], limits, gamma)
         self.require_kv_memory(len(prompts), capacity, cfg.spec.speculative)
 
+    def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
+        """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
+        memory (the rest is work space: activations, logits, graph pools). True where free memory is unknown."""
+        free = _free_memory(self.device)
+        return free is None or copies * self.kv_cache_bytes(batch, capacity, speculative) <= 0.9 * free
+
     def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
                           advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
         """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
         over one shared prefill holds a session's caches and the prefill's copy of them) that would not fit in
         90% of the free device memory; the line says how many sequences would."""
         need = copies * self.kv_cache_bytes(batch, capacity, speculative)
-        free = _free_memory(self.device)
-        if free is not None and need > 0.9 * free and self.device.type == "cuda":
+        if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
             # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and the
             # kept session of `generate` holds its caches: give them back before refusing
             self._kept = None
             gc.collect()
             torch.cuda.empty_cache()
+        if not self.kv_memory_fits(batch, capacity, speculative, copies):
             free = _free_memory(self.device)
-        if free is not None and need > 0.9 * free:
             held = "" if copies == 1 else f", held {copies} times,"
             fits = int(0.9 * free // max(need // batch, 1))
             raise OutOfMemoryError(f"the KV caches for {batch} sequences x {capacity} positions{held} need "

@@ -107,11 +107,15 @@ def run(args) -> int:
         limit = min(limit, engine.draft.args.max_position_embeddings)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.session import PrefillCache, cache_capacity
 
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
     for (kind, ctx), rows in todo.items():
         n = min(ctx, room)
+        # the depths are one batch, holding its session's KV caches and the shared prefill's copy: refuse now
+        # what would run out of memory only at the first speculative row, after a whole prefill
+        capacity = cache_capacity([n], [args.max_new_tokens], args.gamma if speculative else 0)
+        engine.require_kv_memory(args.depths, capacity, speculative, copies=2, advice="lower --depths")
         if n < ctx:
             console.print(f"context {ctx}: prompts of {n} tokens (model limit {limit} minus generation room)")
         with console.status(f"{kind} {ctx}: building {args.depths} prompts..."):
