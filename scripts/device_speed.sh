@@ -91,7 +91,7 @@ elif [ "$mode" = random ]; then
     --contexts 32768 --batches 16 --methods vanilla,magicdec,dustin --warmup 3 --steps 12 \
     --json-out "$OUT/bench_e2e_llama8b.json" --plot-out "$OUT/bench_e2e_llama8b.png"
   run $((590 - SECONDS)) python3 -m dustin bench attention --models qwen2.5-32b --contexts 32768 --batches 16 \
-    --json-out "$OUT/bench_attention_32b.json"
+    --json-out "$OUT/bench_attention_32b.json" --plot-out "$OUT/bench_attention_32b.png"
 elif [ "$mode" = code ] || [ "$mode" = prose ]; then
   if [ "$mode" = code ]; then
     python3 scripts/gpu_step_graph_check.py > "$OUT/step_graph_check.log" 2>&1 || { echo "step graph check failed"; exit 1; }

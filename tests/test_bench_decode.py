@@ -100,3 +100,17 @@ def test_bench_decode_rows_by_hand(on_cpu, tmp_path, capsys):
             f"{100 * r['verify_fraction_of_limit']:.0f}% |") in printed.out
     assert "| tiny-bench | 8 | 1024 | skipped: does not fit in memory | | | |" in printed.out
     assert printed.out.startswith("# Fake GPU | torch ")
+
+
+def test_bench_decode_writes_nothing_it_was_not_told_to(on_cpu, tmp_path, monkeypatch, capsys):
+    """Results files come from --json-out only: an `OUT` variable in the environment (the device machine sets one)
+    does not make the benchmark write there, nor does the working folder get a file."""
+    out_dir, cwd = tmp_path / "out", tmp_path / "cwd"
+    out_dir.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("OUT", str(out_dir))
+    monkeypatch.chdir(cwd)
+    code = main(["bench", "decode", "--models", "tiny-bench", "--contexts", "64", "--batches", "2", "--gamma", "3",
+                 "--attention", "sdpa", "--no-graphs", "--iters", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert "| tiny-bench | 2 | 64 |" in capsys.readouterr().out
+    assert list(out_dir.iterdir()) == [] and list(cwd.iterdir()) == []

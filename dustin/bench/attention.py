@@ -42,8 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--m", type=int, default=128, help="draft picks of the Dustin set")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--time-budget", type=float, default=190.0, help="skip the settings left after this many s")
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--plot-out", default=None)
+    p.add_argument("--json-out", default=None, help="write the results JSON here (default: none)")
+    p.add_argument("--plot-out", default=None, help="draw the breakdown plot here (default: none)")
     p.add_argument("--plot-from", default=None, help="only redraw the plot from a JSON this bench wrote")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1); no timing")
 
@@ -250,9 +250,7 @@ def run(args) -> int:
         models, draft = {m: MODELS[m] for m in args.models.split(",")}, DRAFT
         contexts, batches = [int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")]
     t0 = time.perf_counter()
-    out_dir = os.environ.get("OUT")
-    json_path = args.json_out or (os.path.join(out_dir, "bench_attention.json") if out_dir else None)
-    plot_path = args.plot_out or (os.path.join(out_dir, "bench_attention.png") if out_dir else None)
+    json_path, plot_path = args.json_out, args.plot_out
     import triton
     try:
         from dustin.kernels.quest import check_on_device

@@ -7,7 +7,6 @@ Each step is a CUDA-graph replay of the whole forward (see dustin/engine/cuda_gr
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import torch
@@ -23,7 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", default="triton", choices=["triton", "sdpa"])
     p.add_argument("--no-graphs", action="store_true", help="time eager forwards instead of CUDA graphs")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json-out", default=None, help="also write the results here")
+    p.add_argument("--json-out", default=None, help="also write the results JSON here (default: none)")
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
@@ -140,8 +139,7 @@ def run(args) -> int:
               f"{100 * r['verify_fraction_of_limit']:.0f}% |", flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
            "gamma": args.gamma, "tensor_parallel": world, "results": results}
-    path = args.json_out or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None)
-    if path and main:
-        with open(path, "w") as f:
+    if args.json_out and main:
+        with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)
     return 0

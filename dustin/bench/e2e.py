@@ -91,8 +91,7 @@ def add_arguments(p) -> None:
                    help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
     p.add_argument("--no-overlap", action="store_true",
                    help="read each step back before queueing the next (A/B of Session.decode's one-step lookahead)")
-    p.add_argument("--json-out", default=None,
-                   help="results JSON (default $OUT/bench_e2e.json, with --real $OUT/bench_e2e_real.json)")
+    p.add_argument("--json-out", default=None, help="write the results JSON here (default: none)")
     p.add_argument("--plot-out", default=None,
                    help="PNG of tokens/s (and, --real, %% of byte roofline) against context")
 
@@ -496,10 +495,8 @@ def _write(results, a, meta: dict, plot_too: bool = True) -> None:
         k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, type(None))) and k not in other_mode},
         "results": results}
     out["device"] = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
-    name = "bench_e2e_real.json" if a.real else "bench_e2e.json"
-    json_path = a.json_out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
-    if json_path:
-        with open(json_path, "w") as f:
+    if a.json_out:
+        with open(a.json_out, "w") as f:
             json.dump(out, f, indent=1)
     if a.plot_out and plot_too:
         (e2e_real if a.real else e2e_throughput)(out, a.plot_out)
