@@ -16,7 +16,8 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "defa
     g.add_argument("--target", default="default", help="'default' (Qwen2.5-Coder-1.5B-Instruct) or a model folder")
     g.add_argument("--draft", default=draft_default, help="'default' (Qwen2.5-Coder-0.5B-Instruct) or a folder")
     r = p.add_argument_group("runtime")
-    r.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    r.add_argument("--device", default="auto", help="auto (cuda when a CUDA GPU is available, else cpu), cpu or "
+                                                    "cuda[:N]")
     r.add_argument("--dtype", default="auto",
                    help="auto (bf16 on GPU and on CPUs that compute bf16 natively: AVX512-BF16 or AMX; else fp32), "
                         "bf16, fp32 or fp16")

@@ -83,10 +83,6 @@ class LLM:
         speculative = METHODS[method].speculative
         if speculative and draft is None:
             raise InputError(f"method {method!r} needs a draft model")
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = Engine.from_pretrained(target, draft if speculative else None, device=device, dtype=dtype)
         if METHODS[method].policy != "full":
             self.engine.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate

@@ -1,4 +1,6 @@
-"""Which dtype `--dtype auto` means on a given device.
+"""Which device `--device auto` and which dtype `--dtype auto` mean here.
+
+`--device auto` is cuda when torch sees a CUDA GPU, else cpu (`resolve_device`).
 
 On a GPU the answer is bf16: the engine's kernels are written for it and it halves the bytes every decode step
 reads. On a CPU bf16 only pays where the CPU multiplies bf16 natively (AVX512-BF16, or AMX tiles); elsewhere a
@@ -65,6 +67,14 @@ def cpu_has_native_bf16() -> bool:
         return any(bool(caps.get(f)) for f in _NATIVE_BF16_FEATURES)
     flags = _cpuinfo_flags(_read_cpuinfo())
     return any(f in flags for f in _NATIVE_BF16_FEATURES)
+
+
+def resolve_device(name: str) -> str:
+    """What `--device` names: `auto` (the default of every command and of `LLM`) is cuda when torch sees a CUDA GPU,
+    else cpu; any other name is returned as given (`dustin.engine.engine.parse_device` checks it)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:

@@ -67,12 +67,61 @@ def test_unreadable_prompt_file(capsys, tmp_path, monkeypatch):
     assert code == 2 and "cannot read prompt file" in err and "Permission denied" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("device,needle", [("tpu", "--device must be cpu or cuda"), ("", "--device must be"),
+@pytest.mark.parametrize("device,needle", [("tpu", "--device must be auto, cpu or cuda"), ("", "--device must be"),
                                            ("cuda:notanumber", "--device must be")])
 def test_bad_device_is_one_line(capsys, device, needle):
     code, err = _error(capsys, ["generate", "--prompt", "x", "--method", "vanilla", "--device", device])
     assert code == 2 and needle in err and err.count("\n") == 1
 
+
+def _commands(parser, path=()):
+    """(path, parser) of every command of the full parser, subcommands included."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, child in action.choices.items():
+            yield from _commands(child, (*path, name))
+
+
+def test_every_command_defaults_to_device_auto():
+    """--device is `auto` wherever a command has it; the commands that run models all have it."""
+    from dustin.cli.main import build_parser
+
+    defaults = {" ".join(path): next((a.default for a in p._actions if "--device" in a.option_strings), None)
+                for path, p in _commands(build_parser())}
+    with_device = {c for c, d in defaults.items() if d is not None}
+    assert {c: defaults[c] for c in with_device} == {c: "auto" for c in with_device}
+    assert {"generate", "demo", "serve", "warmup", "bench e2e", "bench serve", "eval fidelity", "eval needles",
+            "eval tasks", "eval arr-kl", "profile"} <= with_device, sorted(with_device)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
+    """`dustin demo` without flags loads on the GPU when torch sees one, else on the CPU; `dustin warmup` (whose
+    default was cuda) too; Engine.from_pretrained and LLM accept `auto` through the same resolver."""
+    import torch
+
+    from dustin.engine import engine as engine_module
+    from dustin.errors import InputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    loads = []
+
+    def load(cls, target, draft=None, *, device="cpu", **kw):
+        loads.append(device)
+        raise InputError("stop before loading")
+    monkeypatch.setattr(engine_module.Engine, "from_pretrained", classmethod(load))
+    assert main(["demo"]) == 2 and capsys.readouterr().err == "dustin: error: stop before loading\n"
+    assert loads == ["cuda" if gpu else "cpu"]
+    code, err = _error(capsys, ["warmup", "--methods", "vanilla"])
+    if gpu:
+        assert code == 2 and loads[-1] == "cuda"  # planned for the GPU (the fake one stops at the load)
+    else:
+        assert code == 2 and "not for --device cpu" in err and len(loads) == 1
+    assert engine_module.parse_device("auto") == torch.device("cuda" if gpu else "cpu")
 
 @pytest.mark.parametrize("flag", [["--config", "x.json"], ["--budget", "64"]])
 def test_sparse_flags_on_a_full_verification_method(capsys, flag):

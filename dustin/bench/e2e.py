@@ -65,7 +65,6 @@ class _Default(str):
 
 def add_arguments(p) -> None:
     add_model_args(p)  # --target/--draft (--real), --device, --dtype, --attention
-    p.set_defaults(device="cuda")
     p.add_argument("--real", action="store_true",
                    help="the real pair (--target/--draft) on real code and prose prompts, greedy verification "
                         "(τ measured), instead of random-weight pairs with acceptance control")

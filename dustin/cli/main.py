@@ -213,6 +213,9 @@ def _dispatch(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         check_outputs(args)
+        if getattr(args, "device", None) == "auto":  # resolved here, not at parse time: --help imports no torch
+            from dustin.runtime import resolve_device
+            args.device = resolve_device(args.device)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "demo":

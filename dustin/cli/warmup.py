@@ -18,7 +18,6 @@ from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, 
 
 def add_arguments(p) -> None:
     add_model_args(p)
-    p.set_defaults(device="cuda")
     p.add_argument("--methods", default="vanilla,dustin", help="decoding methods (those dustin serve runs)")
     p.add_argument("--batch-sizes", default="16", help="sequences per batch, comma separated")
     p.add_argument("--context", type=int, default=32768,
@@ -49,8 +48,9 @@ def run(args) -> int:
     if args.context < 16:
         raise InputError(f"--context must be >= 16, got {args.context}")
     if not compiles_here(parse_device(args.device)):
-        raise InputError("dustin warmup compiles Triton kernels for a GPU: run it with --device cuda on the machine "
-                         "that will decode (Triton's interpreter and the CPU path compile nothing)")
+        raise InputError(f"dustin warmup compiles Triton kernels for a GPU, not for --device {args.device}: run it "
+                         f"with --device cuda on the machine that will decode (Triton's interpreter and the CPU path "
+                         f"compile nothing)")
     speculative = any(METHODS[m].speculative for m in methods)
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                     dtype=args.dtype, attention=args.attention, rope_scaling=args.rope_scaling)

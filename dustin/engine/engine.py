@@ -71,13 +71,16 @@ class GenerationResult:
 
 
 def parse_device(name: str) -> torch.device:
-    """--device: cpu or cuda[:N] that exists here, else one InputError line (torch raises RuntimeError)."""
+    """--device: auto (cuda when a CUDA GPU is available, else cpu), or cpu or cuda[:N] that exists here, else one
+    InputError line (torch raises RuntimeError)."""
+    from dustin.runtime import resolve_device
+
     try:
-        dev = torch.device(name)
+        dev = torch.device(resolve_device(name))
     except (RuntimeError, TypeError, ValueError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise InputError(f"--device must be cpu or cuda[:N], got {name!r}")
+        raise InputError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda was requested but no CUDA GPU is available")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
