@@ -74,30 +74,6 @@ def test_bad_device_is_one_line(capsys, device, needle):
     assert code == 2 and needle in err and err.count("\n") == 1
 
 
-def _commands(parser, path=()):
-    """(path, parser) of every command of the full parser, subcommands included."""
-    import argparse
-
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subs:
-        yield path, parser
-    for action in subs:
-        for name, child in action.choices.items():
-            yield from _commands(child, (*path, name))
-
-
-def test_every_command_defaults_to_device_auto():
-    """--device is `auto` wherever a command has it; the commands that run models all have it."""
-    from dustin.cli.main import build_parser
-
-    defaults = {" ".join(path): next((a.default for a in p._actions if "--device" in a.option_strings), None)
-                for path, p in _commands(build_parser())}
-    with_device = {c for c, d in defaults.items() if d is not None}
-    assert {c: defaults[c] for c in with_device} == {c: "auto" for c in with_device}
-    assert {"generate", "demo", "serve", "warmup", "bench e2e", "bench serve", "eval fidelity", "eval needles",
-            "eval tasks", "eval arr-kl", "profile"} <= with_device, sorted(with_device)
-
-
 @pytest.mark.parametrize("gpu", [True, False])
 def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
     """`dustin demo` without flags loads on the GPU when torch sees one, else on the CPU; `dustin warmup` (whose

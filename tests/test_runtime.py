@@ -1,4 +1,5 @@
-"""`--dtype auto`: bf16 on CUDA and on CPUs with native bf16, fp32 on other CPUs (dustin/runtime.py says why)."""
+"""`--dtype auto`: bf16 on CUDA and on CPUs with native bf16, fp32 on other CPUs (dustin/runtime.py says why);
+`--device auto`: cuda when torch sees a GPU, else cpu."""
 from __future__ import annotations
 
 import argparse
@@ -99,20 +100,39 @@ def test_probe_on_this_machine_is_a_bool():
     assert runtime.auto_dtype("cpu") in (torch.float32, torch.bfloat16)
 
 
-def _dtype_defaults(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-    """(subcommand path, --dtype default) for every (sub)parser that has a --dtype flag."""
+def _flag_defaults(flag: str, parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(subcommand path, the flag's default) for every (sub)parser that has the flag (e.g. --dtype)."""
     for action in parser._actions:
-        if "--dtype" in action.option_strings:
-            yield path, parser.get_default("dtype")
+        if flag in action.option_strings:
+            yield path, action.default
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from _dtype_defaults(sub, path + (name,))
+                yield from _flag_defaults(flag, sub, path + (name,))
+
+
+def test_every_device_flag_defaults_to_auto():
+    """--device is `auto` (cuda when torch sees a GPU, else cpu) wherever a command has it, and every command that
+    runs models has it."""
+    from dustin.cli.main import build_parser
+
+    defaults = dict(_flag_defaults("--device", build_parser()))
+    assert {path for path, value in defaults.items() if value != "auto"} == set()
+    assert {("generate",), ("demo",), ("serve",), ("warmup",), ("bench", "e2e"), ("bench", "serve"),
+            ("eval", "fidelity"), ("eval", "needles"), ("eval", "tasks"), ("eval", "arr-kl"),
+            ("profile",)} <= set(defaults), sorted(defaults)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_resolve_device(monkeypatch, gpu):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert runtime.resolve_device("auto") == ("cuda" if gpu else "cpu")
+    assert runtime.resolve_device("cpu") == "cpu" and runtime.resolve_device("cuda:1") == "cuda:1"
 
 
 def test_every_dtype_flag_defaults_to_auto():
     from dustin.cli.main import build_parser
 
-    defaults = dict(_dtype_defaults(build_parser()))
+    defaults = dict(_flag_defaults("--dtype", build_parser()))
     assert ("generate",) in defaults and ("serve",) in defaults  # the walk reaches the commands
     not_auto = {path for path, value in defaults.items() if value != "auto"}
     unexpected = sorted(not_auto - set(KNOWN_NON_AUTO))
