@@ -9,6 +9,10 @@
 #   ruler64   the same at 64k with YaRN x4, batches of 20 (the most whose caches and shared copy fit an H200); on
 #             an H200 a batch costs ~30 s for vanilla (its prefill included), ~10 s more for the draft's prefill
 #   ruler128  the same at 128k, batches of 10
+#   ladder16  the oracle ladder: RULER's 13 tasks at 16k, SAMPLES (50) each, rows LADDER16
+#   ladder32  the same at 32k for LADDER32
+#   diverge   the first divergence from vanilla's greedy text: 16 stdlib modules as code prompts (CODE16) of
+#             DCONTEXTS tokens (16384), 256 tokens, DMETHODS at DBUDGETS (512)
 #   needles   held-out needles, single + multi-key, 8k / 16k / 30k, 5 depths
 #   long      YaRN x4: held-out single needles at 64k (8 depths) and 128k (DEPTHS128 depths, default 4)
 #   speed     YaRN x4: `dustin bench e2e --real`, code prompts, 64k x 8 and 128k x 4
@@ -44,6 +48,12 @@ ROWS128=${ROWS128:-vanilla,dustin@512,dustin@2048}
 NROWS=${NROWS:-vanilla,dustin@512,$AUTO}
 LROWS=${LROWS:-vanilla,dustin@512,dustin@2048,$AUTO}
 SMETHODS=${SMETHODS:-vanilla,dustin}
+# the oracle ladder (docs/accuracy.md): rungs (a) shared, (b) per layer, (c) per KV head, (d) per query head
+LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,oracle-layer@512,oracle-kv@512,oracle-head@512,oracle-layer-d1@512,oracle-kv-d1@512,oracle-head-d1@512,oracle-head-d2@512}
+LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
+# 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
+CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}
+DMETHODS=${DMETHODS:-dustin,oracle,oracle-kv-d1,oracle-head-d1}
 common="--device cuda --gamma 4 --seed 0"
 log="$OUT/accuracy.log"
 job() {  # job <name> <command...>: run with the time left, logged
@@ -69,6 +79,15 @@ for j in "$@"; do
     ruler128) job ruler128 python3 -m dustin eval tasks $common --rope-scaling yarn:4 --tasks ruler --samples 20 \
                --contexts 131072 --batch-size 10 --rows "$ROWS128" ${CONFIG:+--config $CONFIG} \
                --json-out $A/ruler_128k${TAG:-}.json || break ;;
+    ladder16) job ladder16 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 16384 \
+               --batch-size 65 --rows "$LADDER16" --json-out $A/ruler_16k_ladder.json || break ;;
+    ladder32) job ladder32 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 32768 \
+               --batch-size 33 --rows "$LADDER32" --json-out $A/ruler_32k_ladder.json || break ;;
+    diverge) for c in ${DCONTEXTS:-16384}; do
+               job diverge$c python3 -m dustin eval fidelity --device cuda --gamma 4 --sources "$CODE16" --context $c \
+                 --max-new-tokens 256 --methods "$DMETHODS" --budgets ${DBUDGETS:-512} --with-vanilla --no-arr \
+                 --json-out $A/diverge_$c.json || break 2
+             done ;;
     needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
                --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;
     long) job long64 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 65536 --depths 8 \

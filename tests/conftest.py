@@ -42,6 +42,18 @@ def tiny_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_sparse_config(tmp_path_factory):
+    """A sparse config for `tiny_pair` (3 target layers of 8 heads, 2 draft layers): k = 48, m = 12."""
+    import json
+
+    cfg = {"target": [{"layer": 2, "heads": [1, 6]}], "draft": [{"layer": 0, "heads": [3]}, {"layer": 1, "heads": [0]}],
+           "budget": 48, "draft_topm": 12, "sinks": 4, "window": 16}
+    path = tmp_path_factory.mktemp("cfg") / "sparse.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def text_pair(tiny_pair, tmp_path_factory):
     """The tiny pair with a character-level tokenizer: real code and prose become real token ids (the commands
     that build prompts from text, `bench e2e --real`, `demo`, `eval fidelity`, run on it on the CPU)."""

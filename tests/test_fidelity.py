@@ -72,6 +72,9 @@ def test_eval_fidelity_numbers_follow_from_its_generations(text_pair, tmp_path, 
             assert row["tau_vs_full_verify"] == pytest.approx(row["tau"] / full.tau, rel=1e-12)
             assert row["same_as_classic"] == sum(o == c for o, c in zip(outs, classic, strict=True)) / len(classic)
             assert row["mean_common_prefix"] == sum(_prefix(o, c) for o, c in zip(outs, classic, strict=True)) / 2
+            first = [_prefix(o, v) for o, v in zip(outs, vanilla, strict=True)]
+            assert row["first_divergence_from_vanilla"] == first
+            assert row["median_first_divergence"] == sorted(first)[0] + (sorted(first)[1] - sorted(first)[0]) / 2
             if k == 300:  # every position selected: full verification
                 assert row["same_as_classic"] == 1.0 and row["mean_common_prefix"] == NEW
     assert all(v == pytest.approx(1.0, abs=1e-5) for v in data["arr"]["300"].values())
@@ -82,4 +85,4 @@ def test_eval_fidelity_numbers_follow_from_its_generations(text_pair, tmp_path, 
     line = next(x for x in printed.out.splitlines() if "streaming@32" in x)
     assert [c.strip() for c in line.split("│")[1:-1]] == [
         "streaming@32", f"{r['tau']:.3f}", f"{r['tau_vs_full_verify']:.3f}", f"{100 * r['same_as_classic']:.0f}%",
-        f"{r['mean_common_prefix']:.1f}"]
+        f"{r['mean_common_prefix']:.1f}", f"{r['median_first_divergence']:g}"]

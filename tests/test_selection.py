@@ -23,12 +23,8 @@ def engine(tiny_pair):
 
 
 @pytest.fixture(scope="module")
-def sparse_cfg(tmp_path_factory):
-    cfg = {"target": [{"layer": 2, "heads": [1, 6]}], "draft": [{"layer": 0, "heads": [3]}, {"layer": 1, "heads": [0]}],
-           "budget": 48, "draft_topm": 12, "sinks": 4, "window": 16}
-    path = tmp_path_factory.mktemp("cfg") / "sparse.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+def sparse_cfg(tiny_sparse_config):
+    return tiny_sparse_config
 
 
 def _prompts(lengths, seed=0):

@@ -112,6 +112,10 @@ def test_summary_table_and_oracle_best():
     assert "| oracle-best@64 | 100.0 | 100.0 | 100.0 | - | - | - | - |" in md
     assert "| vanilla | 100.0 [21, 100] | 100.0 [21, 100] | 100.0 [100.0, 100.0] | - | - | - | - |" in md
     assert "n = 1 samples per task" in md and summary[("a", 100, "vanilla", None)]["n"] == 1
+    # each task's own paired difference: dustin loses 25 points on a and 50 on b; oracle-best has no samples
+    assert "| dustin@64 | -25.0 [-25.0, -25.0] | -50.0 [-50.0, -50.0] |" in md
+    assert "| dustin-d@64 | +0.0 [+0.0, +0.0] | -100.0 [-100.0, -100.0] |" in md
+    assert md.count("| oracle-best@64 |") == 1
 
 
 def test_arr_kl_study_on_a_tiny_model(tiny_qwen2):

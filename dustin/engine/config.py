@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dustin.errors import InputError
-from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
+from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
+from dustin.selection.config import ORACLE_RUNGS
 
 if TYPE_CHECKING:  # sampling imports torch, and the CLI reads METHODS from here to build its flags
     from dustin.engine.sampling import SamplingRule
@@ -32,13 +33,15 @@ METHODS: dict[str, MethodSpec] = {
     "specattn": MethodSpec(speculative=True, draft_kv="streaming", policy="specattn"),
     "snapkv": MethodSpec(speculative=True, draft_kv="streaming", policy="snapkv"),
     "oracle": MethodSpec(speculative=True, draft_kv="full", policy="oracle"),
+    # the oracle ladder (analysis, docs/accuracy.md): per-layer oracle sets per layer / KV head / query head
+    **{name: MethodSpec(speculative=True, draft_kv="full", policy=name) for name in ORACLE_RUNGS},
 }
 DRAFT_KV_MODES = ("full", "streaming")
 
 
 @dataclass
 class GenerationConfig:
-    method: str = "classic"
+    method: str = DEFAULT_METHOD
     gamma: int = 4
     max_new_tokens: int = 128
     temperature: float = 0.0

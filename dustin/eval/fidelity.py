@@ -8,6 +8,7 @@ full-verification trajectory. Long inputs: Python standard-library modules (pres
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from dustin.engine.config import GenerationConfig
@@ -73,6 +74,7 @@ def run(args) -> int:
     full_same_draft = generate("classic") if args.draft_kv != "full" else classic
     results["runs"]["classic"] = {"tau": classic.tau}
     results["runs"][f"full-verify ({args.draft_kv} draft)"] = {"tau": full_same_draft.tau}
+    van = None
     if args.with_vanilla:  # the lossless methods must reproduce the target's own greedy output
         van = [s.token_ids for s in generate("vanilla").sequences]
         for name, r in (("classic", classic), (f"full-verify ({args.draft_kv} draft)", full_same_draft)):
@@ -90,6 +92,10 @@ def run(args) -> int:
                 "tau_vs_full_verify": r.tau / full_same_draft.tau,
                 "same_as_classic": sum(o == c for o, c in zip(outs, ref, strict=False)) / len(ref),
                 "mean_common_prefix": sum(common_prefix(o, c) for o, c in zip(outs, ref, strict=False)) / len(ref)}
+            if van is not None:  # where the greedy text first leaves the target's (its length if never)
+                first = [common_prefix(o, v) for o, v in zip(outs, van, strict=True)]
+                results["runs"][f"{method}@{k}"].update({"first_divergence_from_vanilla": first,
+                                                         "median_first_divergence": statistics.median(first)})
         if not args.no_arr:
             cfg = GenerationConfig(method="classic", **{**base, "budget": k})
             policies = {m: engine.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))
@@ -110,12 +116,14 @@ def run(args) -> int:
 def _print(results, Table, console) -> None:
     t = Table(title=f"Fidelity: {len(results['prompt_tokens'])} inputs of {min(results['prompt_tokens'])}-"
                     f"{max(results['prompt_tokens'])} tokens")
-    for col in ("run", "τ", "τ / full verify", "same output as classic", "mean common prefix"):
+    for col in ("run", "τ", "τ / full verify", "same output as classic", "mean common prefix",
+                "median first divergence from vanilla"):
         t.add_column(col, justify="right")
     for name, r in results["runs"].items():
         t.add_row(name, f"{r['tau']:.3f}", f"{r.get('tau_vs_full_verify', 1.0):.3f}",
                   f"{100 * r['same_as_classic']:.0f}%" if "same_as_classic" in r else "-",
-                  f"{r['mean_common_prefix']:.1f}" if "mean_common_prefix" in r else "-")
+                  f"{r['mean_common_prefix']:.1f}" if "mean_common_prefix" in r else "-",
+                  f"{r['median_first_divergence']:g}" if "median_first_divergence" in r else "-")
     console.print(t)
     if "arr" in results:
         a = Table(title="Attention recovery rate (w = 4, all target heads and layers)")

@@ -305,7 +305,25 @@ def markdown(summary: dict, p: dict) -> str:
                 "" if not x["ci"] else f" [{_pct(x['ci'][0], 0)}, {_pct(x['ci'][1], 0)}]") for x in cells]
             lines.append(f"| {row_name(m, k)} | " + " | ".join(score_cells)
                          + f" | {avg} | {delta} | {mean_k} | {tau} | {agreement} |")
+        lines += _task_deltas(summary, p, c, names)
     return "\n".join(lines) + "\n"
+
+
+def _task_deltas(summary: dict, p: dict, c: int, names: list[str]) -> list[str]:
+    """Each task's own paired difference to the lossless row with its interval: which tasks carry a loss."""
+    rows = [(m, k) for m, k in _table_rows(summary, p) if m not in LOSSLESS]
+    cells = {(m, k): [row_average(summary, [n], c, m, k) for n in names] for m, k in rows}
+    rows = [r for r in rows if any(x is not None and x["delta"] is not None for x in cells[r])]
+    if not rows:
+        return []
+    out = [f"\nPer task at {c}: Δ vs the lossless row on the same samples [95% CI]\n",
+           "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for m, k in rows:
+        out.append(f"| {row_name(m, k)} | " + " | ".join(
+            "-" if x is None or x["delta"] is None else
+            f"{100 * x['delta']:+.1f} [{100 * x['delta_ci'][0]:+.1f}, {100 * x['delta_ci'][1]:+.1f}]"
+            for x in cells[(m, k)]) + " |")
+    return out
 
 
 def summary_records(summary: dict, p: dict) -> list[dict]:

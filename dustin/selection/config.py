@@ -98,3 +98,15 @@ def default_config(target: ModelArgs, draft: ModelArgs | None) -> SparseConfig:
         layers = sorted({draft.n_layers // 4, draft.n_layers // 2, (3 * draft.n_layers) // 4})
         drf = tuple(ScoreHeads(layer, (0, draft.n_heads // 2)) for layer in layers)
     return SparseConfig(target=tgt, draft=drf, source="built-in default")
+
+
+# The oracle ladder (selection/ladder.py): one exact oracle per granularity, the first N layers optionally dense
+ORACLE_GRANULARITIES = ("layer", "kv", "head")
+ORACLE_DENSE_LAYERS = (0, 1, 2)
+ORACLE_RUNGS: dict[str, tuple[str, int]] = {
+    f"oracle-{g}" + (f"-d{n}" if n else ""): (g, n) for g in ORACLE_GRANULARITIES for n in ORACLE_DENSE_LAYERS}
+
+
+def oracle_rung(name: str) -> tuple[str, int]:
+    """(granularity, leading dense layers) of a ladder method name such as oracle-kv-d1."""
+    return ORACLE_RUNGS[name]

@@ -30,15 +30,26 @@ class WindowAttention:
         self.per_layer: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
-        B, Hq, T, D = q.shape
-        w = min(self.window, T)
-        S = ctx.max_len
-        k = k_cache[:, :, :S].float().repeat_interleave(Hq // k_cache.shape[1], dim=1)
-        logits = torch.einsum("bhtd,bhsd->bhts", q[:, :, :w].float(), k) / D ** 0.5
-        mask = verify_mask(ctx.lengths, T, S)[:, :, :w]
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)  # [B, H, w, S]
-        ctx_only = torch.arange(S, device=q.device)[None, :] < ctx.lengths.long()[:, None]
-        self.per_layer[layer] = probs.mean(dim=(1, 2)) * ctx_only  # Ā over the window, heads averaged
+        self.per_layer[layer] = window_probs(q, k_cache, ctx.lengths, ctx.max_len, self.window).mean(1)
+
+
+def window_probs(q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                 window: int = ARR_WINDOW) -> torch.Tensor:
+    """Each query head's attention on the cached positions, averaged over the first `window` verify queries:
+    [B, Hq, S] with S = max_len, zero at j >= lengths[b]. q [B, Hq, T, D] (after RoPE), k_cache [B, Hkv, S_cap, D]
+    holding the T new tokens already; each query is normalized over every key it sees (the cached context and
+    the new tokens up to itself), as the verify attention is. Averaging over heads gives Eq. 3's Ā of one layer."""
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    w = min(window, T)
+    S = max_len
+    # each KV head's G query heads x w queries as the rows of one fp32 matmul: K is read once, never repeated
+    qg = q[:, :, :w].float().reshape(B, Hkv, (Hq // Hkv) * w, D)
+    logits = (qg @ k_cache[:, :, :S].float().transpose(-1, -2)).view(B, Hq, w, S) / D ** 0.5
+    mask = verify_mask(lengths, T, S)[:, :, :w]
+    probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)  # [B, H, w, S]
+    ctx_only = torch.arange(S, device=q.device)[None, :] < lengths.long()[:, None]
+    return probs.mean(2) * ctx_only[:, None]
 
 
 @torch.inference_mode()

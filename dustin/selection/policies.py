@@ -18,7 +18,7 @@ from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState
-from dustin.selection.config import SparseConfig
+from dustin.selection.config import ORACLE_RUNGS, SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
 
 
@@ -165,7 +165,8 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "snapkv", "oracle")
+POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "snapkv", "oracle",
+            *ORACLE_RUNGS)
 
 
 def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
@@ -179,6 +180,9 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
         return DustinSelection(cfg, name)
     if name == "oracle":
         return OracleSelection(cfg)
+    if name in ORACLE_RUNGS:
+        from dustin.selection.ladder import LadderOracle
+        return LadderOracle(cfg, name)
     if name in ("quest", "specattn"):
         from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
         return QuestSelection(cfg) if name == "quest" else SpecAttnSelection(cfg)
