@@ -144,6 +144,10 @@ def add_speculation_args(p: argparse.ArgumentParser):
     return g
 
 
+# the decoding method of `dustin generate`, `dustin serve`, `LLM`, `GenerationConfig` and `ServeConfig` when none is
+# named, written here once (sparse verification, the engine's reason to exist)
+DEFAULT_METHOD = "dustin"
+
 # --budget auto's defaults (mass to cover, smallest and largest k), the one place they are written: the engine's
 # settings (GenerationConfig, ServeConfig, AutoBudget) take them from here too
 AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048

@@ -20,6 +20,7 @@ from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, GenerationResult, check_prompts
 from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
+from dustin.flags import DEFAULT_METHOD
 
 Prompt = str | Sequence[int]
 
@@ -74,7 +75,7 @@ class LLM:
     """
 
     def __init__(self, target: str | Path = "default", draft: str | Path | None = "default", *,
-                 method: str = "dustin", gamma: int = 4, budget: int | None = None, config: str | None = None,
+                 method: str = DEFAULT_METHOD, gamma: int = 4, budget: int | None = None, config: str | None = None,
                  draft_window: int = 512, device: str = "auto", dtype: str = "auto") -> None:
         # GenerationConfig's own checks (unknown method, gamma out of [1, 15], budget < 21, bad window) run here,
         # before the (slow) load; generate() derives every batch's config from this one

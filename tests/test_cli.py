@@ -74,6 +74,21 @@ def test_bad_device_is_one_line(capsys, device, needle):
     assert code == 2 and needle in err and err.count("\n") == 1
 
 
+def test_one_default_method_everywhere():
+    """generate, serve, LLM and the engine's two configs decode with the same method when none is named."""
+    import inspect
+
+    from dustin.cli.main import build_parser
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.llm_engine import ServeConfig
+    from dustin.llm import LLM
+
+    defaults = {"generate": build_parser(["generate"]).parse_args(["generate", "--prompt", "x"]).method,
+                "serve": build_parser(["serve"]).parse_args(["serve"]).method,
+                "LLM": inspect.signature(LLM).parameters["method"].default,
+                "GenerationConfig": GenerationConfig().method, "ServeConfig": ServeConfig().method}
+    assert defaults == dict.fromkeys(defaults, "dustin")
+
 @pytest.mark.parametrize("gpu", [True, False])
 def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
     """`dustin demo` without flags loads on the GPU when torch sees one, else on the CPU; `dustin warmup` (whose

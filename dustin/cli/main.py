@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 from dustin.errors import DustinError, InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, check_outputs
+from dustin.flags import DEFAULT_METHOD, add_model_args, add_sparse_args, add_speculation_args, check_outputs
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     from dustin.engine.config import METHODS
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", default="classic", choices=list(METHODS))
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=f"default {DEFAULT_METHOD}")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -45,7 +45,7 @@ from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import SamplingRule
 from dustin.engine.session import Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
-from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
+from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
 
 # sparse policies whose per-sequence state is (re)built by a row's own prefill; quest, snapkv, specattn and
 # oracle build state for the whole batch at once (or run full forwards) and stay offline-only
@@ -66,7 +66,7 @@ class ServeConfig:
     """The engine's fixed settings, validated once. max_context None: the models' context (capped at 8192 on a
     CPU, where the slots' caches live in host memory); max_slots None: 16 on a GPU, 8 on a CPU."""
 
-    method: str = "dustin"
+    method: str = DEFAULT_METHOD
     gamma: int = 4
     budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
     budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k

@@ -17,7 +17,7 @@ import socket
 import threading
 
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import DEFAULT_METHOD, add_model_args, add_sparse_args, add_speculation_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", default="dustin", choices=list(METHODS),
-                   help="decoding method of every request (default dustin; the offline-only baselines quest, "
-                        "snapkv, specattn and oracle are refused)")
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
+                   help=f"decoding method of every request (default {DEFAULT_METHOD}; the offline-only baselines "
+                        f"quest, snapkv, specattn and oracle are refused)")
     add_speculation_args(p)
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
