@@ -49,7 +49,9 @@ NROWS=${NROWS:-vanilla,dustin@512,$AUTO}
 LROWS=${LROWS:-vanilla,dustin@512,dustin@2048,$AUTO}
 SMETHODS=${SMETHODS:-vanilla,dustin}
 # the oracle ladder (docs/accuracy.md): rungs (a) shared, (b) per layer, (c) per KV head, (d) per query head
-LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,oracle-layer@512,oracle-kv@512,oracle-head@512,oracle-layer-d1@512,oracle-kv-d1@512,oracle-head-d1@512,oracle-head-d2@512}
+L512=oracle-layer@512,oracle-kv@512,oracle-head@512,oracle-layer-d1@512,oracle-kv-d1@512,oracle-head-d1@512
+L512=$L512,oracle-layer-d2@512,oracle-kv-d2@512,oracle-head-d2@512
+LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,$L512,oracle-head-d1@256,oracle-head-d1@1024,oracle-kv-d1@1024}
 LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
 # 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
 CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}
