@@ -102,8 +102,8 @@ class LLM:
         """One `RequestResult` per prompt, in the order given.
 
         prompts: a str or a list of token ids (one prompt), or a list of them. params: one `SamplingParams` for
-        every prompt (None: `SamplingParams()`, 16 tokens greedy), or one per prompt. chat: wrap text prompts in
-        the model's chat template.
+        every prompt (None: `SamplingParams()`, 16 tokens at temperature 1.0), or one per prompt. chat: wrap text
+        prompts in the model's chat template.
 
         How a call is batched: `Engine.generate` takes one `GenerationConfig` for its whole batch (one sampling
         rule, one seed, one EOS rule; only the number of new tokens may differ per prompt, as its `limits`). So

@@ -39,9 +39,9 @@ def main() -> None:
                .sequences[0].token_ids for p in prompts]
         t_ref = time.perf_counter() - t0
         llm = LLMEngine(eng, ServeConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # capture the graphs
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # capture the graphs
         t0 = time.perf_counter()
-        out = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
         torch.cuda.synchronize()
         t_llm = time.perf_counter() - t0
         same = sum(o == r for o, r in zip(out, ref, strict=True))

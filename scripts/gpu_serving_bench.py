@@ -86,8 +86,8 @@ def main() -> None:
             kw = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
             eng.release_kept_session()
             llm = LLMEngine(eng, ServeConfig(method=method, max_slots=16, max_context=24576, **kw))
-            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-            llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # capture, compile
+            params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # capture, compile
             walls = []
             for _ in range(a.server_repeats):
                 t0 = time.perf_counter()

@@ -93,7 +93,7 @@ def main() -> int:
     for method in ("dustin", "classic"):
         llm = LLMEngine(eng, ServeConfig(method=method, budget=128 if method == "dustin" else None, max_slots=3,
                                          max_context=4096, prefill_chunk=1024))
-        served = llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+        served = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
         same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]
         ok &= all(same)

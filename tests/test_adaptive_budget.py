@@ -183,7 +183,7 @@ def test_generate_json_and_server_metrics_report_the_k_used(tiny_pair, capsys, t
                       max_slots=2, max_context=512)
     llm = LLMEngine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", config=cfg)
     llm.BUDGET_REFRESH_S = 0.0
-    llm.generate(_prompts(), SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert 21 <= llm.stats()["budget_k"]["p50"] <= 64
     with LocalServer(llm, "tiny") as srv:
         text = httpx.get(srv.url + "/metrics").text

@@ -37,7 +37,7 @@ def _ids(results):
 
 def test_greedy_equals_engine_generate(llm):
     prompts = _prompts([5, 23, 40])
-    out = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=20,
                                                         stop_at_eos=False))
     assert all(isinstance(r, RequestResult) for r in out)
@@ -51,17 +51,29 @@ def test_greedy_equals_engine_generate(llm):
     assert len({tuple(i) for i in _ids(out)}) == 3  # the outputs differ per prompt: the equality means something
 
 
+def test_default_sampling_params_are_vllms(llm):
+    """`SamplingParams()` has vLLM's defaults: temperature 1.0, so a call without params samples (seed None: the
+    group's seed 0) and is not the greedy output."""
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos) == (16, 1.0, 1.0, 0, None, False)
+    prompts = _prompts([12, 18], seed=4)
+    default = llm.generate(prompts)
+    ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=16,
+                                                        temperature=1.0, seed=0))
+    assert _ids(default) == [s.token_ids for s in ref.sequences]
+    assert _ids(default) != _ids(llm.generate(prompts, SamplingParams(temperature=0)))
+
 def test_eos_stops_and_is_reported(llm):
     """ignore_eos off: a sequence that emits an EOS id ends there with finish_reason "stop"; the others run to
     max_tokens ("length")."""
     prompts = _prompts([10, 20, 30], seed=1)
-    full = llm.generate(prompts, SamplingParams(max_tokens=25, ignore_eos=True))
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
     eos = full[1].token_ids[6]  # a token the second sequence emits early becomes the stop token
     saved, llm.engine.eos_ids = llm.engine.eos_ids, {eos}
     try:
-        out = llm.generate(prompts, SamplingParams(max_tokens=25))
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25))
         ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
-        ignored = llm.generate(prompts, SamplingParams(max_tokens=25, ignore_eos=True))
+        ignored = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
     finally:
         llm.engine.eos_ids = saved
     assert _ids(out) == [s.token_ids for s in ref.sequences]
@@ -75,9 +87,9 @@ def test_eos_stops_and_is_reported(llm):
 
 def test_per_prompt_max_tokens(llm):
     prompts = _prompts([7, 30, 12], seed=2)
-    full = llm.generate(prompts, SamplingParams(max_tokens=15, ignore_eos=True))
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     caps = [5, 15, 1]
-    out = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in caps])
+    out = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in caps])
     assert [len(r.token_ids) for r in out] == caps
     # greedy output does not depend on the batch: each is the prefix of the same prompt's longer run
     assert _ids(out) == [f.token_ids[:m] for f, m in zip(full, caps, strict=True)]
@@ -86,7 +98,7 @@ def test_per_prompt_max_tokens(llm):
 def test_sampling_groups_keep_prompt_order(llm):
     """Greedy and sampled prompts interleaved: two `Engine.generate` batches, results back in prompt order."""
     prompts = _prompts([9, 14, 21, 6], seed=3)
-    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
     out = llm.generate(prompts, [greedy, sampled, greedy, sampled])
     assert [r.prompt_token_ids for r in out] == prompts
@@ -111,7 +123,7 @@ def test_single_prompt_forms(llm):
     """One list of ints is one prompt, as is `[ids]`; (text prompts: the tiny tokenizer encodes none, README's
     example on the real pair covers them)."""
     ids = _prompts([8], seed=4)[0]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     by_ids = llm.generate(ids, params)
     assert len(by_ids) == 1 and by_ids[0].prompt_token_ids == ids and len(by_ids[0].token_ids) == 6
     assert by_ids[0].text == llm.tokenizer.decode(by_ids[0].token_ids, skip_special_tokens=True)
@@ -125,7 +137,7 @@ def test_default_method_and_vanilla(tiny_pair, llm):
     draft, and its greedy tokens are the speculative method's."""
     target, draft = tiny_pair
     prompts = _prompts([50, 80], seed=5)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     sparse = LLM(str(target), str(draft), budget=32, device="cpu", dtype="fp32")
     assert sparse.method == "dustin" and sparse.engine.draft is not None
     ref = sparse.engine.generate(prompts, GenerationConfig(method="dustin", budget=32, max_new_tokens=10,
@@ -156,17 +168,17 @@ def test_bad_inputs(llm):
     with pytest.raises(InputError, match="no prompts given"):
         llm.generate([])
     with pytest.raises(InputError, match="2 SamplingParams for 3 prompts"):
-        llm.generate(prompts, [SamplingParams(), SamplingParams()])
+        llm.generate(prompts, [SamplingParams(temperature=0), SamplingParams(temperature=0)])
     with pytest.raises(InputError, match="params\\[1\\] is a dict"):
-        llm.generate(prompts[:2], [SamplingParams(), {"max_tokens": 4}])
+        llm.generate(prompts[:2], [SamplingParams(temperature=0), {"max_tokens": 4}])
     with pytest.raises(InputError, match="prompt 1 is empty"):  # the index in the call, not in a sampling group
-        llm.generate([prompts[0], []], [SamplingParams(temperature=0.5), SamplingParams()])
+        llm.generate([prompts[0], []], [SamplingParams(temperature=0.5), SamplingParams(temperature=0)])
     with pytest.raises(InputError, match="prompt 1 is a int"):
         llm.generate([prompts[0], 5])
     with pytest.raises(InputError, match="prompt 0 has 4000 tokens; with max_tokens 200"):
-        llm.generate([[5] * 4000], SamplingParams(max_tokens=200))
+        llm.generate([[5] * 4000], SamplingParams(temperature=0, max_tokens=200))
     with pytest.raises(InputError, match="max_tokens must be an integer >= 1"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(temperature=0, max_tokens=0)
 
 
 def test_import_dustin_is_cheap():

@@ -42,7 +42,7 @@ def test_continuous_batching_equals_offline_generation(engine, method):
     prompts = _prompts(10)
     ref = _offline(engine, prompts, method, 12, **kw)
     llm = LLMEngine(engine, ServeConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
-    out = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out == ref
     st = llm.stats()
     assert st["requests_running"] == 0 and st["requests_finished"] == 10 and st["generated_tokens_total"] == 120
@@ -59,12 +59,14 @@ def test_requests_join_and_leave_a_running_batch(engine):
     got: dict[str, list[int]] = {}
     finished = {}
     for i in range(2):
-        llm.add_request(Request(f"r{i}", prompts[i], SamplingParams(max_tokens=limits[i], ignore_eos=True)))
+        llm.add_request(Request(f"r{i}", prompts[i],
+                                SamplingParams(temperature=0, max_tokens=limits[i], ignore_eos=True)))
     steps = 0
     while llm.has_unfinished() or len(got) < 6:
         if steps == 2:  # late arrivals join at step boundaries
             for i in range(2, 6):
-                llm.add_request(Request(f"r{i}", prompts[i], SamplingParams(max_tokens=limits[i], ignore_eos=True)))
+                llm.add_request(Request(f"r{i}", prompts[i],
+                                        SamplingParams(temperature=0, max_tokens=limits[i], ignore_eos=True)))
         for o in llm.step():
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
@@ -80,7 +82,7 @@ def test_abort_frees_the_slot(engine):
     prompts = _prompts(3, seed=2)
     llm = LLMEngine(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
     for i, p in enumerate(prompts):
-        llm.add_request(Request(f"a{i}", p, SamplingParams(max_tokens=50, ignore_eos=True)))
+        llm.add_request(Request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     llm.step()
     assert llm.stats()["requests_running"] == 1 and llm.stats()["requests_waiting"] == 2
     llm.abort_request("a0")  # running
@@ -102,9 +104,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     alone = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
     solo = alone.generate([prompts[0]], params)[0]
     mixed = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
-    others = [SamplingParams(max_tokens=15, ignore_eos=True),
+    others = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True),
               SamplingParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=15, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)]
     out = mixed.generate(prompts, [params] + others)
     assert out[0] == solo
     assert out[1] == _offline(engine, [prompts[1]], "classic", 15)[0]
@@ -115,21 +117,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
 def test_bad_requests_and_a_full_queue(engine):
     llm = LLMEngine(engine, ServeConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
     with pytest.raises(InputError, match="empty"):
-        llm.add_request(Request("e", [], SamplingParams()))
+        llm.add_request(Request("e", [], SamplingParams(temperature=0)))
     with pytest.raises(InputError, match="outside the vocabulary"):
-        llm.add_request(Request("v", [10**6], SamplingParams()))
+        llm.add_request(Request("v", [10**6], SamplingParams(temperature=0)))
     with pytest.raises(InputError, match="the prompt has 60 tokens"):
-        llm.add_request(Request("long", [5] * 60, SamplingParams(max_tokens=10)))
+        llm.add_request(Request("long", [5] * 60, SamplingParams(temperature=0, max_tokens=10)))
     with pytest.raises(InputError, match="max_tokens 100 exceeds"):
-        llm.add_request(Request("m", [5, 6], SamplingParams(max_tokens=100)))
+        llm.add_request(Request("m", [5, 6], SamplingParams(temperature=0, max_tokens=100)))
     with pytest.raises(InputError, match="max_tokens must be"):
-        SamplingParams(max_tokens=0)
-    llm.add_request(Request("q0", [5, 6], SamplingParams(max_tokens=4)))
-    llm.add_request(Request("q1", [5, 6], SamplingParams(max_tokens=4)))
+        SamplingParams(temperature=0, max_tokens=0)
+    llm.add_request(Request("q0", [5, 6], SamplingParams(temperature=0, max_tokens=4)))
+    llm.add_request(Request("q1", [5, 6], SamplingParams(temperature=0, max_tokens=4)))
     with pytest.raises(InputError, match="already in use"):
-        llm.add_request(Request("q1", [5, 6], SamplingParams(max_tokens=4)))
+        llm.add_request(Request("q1", [5, 6], SamplingParams(temperature=0, max_tokens=4)))
     with pytest.raises(QueueFullError):
-        llm.add_request(Request("q2", [5, 6], SamplingParams(max_tokens=4)))
+        llm.add_request(Request("q2", [5, 6], SamplingParams(temperature=0, max_tokens=4)))
     while llm.has_unfinished():
         llm.step()
     assert llm.stats()["requests_finished"] == 2
@@ -169,13 +171,13 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     cfg = ServeConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=40, **SPARSE)
     leader, follower = LLMEngine(engine, cfg), LLMEngine(engine, cfg)
     prompts = _prompts(8, seed=5, low=20, high=110)
-    params = [SamplingParams(max_tokens=18, ignore_eos=True),
+    params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=1),
+              SamplingParams(temperature=0, max_tokens=1),
               SamplingParams(max_tokens=15, temperature=1.0, top_k=30, ignore_eos=True),  # the engine's generator
-              SamplingParams(max_tokens=40, ignore_eos=True),  # aborted mid-decode
-              SamplingParams(max_tokens=10, ignore_eos=True),  # aborted while prefilling
-              SamplingParams(max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),  # aborted mid-decode
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),  # aborted while prefilling
+              SamplingParams(temperature=0, max_tokens=16),
               SamplingParams(max_tokens=9, temperature=0.7, seed=11, ignore_eos=True)]
     got: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}

@@ -437,8 +437,8 @@ def test_async_engine_check_runs_before_queueing(tiny_pair):
     try:
         async def go():
             with pytest.raises(InputError, match="empty"):
-                await eng.generate("a", [], SamplingParams(max_tokens=2))
-            stream = await eng.generate("b", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+                await eng.generate("a", [], SamplingParams(temperature=0, max_tokens=2))
+            stream = await eng.generate("b", [5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
             outs = [o async for o in stream]
             assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finished
             assert outs[-1].finish_reason == "length"

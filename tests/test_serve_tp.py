@@ -246,7 +246,7 @@ def _lead(llm: LLMEngine) -> dict:
     llm.heartbeat_s = 0.0  # every idle wake-up sends one
     proxy = _CountingEngine(llm)
     eng = AsyncLLMEngine(proxy, idle_poll_s=0.02)
-    params = [SamplingParams(max_tokens=n) for n in LIMITS]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in LIMITS]
     params[3] = SamplingParams(max_tokens=LIMITS[3], temperature=0.8, seed=5)
     params.append(SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True))  # the engine's generator
 

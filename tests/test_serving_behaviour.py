@@ -170,7 +170,7 @@ def test_sampled_request_follows_its_processed_distribution_beside_greedy_reques
         if i % 4 == 0:  # a greedy neighbour every few sampled requests, each living several steps
             g = (i // 4) % 3
             rid = f"g{i}"
-            reqs.append(Request(rid, greedy_prompts[g], SamplingParams(max_tokens=10, ignore_eos=True)))
+            reqs.append(Request(rid, greedy_prompts[g], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
             kinds[rid] = g
         reqs.append(Request(f"s{i}", prompt, SamplingParams(max_tokens=2, temperature=SAMPLED.temperature,
                                                            top_k=SAMPLED.top_k, top_p=SAMPLED.top_p, seed=1000 + i,
@@ -229,7 +229,7 @@ def _eos_case(engine) -> tuple[list[int], list[int], int]:
     more tokens."""
     llm = _llm(engine, method="classic", max_slots=1, max_context=128)
     for prompt in [[9, 20, 31, 42, 53, 64, 75]] + _prompts(8, seed=11, low=5, high=40):
-        llm.add_request(Request("probe", prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
+        llm.add_request(Request("probe", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
         chunks = []
         for _ in range(200):
             if not llm.has_unfinished():
@@ -259,9 +259,9 @@ def test_eos_stops_with_reason_stop_and_ignore_eos_runs_to_length(engine):
     f, q = next((f, q) for f, q in zip(firsts, candidates, strict=True) if f not in toks[:j])
     llm = _llm(engine, eos={eos, f}, method="classic", max_slots=3, max_context=128)
     got, reasons, completion = _drain(llm, [
-        Request("stop", prompt, SamplingParams(max_tokens=16)),
-        Request("ignore", prompt, SamplingParams(max_tokens=16, ignore_eos=True)),
-        Request("first", q, SamplingParams(max_tokens=16))])
+        Request("stop", prompt, SamplingParams(temperature=0, max_tokens=16)),
+        Request("ignore", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+        Request("first", q, SamplingParams(temperature=0, max_tokens=16))])
     assert got["stop"] == toks[:j + 1] and reasons["stop"] == "stop" and completion["stop"] == j + 1
     assert got["ignore"] == toks and reasons["ignore"] == "length" and completion["ignore"] == 16
     assert got["first"] == [f] and reasons["first"] == "stop" and completion["first"] == 1
@@ -274,9 +274,9 @@ def test_ignore_eos_is_reset_when_the_slot_is_reused(engine):
     same row runs to max_tokens."""
     prompt, toks, j = _eos_case(engine)
     llm = _llm(engine, eos={toks[j]}, method="classic", max_slots=1, max_context=128)
-    got, reasons, _ = _drain(llm, [Request("A", prompt, SamplingParams(max_tokens=16, ignore_eos=True)),
-                                   Request("B", prompt, SamplingParams(max_tokens=16)),
-                                   Request("C", prompt, SamplingParams(max_tokens=16, ignore_eos=True))])
+    got, reasons, _ = _drain(llm, [Request("A", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+                                   Request("B", prompt, SamplingParams(temperature=0, max_tokens=16)),
+                                   Request("C", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))])
     assert got["A"] == toks and reasons["A"] == "length"
     assert got["B"] == toks[:j + 1] and reasons["B"] == "stop"
     assert got["C"] == toks and reasons["C"] == "length"
@@ -287,7 +287,8 @@ def test_ignore_eos_request_ending_on_an_eos_token_reports_length(engine):
     allowed token (max_tokens = j + 1) happens to be the EOS id, it still finished because of its length."""
     prompt, toks, j = _eos_case(engine)
     llm = _llm(engine, eos={toks[j]}, method="classic", max_slots=1, max_context=128)
-    got, reasons, _ = _drain(llm, [Request("x", prompt, SamplingParams(max_tokens=j + 1, ignore_eos=True))])
+    got, reasons, _ = _drain(llm, [Request("x", prompt,
+                                           SamplingParams(temperature=0, max_tokens=j + 1, ignore_eos=True))])
     assert got["x"] == toks[:j + 1]
     assert reasons["x"] == "length"
 
@@ -356,7 +357,7 @@ def test_scheduler_invariants_randomized():
         while done < todo:
             for _ in range(rng.choice([0, 0, 1, 2]) if clock < todo else 0):  # arrivals
                 clock += 1
-                req = Request(str(clock), [5] * rng.randint(1, 90), SamplingParams())
+                req = Request(str(clock), [5] * rng.randint(1, 90), SamplingParams(temperature=0))
                 sched.enqueue(_Sequence(req, float(clock)))
             _check_admissions(sched)
             _check_prefill(sched)
@@ -366,7 +367,7 @@ def test_scheduler_invariants_randomized():
                     done += 1
             if clock < todo and not sched.waiting and not sched.running:
                 clock += 1
-                sched.enqueue(_Sequence(Request(str(clock), [5] * rng.randint(1, 90), SamplingParams()),
+                sched.enqueue(_Sequence(Request(str(clock), [5] * rng.randint(1, 90), SamplingParams(temperature=0)),
                                         float(clock)))
 
 
@@ -415,7 +416,8 @@ def test_engine_steps_keep_the_prefill_invariants(engine):
     added, step, got = 0, 0, {}
     while added < len(prompts) or llm.has_unfinished():
         while added < len(prompts) and arrive_at[added] <= step:
-            llm.add_request(Request(str(added), prompts[added], SamplingParams(max_tokens=4, ignore_eos=True)))
+            llm.add_request(Request(str(added), prompts[added],
+                                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
             added += 1
         left_before = {i for i in range(added) if offset[i] < lengths[i]}
         rec.calls.clear()
@@ -471,7 +473,7 @@ def test_dustin_d_served_equals_offline_generation(engine):
     assert engine.session(prompts, cfg).run().outputs == ref
     llm = _llm(engine, method="dustin-d", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=80,
                **SPARSE)
-    assert llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True)) == ref
+    assert llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == ref
     full = [_offline(engine, p, "classic", 12) for p in prompts]
     assert ref != full  # the sparse policy really decides something here
 
@@ -490,8 +492,8 @@ def test_abort_returns_abort_frees_the_slot_and_stops_generating(engine, when):
     # chunks of 32, 64 prompt tokens a step: the 150-token prompt takes 3 steps, the waiting one (<= 40 tokens) is
     # prefilled in the abort's step itself, so its row is active when the aborted request's in-flight step is read
     llm = _llm(engine, method="classic", max_slots=1, max_context=320, prefill_chunk=32, prefill_tokens=64)
-    llm.add_request(Request("A", prompts[0], SamplingParams(max_tokens=150, ignore_eos=True)))
-    llm.add_request(Request("B", prompts[1], SamplingParams(max_tokens=6, ignore_eos=True)))
+    llm.add_request(Request("A", prompts[0], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)))
+    llm.add_request(Request("B", prompts[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
     a_tokens = []
     for _ in range(100):
         a_tokens += [t for o in llm.step() if o.request_id == "A" for t in o.new_token_ids]

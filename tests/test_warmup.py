@@ -219,7 +219,7 @@ def loop_reference(triton_pair):
 
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
     cfg = ServeConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     return prompts, cfg, params, LLMEngine(triton_pair, cfg).generate(prompts, params)
 
 

@@ -210,11 +210,11 @@ def run(args) -> int:
         # warm-up, untimed: the first steps compile the kernels and capture the step graph (one-time costs a
         # server pays once at start, not per scenario)
         first = work[p["scenarios"][0]["name"]]
-        llm.generate(first[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+        llm.generate(first[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         for sc in p["scenarios"]:
             prompts = work[sc["name"]]
             for q in prompts:
-                llm.check_request(q, SamplingParams(max_tokens=sc["max_tokens"]))
+                llm.check_request(q, SamplingParams(temperature=0, max_tokens=sc["max_tokens"]))
             row = {"method": method, "scenario": sc["name"], "num_requests": len(prompts),
                    "prompt_tokens": sum(map(len, prompts)), "max_tokens": sc["max_tokens"],
                    "rate": None if math.isinf(sc["rate"]) else sc["rate"]}

@@ -20,7 +20,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=f"default {DEFAULT_METHOD}")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default): greedy, so that methods compare token for token; SamplingParams and the "
+                        "HTTP API default to 1.0")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)

@@ -13,11 +13,12 @@ from dustin.errors import InputError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters (OpenAI's names). The method, Γ and the sparse budget are the
+    """Per-request decoding parameters, with vLLM's names and defaults (OpenAI's too: `temperature` 1.0, so a
+    request samples unless it asks for temperature 0, greedy). The method, Γ and the sparse budget are the
     engine's (chosen at start); these may differ between requests of one batch."""
 
     max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None  # sampling seed of this request (None: the engine's stream)
