@@ -320,10 +320,142 @@ def test_openai_client_sees_bad_requests(live):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_unknown_fields_are_ignored(live):
-    r = _complete(live, prompt=[5, 6], max_tokens=2, temperature=0, frobnicate={"a": 1}, user="me",
-                  presence_penalty=0, logprobs=None)
+@pytest.fixture
+def chat(live, monkeypatch):
+    """/v1/chat/completions answering on the tiny pair for this test: its tokenizer gets a chat template, and the
+    template's encoding (which the tiny tokenizer cannot do from text) is each message's words "wN" as ids N + 3,
+    in turn."""
+    from dustin.engine import engine as engine_module
+
+    def encode_chat(tokenizer, messages):
+        return [int(w[1:]) + 3 for m in messages for w in m["content"].split()]
+    monkeypatch.setattr(live.async_engine.tokenizer, "chat_template", "{{ messages }}")
+    monkeypatch.setattr(engine_module, "encode_chat", encode_chat)
+    return live
+
+
+def _chat(live, **body) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    body.setdefault("messages", [{"role": "user", "content": "w1 w2 w3"}])
+    return live.http.post("/v1/chat/completions", json=body)
+
+
+def _ids_of(r: httpx.Response) -> list[int]:
     assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("field, value, where", [
+    ("min_p", 0.1, "min_p"), ("repetition_penalty", 1.2, "repetition_penalty"),
+    ("stop_token_ids", [5], "stop_token_ids"), ("frobnicate", {"a": 1}, "frobnicate"),
+    ("min_p", None, "min_p"),  # an undeclared field is refused whatever its value
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True},
+     "stream_options.continuous_usage_stats"),
+])
+def test_undeclared_fields_are_400_naming_the_field(chat, endpoint, field, value, where):
+    body = {"max_tokens": 2, "temperature": 0, field: value}
+    r = _complete(chat, prompt=[5, 6], **body) if endpoint == "completions" else _chat(chat, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err == {"message": f"{where} is not supported (this server does not implement it)",
+                   "type": "invalid_request_error", "param": field, "code": "unsupported_field"}
+
+
+def test_undeclared_fields_inside_messages_are_400(chat):
+    r = _chat(chat, messages=[{"role": "user", "content": "w1", "tool_call_id": "x"}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.json()["error"]["message"].startswith("messages.0.tool_call_id is not supported")
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("response_format", {"type": "text", "extra": 1}),
+    ("store", True),
+])
+def test_options_we_do_not_implement_are_400(chat, endpoint, field, value):
+    body = {"max_tokens": 2, "temperature": 0, field: value}
+    r = _complete(chat, prompt=[5, 6], **body) if endpoint == "completions" else _chat(chat, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error" and field in err["message"], err
+
+
+def test_tool_choice_without_tools_is_neutral_or_400(chat):
+    assert _chat(chat, max_tokens=2, tool_choice="required").json()["error"]["param"] == "tool_choice"
+    for neutral in ("none", "auto"):
+        assert _chat(chat, max_tokens=2, temperature=0, tool_choice=neutral).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_ignored_fields_change_nothing(chat, endpoint):
+    """Each accepted-and-ignored field (and response_format text, store false) gives the output of the same
+    request without it."""
+    from dustin.serve.protocol import IGNORED_FIELDS
+
+    send = (lambda **b: _complete(chat, prompt=[7, 8, 9], **b)) if endpoint == "completions" else \
+        (lambda **b: _chat(chat, **b))
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    want = _ids_of(send(**base))
+    extra = {"user": "someone", "metadata": {"run": "1"}, "service_tier": "auto"}
+    assert set(extra) == set(IGNORED_FIELDS)
+    for field, value in [*extra.items(), ("response_format", {"type": "text"}), ("store", False)]:
+        assert _ids_of(send(**base, **{field: value})) == want, field
+
+
+def test_ignored_fields_are_the_documented_ones():
+    """docs/serving.md lists exactly the fields the server accepts and ignores, each with its reason."""
+    from pathlib import Path
+
+    from dustin.serve.protocol import IGNORED_FIELDS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = text.split("### Fields accepted and ignored\n", 1)[1].split("\n#", 1)[0]
+    listed = re.findall(r"^- `(\w+)`: \S", section, re.MULTILINE)
+    assert listed == list(IGNORED_FIELDS)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_means_the_default(chat, endpoint):
+    """Optional fields sent as JSON null take their defaults: n 1, not streamed, no echo, no logprobs, no stop,
+    max_tokens 16 on completions, temperature 1.0 (a seeded null-temperature request is the same request at 1.0)."""
+    own = ("echo", "best_of", "suffix") if endpoint == "completions" else \
+        ("top_logprobs", "tools", "tool_choice", "functions", "max_completion_tokens")
+    nulls = dict.fromkeys(("n", "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty",
+                           "logit_bias", "response_format", "user", "top_p", "top_k", "store", "metadata",
+                           "service_tier", "logprobs", *own))
+    send = (lambda **b: _complete(chat, prompt=[7, 8, 9], **b)) if endpoint == "completions" else \
+        (lambda **b: _chat(chat, **b))
+    body = {"return_token_ids": True, "ignore_eos": True, "seed": 3, "temperature": None,
+            "max_tokens": None if endpoint == "completions" else 12}
+    r = send(**body, **nulls)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    got = r.json()["choices"]
+    assert len(got) == 1 and len(got[0]["token_ids"]) == (16 if endpoint == "completions" else 12)
+    want = send(**{**body, "temperature": 1.0, "max_tokens": len(got[0]["token_ids"])})
+    assert got[0]["token_ids"] == _ids_of(want)
+    assert _ids_of(send(**{**body, "temperature": 0})) != got[0]["token_ids"]  # it sampled: not the greedy output
+
+
+def test_openai_client_nulls_and_refusals(chat):
+    """The real client: explicit None for optional arguments is the default; an option we do not implement is a
+    BadRequestError naming it."""
+    r = chat.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, n=None,
+                                       stream=None, echo=None, logprobs=None, user="me")
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    c = chat.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4 w5"}],
+                                            max_tokens=4, temperature=0, n=None, stream=None, metadata={"a": "b"},
+                                            service_tier="auto", response_format={"type": "text"})
+    assert c.choices[0].message.role == "assistant" and c.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        chat.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                            max_tokens=4, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, extra_body={"min_p": 0.1})
+    assert e.value.body["param"] == "min_p" and "min_p is not supported" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ disconnects

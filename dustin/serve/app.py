@@ -7,7 +7,8 @@
     GET  /metrics               Prometheus text format
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for any bad request (malformed JSON,
-wrong field types, empty or too-long prompt, max_tokens past the context, unsupported options such as n > 1),
+wrong field types, undeclared fields, empty or too-long prompt, max_tokens past the context, unsupported options
+such as n > 1 or response_format json_object),
 404 for an unknown model or path, 429 when the waiting queue is full, 500/503 when the engine failed.
 """
 from __future__ import annotations
@@ -376,6 +377,9 @@ def create_app(async_engine: AsyncLLMEngine, served_model_name: str | None = Non
         msg = f"{where}: {first.get('msg', 'invalid value')}"
         if first.get("type") == "missing":
             msg = f"{field} is required"
+        elif first.get("type") == "extra_forbidden":  # a field the request models do not declare
+            return fail(ApiError(400, f"{where} is not supported (this server does not implement it)", param=field,
+                                 code="unsupported_field"))
         elif "input" in first and first.get("type", "").endswith("_type"):
             msg += f" (got {json.dumps(first['input'])[:60]})"
         return fail(ApiError(400, msg, param=field, code="invalid_type" if "_type" in first.get("type", "")

@@ -1,9 +1,11 @@
 """OpenAI-compatible request and response bodies of `dustin serve` (pydantic v2).
 
-Requests: unknown fields are ignored (clients send many optional OpenAI fields), but a known field of the wrong
-type is rejected (strict mode: "5" is not an int, true is not a number); the app turns that into a 400 with
-OpenAI's error body. Features the engine does not have (n > 1, echo, logprobs, penalties, logit_bias, tools) are
-accepted only at their neutral value and otherwise rejected with a 400 naming the field, never silently ignored.
+Requests: a field these models do not declare is rejected, and so is a declared field of the wrong type (strict
+mode: "5" is not an int, true is not a number); the app turns either into a 400 with OpenAI's error body naming the
+field. `null` for an optional field means its default, as OpenAI's schema allows. Features the engine does not have
+(n > 1, echo, logprobs, penalties, logit_bias, tools, response_format other than text, store) are accepted only at
+their neutral value and otherwise rejected with a 400 naming the field, never silently ignored. The fields in
+IGNORED_FIELDS are accepted and ignored: none of them changes the output (docs/serving.md says why for each).
 
 Extensions (pass them with the openai client's `extra_body`): `ignore_eos` (always generate max_tokens tokens),
 `return_token_ids` (each choice and stream chunk carries the generated `token_ids`).
@@ -14,9 +16,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, model_validator
 
-_STRICT = ConfigDict(extra="ignore", strict=True)
+# accepted on both endpoints and ignored; each is documented in docs/serving.md ("Fields accepted and ignored")
+IGNORED_FIELDS = ("user", "metadata", "service_tier")
 
 
 class Unsupported(ValueError):
@@ -27,15 +30,27 @@ class Unsupported(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class _Body(BaseModel):
+    """A request body, or an object inside one: strict types, no undeclared fields, and a declared field sent as
+    `null` is as if it were absent: an optional one takes its default, a required one is missing."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -47,10 +62,15 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}, the neutral value
+    store: bool = False  # OpenAI keeps the completion for later retrieval; this server keeps none
+    # IGNORED_FIELDS: none of them changes what is generated
+    user: str | None = None  # an end-user id, for OpenAI's abuse monitoring
+    metadata: dict[str, str] | None = None  # tags of a stored completion
+    service_tier: str | None = None  # OpenAI's processing tier (latency and price)
     # dustin extensions
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -72,6 +92,12 @@ class _SamplingFields(BaseModel):
                 raise Unsupported(name, f"{name} is not supported (only 0)")
         if self.logit_bias:
             raise Unsupported("logit_bias", "logit_bias is not supported")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            kind = self.response_format.get("type")
+            raise Unsupported("response_format", f"response_format {kind!r} is not supported: the output is plain "
+                                                 f"text (only {{\"type\": \"text\"}} is accepted)")
+        if self.store:
+            raise Unsupported("store", "store is not supported: this server keeps no completions")
         self.stop_list()
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -113,14 +139,12 @@ class CompletionRequest(_SamplingFields):
         return p
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
+class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -152,6 +176,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise Unsupported("logprobs", "logprobs is not supported")
         if self.tools or self.functions:
             raise Unsupported("tools", "tools / function calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):  # without tools only the neutral choices mean anything
+            raise Unsupported("tool_choice", "tool_choice needs tools, and tools / function calling is not supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise Unsupported("max_tokens", "max_tokens and max_completion_tokens differ")
@@ -272,4 +298,4 @@ def now() -> int:
 __all__ = ["AssistantMessage", "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest",
            "ChatCompletionResponse", "ChatMessage", "CompletionChoice", "CompletionRequest", "CompletionResponse",
            "Delta", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "StreamOptions", "Unsupported",
-           "Usage", "error_body", "new_id", "now"]
+           "Usage", "IGNORED_FIELDS", "error_body", "new_id", "now"]
