@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA  # noqa: F401 (re-exported until its importers move)
+
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:
     """--target/--draft (models) and --device/--dtype/--attention (runtime)."""
@@ -138,19 +140,12 @@ SPARSE_CONFIG_HELP = ("sparse verification config JSON (score heads, m), or 'bui
 def add_speculation_args(p: argparse.ArgumentParser):
     """--gamma and --draft-window: how the draft speculates (every speculative command, same defaults)."""
     g = p.add_argument_group("speculation")
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step (Γ)")
-    g.add_argument("--draft-window", type=int, default=512,
+    g.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per step (Γ)")
+    g.add_argument("--draft-window", type=int, default=DRAFT_WINDOW,
                    help="positions a streaming draft attends: 4 sinks + the most recent (magicdec, dustin, ...)")
     return g
 
 
-# the decoding method of `dustin generate`, `dustin serve`, `LLM`, `GenerationConfig` and `ServeConfig` when none is
-# named, written here once (sparse verification, the engine's reason to exist)
-DEFAULT_METHOD = "dustin"
-
-# --budget auto's defaults (mass to cover, smallest and largest k), the one place they are written: the engine's
-# settings (GenerationConfig, ServeConfig, AutoBudget) take them from here too
-AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048
 
 
 def _budget(text: str) -> int | str:

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, GenerationResult, check_prompts
 from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
-from dustin.flags import DEFAULT_METHOD
 
 Prompt = str | Sequence[int]
 
@@ -75,8 +75,8 @@ class LLM:
     """
 
     def __init__(self, target: str | Path = "default", draft: str | Path | None = "default", *,
-                 method: str = DEFAULT_METHOD, gamma: int = 4, budget: int | None = None, config: str | None = None,
-                 draft_window: int = 512, device: str = "auto", dtype: str = "auto") -> None:
+                 method: str = DEFAULT_METHOD, gamma: int = GAMMA, budget: int | None = None, config: str | None = None,
+                 draft_window: int = DRAFT_WINDOW, device: str = "auto", dtype: str = "auto") -> None:
         # GenerationConfig's own checks (unknown method, gamma out of [1, 15], budget < 21, bad window) run here,
         # before the (slow) load; generate() derives every batch's config from this one
         self.base_config = GenerationConfig(method=method, gamma=gamma, budget=budget, sparse_config=config,

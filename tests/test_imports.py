@@ -22,6 +22,30 @@ KNOWN_CLI_IMPORTERS: frozenset[str] = frozenset()  # none: only dustin/cli and d
 
 # Module-level import cycles known today, each as the sorted tuple of its modules. Empty: none is tolerated.
 KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
+# Cycles once the imports inside functions (and under TYPE_CHECKING) count too: a module that imports another
+# only when called still depends on it. Known today: `Engine.generate` drives the engine loop, which imports
+# `Engine` back (to be gone with one engine core).
+KNOWN_CYCLES_ALL_IMPORTS: frozenset[tuple[str, ...]] = frozenset({("dustin.engine.engine", "dustin.engine.llm_engine")})
+
+# The declared layers, bottom first: a module may import its own layer and the layers below it. Each entry is a
+# top-level module or package of dustin; "" is the package itself (dustin/__init__.py: the public API).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "defaults", "runtime", "scoring"),  # plain Python, nothing of dustin below them
+    ("cache", "kernels", "attention", "models"),  # the model runtime: caches, kernels, attention plans, models
+    ("selection",),  # verification-time KV selection policies (read the batch through StepState)
+    ("parallel",),  # tensor parallelism: shards models, TP forms of the policies
+    ("engine",),  # the engine: config, runners, sessions, the loop
+    ("flags",),  # the command line's shared flag groups (read the engine's method table)
+    ("llm", "serve"),  # the Python API and the HTTP server over the engine
+    ("",),  # `import dustin`: the public names (LLM, SamplingParams, __version__)
+    ("data", "tasks"),  # evaluation data packages and tasks
+    ("eval", "bench", "profiling"),  # the measurement commands
+    ("cli", "__main__"),  # the command line
+)
+# Imports from a lower layer up to a higher one known today, as (importing module, imported module).
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
+    ("dustin.engine.llm_engine", "dustin.flags"),  # the --budget auto defaults, now in dustin.defaults
+})
 
 
 def _module_name(path: Path) -> str:
@@ -156,6 +180,54 @@ def test_no_module_level_import_cycles():
     assert not stale, f"these cycles are gone: remove them from KNOWN_CYCLES: {stale}"
 
 
+def test_no_import_cycles_counting_imports_inside_functions():
+    graph = _graph(module_level=False)
+    cycles = set(_cycles(graph))
+    unexpected = sorted(cycles - KNOWN_CYCLES_ALL_IMPORTS)
+    assert not unexpected, "import cycles (imports inside functions included):\n" + "\n".join(
+        _describe(c, graph) for c in unexpected)
+    stale = sorted(KNOWN_CYCLES_ALL_IMPORTS - cycles)
+    assert not stale, f"these cycles are gone: remove them from KNOWN_CYCLES_ALL_IMPORTS: {stale}"
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of a dustin module."""
+    top = module.split(".")[1] if "." in module else ""
+    return next(i for i, layer in enumerate(LAYERS) if top in layer)
+
+
+def _upward(graph: dict[str, dict[str, int]]) -> set[tuple[str, str]]:
+    up = set()
+    for m, deps in graph.items():
+        for d in deps:
+            if _layer(d) > _layer(m):
+                up.add((m, d))
+    return up
+
+
+def test_every_module_has_a_layer():
+    tops = {m.split(".")[1] if "." in m else "" for m in _modules()}
+    declared = {name for layer in LAYERS for name in layer}
+    assert tops == declared, f"undeclared: {sorted(tops - declared)}; gone: {sorted(declared - tops)}"
+
+
+def test_imports_follow_the_layer_order():
+    """Every import (inside functions too) points to its own layer or below, but the known exceptions: at most
+    one import may run upward."""
+    up = _upward(_graph(module_level=False))
+    unexpected = sorted(up - KNOWN_UPWARD)
+    assert not unexpected, ("imports up the layer order (LAYERS); move the shared code down or the importer up: "
+                            f"{unexpected}")
+    assert not sorted(KNOWN_UPWARD - up), f"gone: remove from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - up)}"
+    assert len(KNOWN_UPWARD) <= 1
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"dustin.kernels.x": {"dustin.engine.session": 3}, "dustin.engine.session": {"dustin.kernels.x": 1},
+             "dustin.cli.main": {"dustin": 1}, "dustin.selection.base": {"dustin": 2}, "dustin": {}}
+    assert _upward(graph) == {("dustin.kernels.x", "dustin.engine.session"), ("dustin.selection.base", "dustin")}
+
+
 def test_the_cycle_finder_finds_a_cycle_and_skips_what_does_not_run():
     src = ("from typing import TYPE_CHECKING\nimport dustin.b\nif TYPE_CHECKING:\n    import dustin.c\n"
            "else:\n    import dustin.d\ndef f():\n    import dustin.e\n")
@@ -168,3 +240,64 @@ def test_the_cycle_finder_finds_a_cycle_and_skips_what_does_not_run():
     assert {"dustin.p.x", "dustin.p.x.y", "dustin", "dustin.z"} <= rel
     graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}, "e": {}}
     assert _cycles(graph) == [("a", "b", "c")]
+
+
+# ------------------------------------------------------------------------------------------------ scripts/
+# scripts/ holds what maintainers run again on a GPU (scripts/README.md); neither the package nor a test depends on
+# it: a test that imports a script keeps that script in the tree, and the package must not need files it does not
+# ship. "Imports" also counts loading a script by its path (importlib, runpy).
+SCRIPTS = ROOT / "scripts"
+_LOADERS = frozenset({"import_module", "__import__", "spec_from_file_location", "SourceFileLoader", "run_path",
+                      "run_module"})
+
+
+def _names_scripts(value: object) -> bool:
+    return isinstance(value, str) and (value == "scripts" or value.startswith(("scripts.", "scripts/")))
+
+
+def _script_imports(tree: ast.Module) -> list[int]:
+    """Lines that import from scripts/: `import scripts...`, `from scripts... import`, and a loader call
+    (importlib.import_module, spec_from_file_location, runpy.run_path, ...) with "scripts..." in its arguments."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            lines += [node.lineno for alias in node.names if _names_scripts(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _names_scripts(node.module or ""):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in _LOADERS and any(isinstance(c, ast.Constant) and _names_scripts(c.value)
+                                        for arg in [*node.args, *(k.value for k in node.keywords)]
+                                        for c in ast.walk(arg)):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_test_and_no_dustin_module_imports_scripts():
+    found = []
+    for folder in (ROOT / "tests", PACKAGE):
+        for path in sorted(folder.rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            found += [f"{path.relative_to(ROOT)}:{line}" for line in _script_imports(tree)]
+    assert not found, ("these import from scripts/; move what they need into dustin/ or remove the test with the "
+                       f"script: {found}")
+
+
+def test_the_scripts_check_finds_each_form():
+    src = ("import scripts.gpu_x\nfrom scripts import y\nfrom scripts.experiments.z import w\n"
+           "import importlib, importlib.util, runpy\n"
+           "importlib.import_module('scripts.gpu_x')\n"
+           "spec = importlib.util.spec_from_file_location('x', ROOT / 'scripts' / 'gpu_x.py')\n"
+           "runpy.run_path('scripts/gpu_x.py')\n"
+           "import scriptsy\nfrom .scripts import v\nopen('scripts/README.md')\n'''scripts/gpu_x.py'''\n")
+    assert _script_imports(ast.parse(src)) == [1, 2, 3, 5, 6, 7]
+
+
+def test_scripts_readme_lists_exactly_the_scripts():
+    """Each script is one `- \\`name\\`: ...` line of scripts/README.md, and each such line is a script."""
+    import re
+
+    listed = re.findall(r"^- `([^`\s]+)`", (SCRIPTS / "README.md").read_text(encoding="utf-8"), flags=re.M)
+    present = sorted(p.name for p in SCRIPTS.iterdir() if p.is_file() and p.name != "README.md")
+    assert sorted(listed) == present and len(listed) == len(set(listed)), (listed, present)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.errors import InputError
-from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
 from dustin.selection.config import ORACLE_RUNGS
 
 if TYPE_CHECKING:  # sampling imports torch, and the CLI reads METHODS from here to build its flags
@@ -42,7 +42,7 @@ DRAFT_KV_MODES = ("full", "streaming")
 @dataclass
 class GenerationConfig:
     method: str = DEFAULT_METHOD
-    gamma: int = 4
+    gamma: int = GAMMA
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,7 +50,7 @@ class GenerationConfig:
     seed: int = 0
     draft_kv: str | None = None  # None: the method's default
     draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_window - 4) recent positions
-    draft_window: int = 512  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
+    draft_window: int = DRAFT_WINDOW  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
     stop_at_eos: bool = True
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
     # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P
 from dustin.errors import InputError
-from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P
 from dustin.kernels.selection import rows_contain
 
 _NEG_INF = float("-inf")

@@ -1,0 +1,13 @@
+"""The engine's defaults, written once: the engine's settings (`GenerationConfig`, `ServeConfig`, `LLM`,
+`AutoBudget`) and the command line's flags (dustin/flags.py) take them from here. This module sits at the bottom
+of the package: it imports nothing."""
+
+# the decoding method when none is named (sparse verification, the engine's reason to exist)
+DEFAULT_METHOD = "dustin"
+
+# draft tokens per speculative step (Γ), and the positions a streaming draft attends (4 sinks + the most recent)
+GAMMA = 4
+DRAFT_WINDOW = 512
+
+# --budget auto: the attention mass to cover, the smallest and the largest k
+AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048
