@@ -17,8 +17,8 @@
 #                                        # 0.3 ms between configs on real prompts)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
-#   bash scripts/device_speed.sh random  # no weights: step-graph check, draft attention (direct vs split),
-#                                        # step anatomy (overlapped and not), Llama-3.1-8B + 3.2-1B e2e, 32B attention
+#   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
+#                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
@@ -82,7 +82,6 @@ elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with Y
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py
-  run 60 python3 scripts/gpu_draft_attention.py
   run 170 python3 scripts/gpu_step_anatomy.py --pair qwen2.5-1.5b:qwen2.5-0.5b --batch 16 --context 32768 \
     --methods vanilla,dustin,streaming,magicdec,quest,specattn --tau 3.56 --steps 12 --config $cfg
   run 60 python3 scripts/gpu_step_anatomy.py --pair qwen2.5-1.5b:qwen2.5-0.5b --batch 16 --context 32768 \

@@ -628,49 +628,6 @@ def test_draft_layer_curve_rows_are_the_configs_a_search_would_stop_at(torch_sel
     assert "heldout" not in draft_layer_curve(val, None, 2, [1], budget=64, search_m=(22,), optuna_trials=2)[1]
 
 
-def test_sdraft_layers_script_on_synthetic_traces(torch_selection, tmp_path, monkeypatch):
-    """scripts/sdraft_layers.py: the curve, the key bytes of each row (heads on one KV head cost one read) and the
-    whole-config tables, from stored traces and SRH files alone; a config whose heads are not the SRHs is refused."""
-    import sys
-
-    from safetensors.torch import save_file
-
-    from scripts import sdraft_layers
-
-    for split, seed in (("profile", 0), ("heldout", 1)):
-        (tmp_path / "trace" / split).mkdir(parents=True)
-        save_file(_synthetic_traces(seed=seed)[0], str(tmp_path / "trace" / split / "t.safetensors"))
-    srh_d = {"0": [0, 1], "1": [0, 3], "2": [2, 3]}  # group 2: layer 1 reads KV heads 0 and 1, the others one
-    for role, heads in (("target", {"0": [0], "1": [0], "2": [1]}), ("draft", srh_d)):
-        (tmp_path / f"srh_{role}.json").write_text(json.dumps({"top_heads": heads, "counted": 1}))
-    shape = {"n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8}
-    cfg = {"target": [{"layer": 2, "heads": [1]}], "draft": [{"layer": 1, "heads": [0, 3]}], "budget": 64,
-           "draft_topm": 22, "sinks": 4, "window": 16, "models": {"target": shape, "draft": shape}}
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    out = tmp_path / "layers.json"
-    argv = ["sdraft_layers.py", "--prof", str(tmp_path), "--target-layer", "2", "--order", "1,0", "--budget", "64",
-            "--budgets", "42,64", "--config-budgets", "64", "--optuna-trials", "3", "--batch", "2", "--context", "100",
-            "--config", f"c={tmp_path / 'cfg.json'}", "--json-out", str(out), "--plot-out", str(tmp_path / "l.png")]
-    monkeypatch.setattr(sys, "argv", argv)
-    sdraft_layers.main()
-    r = json.loads(out.read_text())
-    per_kv = 2 * 100 * 8 * 2  # batch x context x head_dim x bf16
-    assert r["bytes_at"]["per_draft_layer_kv_head"] == per_kv
-    assert r["bytes_at"]["per_verify_position"] == 2 * 3 * 2 * 8 * 2 * 2
-    assert [(c["n"], c["layer_kv_heads"], c["draft_key_bytes_per_step"]) for c in r["curve"]] == \
-        [(0, 0, 0), (1, 2, 2 * per_kv), (2, 1, 3 * per_kv)]
-    best = _best_arr(_synthetic_traces()[0]["lengths"].tolist())
-    assert r["curve"][1]["validation"]["arr"]["64"] == pytest.approx(best, rel=1e-5)
-    c = r["configs"]["c"]
-    assert c["draft_layers"] == [1] and c["draft_key_bytes_per_step"] == 2 * per_kv
-    assert c["validation"]["64"]["srh"]["dustin"] == pytest.approx(best, rel=1e-5)
-    assert (tmp_path / "l.png").stat().st_size > 0
-    cfg["draft"][0]["heads"] = [0, 1]
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    with pytest.raises(SystemExit, match="not the traced SRHs"):
-        sdraft_layers.main()
-
-
 def test_evaluate_ranks_oracle_topk_first(torch_selection):
     from dustin.profiling.search import ARRObjective, evaluate
 

@@ -187,7 +187,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_
                     HAS_NORM: tl.constexpr, NT_PAD: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = silu(gate[m, n]) * up[m, n]; gate = x . W[n], up = x . W[INTER + n] (W = [gate; up]). Not
     split over K: at the default pair's shapes 2 and 4 splits measured 35-80% slower on an H200
-    (scripts/gpu_split_merge.py)."""
+    (scripts/gpu_split_merge.py at commit 91e0610)."""
     pdl_start(PDL)
     rows, row_ok, xrow = _rows(T, sx_b, sx_t, M, BM)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -305,7 +305,7 @@ def linear_tiles(M: int, N: int, K: int, dtype: torch.dtype, *, splittable: bool
     while the programs still fit in one wave on an H200's SMs (a shape rule: the tiles do not depend on the
     device, so CPU tests run the GPU's launches) and each part keeps >= 1024 of K. Two tiles a program
     (gate_up) stream BK = 128 through 3-4 stages. Measured on an H200 at the default pair's shapes
-    (scripts/gpu_decode_layers.py --sweep / --pipeline)."""
+    (scripts/gpu_decode_layers.py --sweep / --pipeline, at commit 51d7b06)."""
     bn, split = 64, 1
     if splittable:
         while split < 8 and triton.cdiv(N, bn) * split * 2 <= H200_NUM_SMS and K // (split * 2) >= 1024:
@@ -322,7 +322,7 @@ def qkv_tiles(M: int, n_heads: int, half: int, K: int, dtype: torch.dtype) -> Ti
     """qkv_rope's tiles: QKV_TILES, K split (up to 4 ways) while the programs stay within two per SM and each part
     keeps >= 128 of K. Its grid is small (one program per head and 16 half-dims: 36 for the 0.5B draft, 64 for the
     1.5B target); on an H200 at 16 rows split K took the draft's 6.32 -> 5.38 us (4 ways) and the target's
-    8.01 -> 7.40 us (4; 2: 7.34) (scripts/gpu_split_merge.py)."""
+    8.01 -> 7.40 us (4; 2: 7.34) (scripts/gpu_split_merge.py at commit 91e0610)."""
     q = QKV_TILES
     n_tiles, split = n_heads * (half // q.bn), 1
     while split < 4 and n_tiles * split * 2 <= 2 * H200_NUM_SMS and K // (split * 2) >= 128:

@@ -28,7 +28,7 @@ Retrieval Heads only. Design:
   read-add-write (or a plain write with accumulate=False, which also zeroes the rest of the row and saves
   the caller's zero_()): no atomics, deterministic. Reading the logits instead of K again moves fewer
   bytes when rows * 4 B < Hkv_used * D * 2 B per key (1 target head at D 128: 8 B instead of 256 B per key).
-  Measured on an H200 (scripts/gpu_kernel_variants.py), B 16 x 32k: S_target 58 vs 79 us for the old
+  Measured on an H200 (scripts/gpu_kernel_variants.py at commit 91e0610), B 16 x 32k: S_target 58 vs 79 us for the old
   pass 2 that re-read K, S_draft over 3 layers 233 vs 263 us; also faster at 8k x 8. That two-pass path
   and a separate combine launch (3 launches) were deleted: they were slower at every measured shape. The
   price is the scratch: 4 B per (row, key), e.g. 100 MB for S_draft's 48 rows at B 16 x 32k.
@@ -46,7 +46,7 @@ Retrieval Heads only. Design:
 Measured on an H200 (bf16, CUDA graph, cold L2), B 16 x 32k, single pass, multi-layer: S_draft (4 heads on
 2 KV heads x 4 queries, 3 Qwen2.5-0.5B layers) 233 us before the KV-dedup / Q-once loading, 224 us after;
 S_target (1 head, 1 query, D 128) 57.6 us, 53.6 us with 128-key blocks (docs/results/gpu_tune_h200.json,
-scripts/gpu_tune.py). S_draft moves ~400 MB of keys plus its logits scratch: ~1.8 TB/s, half the copy
+scripts/gpu_tune.py at commit 91e0610). S_draft moves ~400 MB of keys plus its logits scratch: ~1.8 TB/s, half the copy
 bandwidth; 8 warps or fewer/more programs measured slower.
 """
 from __future__ import annotations
@@ -301,7 +301,7 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     slots = n_kv if (kv_slots if kv_slots is not None else n_kv <= Hs) else 0
     # H200, S_draft of the shipped config (11 layers x 4 heads on 2 KV heads x 4 queries, D 64), B 16 x 32k, both
     # passes: a slot per head, 2 stages 756 us; a slot per KV head, 2 stages 733 us, 3 stages 593 us (4: 607; 8
-    # warps slower everywhere) (scripts/experiments/score_slots.py)
+    # warps slower everywhere) (scripts/experiments/score_slots.py at commit a4c0172)
     stages = 3 if slots and D <= 64 else 2
     common = {"NL": NL, "HS": Hs, "TQ": Tq, "P1": p1, "R_PAD": r_pad, "BLOCK_N": block_n,
               "HAS_KLEN": key_lengths is not None, "HAS_QPOS": query_positions is not None,

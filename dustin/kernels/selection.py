@@ -20,8 +20,8 @@ Every size is a Python int: no .item(), no boolean indexing, so it is CUDA-graph
 took 80-120 us a step at B 8-16 x 8k-32k (docs/results/kernel_variants_h200.json): torch.topk's multi-block
 radix select (~75 us for both rows) plus the launches around it. CPU tensors outside the Triton interpreter
 take the pure torch path (`_select_dustin_torch`).
-A three-launch variant without torch.topk (scripts/experiments/select_radix.py) gives the same sets but
-measured slower on an H200 (103-225 us against 79-99 us, docs/results/gpu_tune_h200.json).
+A three-launch variant without torch.topk (scripts/experiments/select_radix.py at commit a1b4c24) gives the same
+sets but measured slower on an H200 (103-225 us against 79-99 us, docs/results/gpu_tune_h200.json).
 Compile time counts too: a fresh process compiles these kernels in its first decode step. `in_list` loops over its
 32-wide slices instead of unrolling them: compiling the tuned config's selection (k 512, m 352) for sm_90 took
 1.65 s instead of 2.67 s (this repo's 2-core CPU, Triton 3.9, empty cache; the one-shot H200 run spent 4.2 s in

@@ -20,11 +20,11 @@ Design (flash-decoding over the index list):
   (empty chunk, padding) yields acc = 0, l = 0 and no NaN.
 - No host syncs: the grid depends only on shapes (indices.shape[1] bounds the work); counts and lengths
   stay on the device.
-Measured on an H200 (bf16, k 512, T 5, CUDA graph, cold L2; scripts/gpu_sparse_kernels.py): 15-20 us a
+Measured on an H200 (bf16, k 512, T 5, CUDA graph, cold L2; scripts/gpu_sparse_kernels.py at commit 2927804): 15-20 us a
 layer at Qwen2.5-7B/32B shapes, B 8-16, 8k-32k context (1.8 TB/s on the 34 MB of B 16 x Hkv 8), against
 124-250 us for torch.gather + SDPA. Small problems sit on a ~14 us latency floor (index load, gather,
 merge kernel), so the ~10 us the bytes alone allow is not reached. A sweep of 12 launch configurations
-(splits 1-8, either merge, BLOCK_N 32-128, 2-8 warps, 1-4 stages; scripts/gpu_tune.py,
+(splits 1-8, either merge, BLOCK_N 32-128, 2-8 warps, 1-4 stages; scripts/gpu_tune.py at commit 91e0610,
 docs/results/gpu_tune_h200.json) found the default best at 32k x 16 (19.6 us on the 32B shape, next
 22.4 us): 1 split there, as B * Hkv = 128 fills the SMs. Where the default splits (small B * Hkv: the 1.5B
 target's 2 KV heads), the same launch configuration merged in-kernel was faster than with a combine launch in
