@@ -227,6 +227,7 @@ print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stder
     (["serve", "--help"], "--port"),
     (["bench", "e2e", "--help"], "--real"),
     (["bench", "attention", "--help"], "--contexts"),
+    (["bench", "sampling", "--help"], "--sampler-only"),
     (["bench", "e2e", "--steps", "x"], "invalid int value: 'x'"),
     (["eval", "tasks", "--help"], "--samples"),
     (["eval", "needles", "--help"], "--depths"),
@@ -258,8 +259,8 @@ def test_every_subcommand_keeps_its_flags():
         return sorted(o for a in parser._actions for o in a.option_strings)
 
     full = build_parser()
-    for path in (["generate"], ["bench", "e2e"], ["bench", "serve"], ["eval", "tasks"], ["eval", "needles"],
-                 ["serve"], ["profile"], ["warmup"], ["demo"]):
+    for path in (["generate"], ["bench", "e2e"], ["bench", "serve"], ["bench", "sampling"], ["eval", "tasks"],
+                 ["eval", "needles"], ["serve"], ["profile"], ["warmup"], ["demo"]):
         own = flags(build_parser(path), path)
         assert own == flags(full, path) and len(own) > 3, path
     assert flags(build_parser(["generate"]), ["bench", "e2e"]) == ["--help", "-h"]

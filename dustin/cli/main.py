@@ -103,6 +103,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
              "ITL percentiles per method")
     _command(bsub, cmd, ("bench", "attention"), "dustin.bench.attention",
              "verify self-attention breakdown: full vs sparse")
+    _command(bsub, cmd, ("bench", "sampling"), "dustin.bench.sampling",
+             "ms per decode step, greedy vs sampled (one rule for the batch, or per-row rules); the sampler alone")
 
     ev = sub.add_parser("eval", help="evaluation")
     esub = ev.add_subparsers(dest="eval_command", required=True)
@@ -235,6 +237,9 @@ def _dispatch(argv: list[str] | None) -> int:
             if args.bench_command == "serve":
                 from dustin.bench.serve import run as run_serve_bench
                 return run_serve_bench(args)
+            if args.bench_command == "sampling":
+                from dustin.bench.sampling import run as run_sampling_bench
+                return run_sampling_bench(args)
             if args.bench_command == "attention":
                 from dustin.bench.attention import run as run_attention_bench
                 return run_attention_bench(args)

@@ -1,12 +1,27 @@
 """Token choice: greedy, temperature / top-k / top-p sampling, and the speculative acceptance rules.
 
-Everything here is batched and runs on the device without host syncs.
+Everything here is batched and runs on the device without host syncs (on a GPU the whole decode step is captured
+as one CUDA graph); the one exception is the CPU's top-p search below, where a sync costs nothing. A sampled step
+adds a few passes over the vocabulary per distribution to a greedy one, and no sort of it on the CPU:
+  * top-k and top-p are cuts by value. Top-k keeps the tokens whose logit is at least the k-th largest; top-p
+    keeps the tokens whose logit is at least that of the last token the nucleus needs (the most likely tokens in
+    descending order, up to the first whose preceding mass reaches top_p). Tokens tied at a cut are all kept, so
+    the result does not depend on how a sort orders ties. The cut values come from the row's largest logits in
+    descending order: on a GPU a sort of the row; on the CPU `torch.topk` of the 256 largest (4 times more while
+    the nucleus may reach past them, up to the whole row), which gives the same cuts;
+  * a token is drawn by inverse CDF (one uniform number per row; block sums, then one block's cumulative sum), not
+    by `torch.multinomial`, which draws an exponential number per vocabulary entry;
+  * acceptance reads the draft's distribution at the first rejected slot by index, without copying it;
+  * an argmax over bf16 logits on the CPU runs on their fp32 cast (4x faster there, the same index).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+_FIRST_K = 256  # the CPU looks for the top-p cut among this many largest logits first (x4 while it may be past)
+_BLOCK = 1024  # entries per block of `inverse_cdf`'s two-level search
 
 
 @dataclass(frozen=True)
@@ -19,32 +34,108 @@ class SamplingRule:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p cut the distribution (a greedy rule's are never applied)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+def _largest(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` largest values of each row of x, in descending order."""
+    return torch.sort(x, dim=-1, descending=True).values if size >= x.shape[-1] else torch.topk(x, size, dim=-1).values
+
+
+def _cut(x: torch.Tensor, top_k, top_p, k_need: int) -> torch.Tensor:
+    """Logits x [..., V] (fp32, after temperature) with the tokens that top-k and then top-p drop set to -inf.
+    top_k: an int or a long tensor broadcasting to x[..., :1] (0: off); top_p: a float or such a float tensor
+    (>= 1: off); k_need: the largest top_k in use (0: none). The cuts are values (see the module's docstring)."""
+    V = x.shape[-1]
+    k_need = min(k_need, V)
+    per_row = isinstance(top_p, torch.Tensor)
+    p_on = per_row or top_p < 1.0
+    # a GPU sorts the whole row (fast there, and one shape for its graph); the CPU looks among the largest only
+    size = V if x.device.type != "cpu" else min(V, max(k_need, _FIRST_K)) if p_on else k_need
+    top = _largest(x, size)
+    if k_need:
+        if isinstance(top_k, torch.Tensor):
+            kth = top.gather(-1, (top_k.clamp(1, k_need) - 1).expand(*top.shape[:-1], 1))
+            kth = torch.where(top_k > 0, kth, float("-inf"))
+        else:
+            kth = top[..., top_k - 1:top_k]
+        x = torch.where(x < kth, float("-inf"), x)
+        top = torch.where(top < kth, float("-inf"), top)
+    if not p_on:
+        return x
+    # the probabilities of the largest logits in the whole (top-k cut) row, and the mass before each
+    peak = top[..., :1]
+    log_total = (x - peak).exp_().sum(-1, keepdim=True).log_()
+    while True:
+        probs = (top - peak - log_total).exp()
+        before = probs.cumsum(-1) - probs
+        needed = (before < top_p).sum(-1, keepdim=True)  # >= 1: the most likely token is always kept
+        short = (needed == size) & (top[..., -1:] > float("-inf")) & (top_p < 1.0)
+        if size >= V or not bool(short.any()):
+            break
+        size = min(V, 4 * size)  # the nucleus may reach past the values looked at (CPU only: no graph there)
+        top = _largest(x, size)
+    cut = top.gather(-1, needed - 1)
+    if per_row:
+        cut = torch.where(top_p < 1.0, cut, float("-inf"))
+    return torch.where(x < cut, float("-inf"), x)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1); on the CPU over an fp32 cast (the same index: the cast is exact and both take the first
+    maximum), since there an argmax over bf16 takes 4x as long as the cast and an fp32 argmax together."""
+    return (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)
+
 
 def probabilities(logits: torch.Tensor, p: SamplingRule) -> torch.Tensor:
     """fp32 probabilities after temperature, top-k and top-p (nucleus) filtering; logits [..., V]."""
-    logits = logits.float() / max(p.temperature, 1e-6)
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the mass of the tokens strictly before it already reaches top_p
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(-1)
+    x = logits.float()
+    if p.temperature != 1.0:
+        x = x / max(p.temperature, 1e-6)
+    top_k = p.top_k if 0 < p.top_k < x.shape[-1] else 0
+    if top_k or p.top_p < 1.0:
+        x = _cut(x, top_k, p.top_p, top_k)
+    return x.softmax(-1)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of weights [..., V] (non-negative, not necessarily normalized) for uniforms u [...] in
+    [0, 1): the first index whose cumulative weight exceeds u times the row's total, so never an index of zero
+    weight (u < 1 keeps u times the total below the total: rounding to nearest cannot reach it). A long row is
+    searched in two levels, blocks of `_BLOCK` by their sums and then one block's entries, since a cumulative sum
+    along a whole row of a large vocabulary is slow (one pass in order on the CPU, few parallel rows on a GPU)."""
+    V = weights.shape[-1]
+    if V <= 2 * _BLOCK:
+        cdf = weights.cumsum(-1)
+        t = u[..., None] * cdf[..., -1:]
+        return torch.searchsorted(cdf, t, right=True).squeeze(-1).clamp_max(V - 1)
+    n = V // _BLOCK  # whole blocks, then the rest (possibly empty) as one more
+    sums = torch.cat([weights[..., :n * _BLOCK].unflatten(-1, (n, _BLOCK)).sum(-1),
+                      weights[..., n * _BLOCK:].sum(-1, keepdim=True)], dim=-1)
+    cdf = sums.cumsum(-1)
+    t = u[..., None] * cdf[..., -1:]
+    block = torch.searchsorted(cdf, t, right=True).clamp_max(n)  # [..., 1]: its sum is > 0
+    t = t - torch.where(block > 0, cdf.gather(-1, (block - 1).clamp_min(0)), 0.0)  # the mass to go inside it
+    at = block * _BLOCK + torch.arange(_BLOCK, device=weights.device)
+    inner = weights.gather(-1, at.clamp_max(V - 1)) * (at < V)
+    cdf = inner.cumsum(-1)
+    t = torch.minimum(t.clamp_min(0.0), torch.nextafter(cdf[..., -1:], torch.zeros_like(t)))  # rounding: stay inside
+    return (block * _BLOCK + torch.searchsorted(cdf, t, right=True).clamp_max(_BLOCK - 1)).squeeze(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [..., V]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One token per row of probs [..., V] (weights: need not sum to 1), by inverse CDF."""
+    u = torch.rand(probs.shape[:-1], device=probs.device, generator=generator)
+    return inverse_cdf(probs, u)
 
 
 def choose(logits: torch.Tensor, p: SamplingRule, generator: torch.Generator | None):
     """Return (tokens, probs or None): argmax when greedy, else a sample and the distribution it came from."""
     if p.greedy:
-        return logits.argmax(-1), None
+        return argmax(logits), None
     probs = probabilities(logits, p)
     return sample(probs, generator), probs
 
@@ -54,11 +145,26 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
 
     A draft token is accepted while it equals the target's argmax; the next token is the target's own
     choice at the first mismatch (or the bonus token after the last draft token)."""
-    target_choice = target_logits.argmax(-1)  # [B, G+1]
+    target_choice = argmax(target_logits)  # [B, G+1]
     match = (draft == target_choice[:, :-1]).int()
     n_acc = match.cumprod(dim=1).sum(dim=1)
     next_tok = target_choice.gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_tok
+
+
+def _verify(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, u: torch.Tensor):
+    """The acceptance test of speculative sampling with uniforms u [B, G]: (n_accepted [B], the weights [B, V] to
+    draw the next token from: the residual max(0, p - q) at the first rejected slot, p itself after the last draft
+    token or where the residual has no mass)."""
+    B, G = draft.shape
+    p_x = target_probs[:, :G].gather(2, draft[..., None]).squeeze(2)
+    q_x = draft_probs.gather(2, draft[..., None]).squeeze(2)
+    n_acc = (u * q_x <= p_x).int().cumprod(dim=1).sum(dim=1)  # u < p/q without dividing by a possibly tiny q
+    rows = torch.arange(B, device=draft.device)
+    p_at = target_probs[rows, n_acc]  # [B, V]: target distribution at the first rejected slot (or bonus)
+    q_at = draft_probs[rows, n_acc.clamp_max(G - 1)] * (n_acc < G)[:, None]  # none after the last draft token
+    residual = (p_at - q_at).clamp_min(0)
+    return n_acc, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
 
 
 def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
@@ -70,19 +176,9 @@ def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_lo
     then follows the target's (processed) distribution exactly."""
     B, G = draft.shape
     target_probs = probabilities(target_logits, p)  # [B, G+1, V]
-    p_x = target_probs[:, :G].gather(2, draft[..., None]).squeeze(2)
-    q_x = draft_probs.gather(2, draft[..., None]).squeeze(2)
     u = torch.rand(B, G, device=draft.device, generator=generator)
-    ok = (u * q_x <= p_x).int()  # u < p/q without dividing by a possibly tiny q
-    n_acc = ok.cumprod(dim=1).sum(dim=1)
-    rows = torch.arange(B, device=draft.device)
-    p_at = target_probs[rows, n_acc]  # [B, V]: target distribution at the first rejected slot (or bonus)
-    q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n_acc]
-    residual = (p_at - q_at).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    # all accepted (q_at = 0 -> residual = p) or a degenerate residual: fall back to p itself
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
-    return n_acc, sample(residual, generator)
+    n_acc, weights = _verify(draft, draft_probs, target_probs, u)
+    return n_acc, sample(weights, generator)
 
 
 def accept_prob_for_tau(tau: float, gamma: int) -> float:
@@ -109,7 +205,7 @@ def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_p
     B, G = draft.shape
     u = torch.rand(B, G, device=draft.device, generator=generator)
     n_acc = (u < accept_prob).int().cumprod(dim=1).sum(dim=1)
-    next_tok = target_logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+    next_tok = argmax(target_logits).gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_tok
 
 
@@ -152,7 +248,8 @@ class RowSampling:
     `seed` when it has one (its tokens then do not depend on what else is in the batch), else a seed drawn at
     admission from a host generator seeded with the batch's seed. Nothing in that path loops over rows on the host
     or depends on the rows' values, so a step over a mixed batch is captured as one CUDA graph like a uniform one
-    (`Session` keeps one graph per mode)."""
+    (`Session` keeps one graph per mode). Whether any sampled row uses top-k or top-p is known on the host: a
+    batch without them skips the cuts (mode "mixed"), one with them takes them (mode "mixed-cut")."""
 
     def __init__(self, batch: int, default: SamplingRule, generator: torch.Generator | None,
                  seed: int = 0) -> None:
@@ -161,8 +258,9 @@ class RowSampling:
         self.default, self.generator = default, generator
         dev = generator.device if generator is not None else torch.device("cpu")
         self._temp = torch.full((batch,), max(default.temperature, 1e-6), dtype=torch.float32, device=dev)
-        self._top_k = torch.full((batch,), default.top_k, dtype=torch.long, device=dev)
-        self._top_p = torch.full((batch,), default.top_p, dtype=torch.float32, device=dev)
+        self._top_k = torch.full((batch,), default.top_k if default.filters else 0, dtype=torch.long, device=dev)
+        self._top_p = torch.full((batch,), default.top_p if default.filters else 1.0, dtype=torch.float32,
+                                 device=dev)
         self._greedy = torch.full((batch,), default.greedy, dtype=torch.bool, device=dev)
         self._seeds = torch.zeros(batch, dtype=torch.long, device=dev)
         self._offsets = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -175,8 +273,8 @@ class RowSampling:
         if seed is None:
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self._host_seeds))
         self._temp[row] = max(params.temperature, 1e-6)
-        self._top_k[row] = params.top_k
-        self._top_p[row] = params.top_p
+        self._top_k[row] = params.top_k if params.filters else 0
+        self._top_p[row] = params.top_p if params.filters else 1.0
         self._greedy[row] = params.greedy
         self._seeds[row] = _i64(seed * 0x2545F4914F6CDD1D + 1)  # spread small seeds over 64 bits
         self._offsets[row] = 0
@@ -192,8 +290,13 @@ class RowSampling:
     @property
     def mode(self) -> str:
         """Which code path a step takes: "uniform" (the batch's rule and generator), "greedy" (per-row settings,
-        every row greedy: argmax), "mixed" (per-row rules and counter noise). A captured step graph is one mode's."""
-        return "uniform" if self.uniform else "greedy" if self.greedy else "mixed"
+        every row greedy: argmax), "mixed" (per-row rules and counter noise) or "mixed-cut" (the same with top-k /
+        top-p cuts). A captured step graph is one mode's."""
+        if self.uniform:
+            return "uniform"
+        if self.greedy:
+            return "greedy"
+        return "mixed-cut" if any(p.filters for p in self.params) else "mixed"
 
     def _noise(self, n: int) -> torch.Tensor:
         """[B, n] per-row uniforms; each row's counter advances by n."""
@@ -201,40 +304,41 @@ class RowSampling:
         self._offsets.add_(n)
         return u
 
-    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-row probabilities of logits [B, ..., V] after each row's temperature, top-k and top-p (the rules of
-        `probabilities`, applied in sorted order); a greedy row gets its argmax as a one-hot."""
-        B, V = logits.shape[0], logits.shape[-1]
-        shape = (B,) + (1,) * (logits.dim() - 1)
-        x = logits.float() / self._temp.view(shape)
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        rank = torch.arange(V, device=logits.device)
-        k = torch.where(self._top_k > 0, self._top_k, V).view(shape)
-        sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
-        p_sorted = sorted_x.softmax(-1)
-        drop = (p_sorted.cumsum(-1) - p_sorted) >= self._top_p.view(shape)
-        p_sorted = p_sorted.masked_fill(drop, 0.0)
-        p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)
-        probs = torch.zeros_like(p_sorted).scatter_(-1, order, p_sorted)
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        return torch.where(self._greedy.view(shape), one_hot, probs)
+    def _distributions(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row probabilities of fp32 logits x [B, ..., V] after each row's temperature, top-k and top-p (the
+        rules of `probabilities`); a greedy row's are those of a near-zero temperature (its token is the argmax)."""
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+        x = x / self._temp.view(shape)
+        if not any(p.filters for p in self.params):
+            return x.softmax(-1)
+        if x.device.type == "cpu":  # no graph here: the rules on the host choose the work
+            top_p = self._top_p.view(shape) if any(p.filters and p.top_p < 1.0 for p in self.params) else 1.0
+            k_need = max((p.top_k for p in self.params if p.filters), default=0)
+        else:  # the same work for every batch of this mode (mode "mixed-cut": one graph)
+            top_p, k_need = self._top_p.view(shape), x.shape[-1]
+        return _cut(x, self._top_k.view(shape), top_p, k_need).softmax(-1)
 
-    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """Inverse-CDF sampling of probs [B, ..., V] with per-row counter noise."""
-        B = probs.shape[0]
-        u = self._noise(probs[0, ..., 0].numel()).view(probs.shape[:-1])
-        cdf = probs.cumsum(-1)
-        idx = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
-        return idx.clamp_max(probs.shape[-1] - 1).view(B, *probs.shape[1:-1])
+    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """`_distributions` of logits in any dtype, with a greedy row's argmax as a one-hot (the distribution its
+        token comes from)."""
+        x = logits.float()  # cast once, for the argmax and the distributions
+        probs = self._distributions(x)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax(x)[..., None], 1.0)
+        return torch.where(self._greedy.view((-1,) + (1,) * (probs.dim() - 1)), one_hot, probs)
+
+    def _sample(self, weights: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF sampling of weights [B, ..., V] with per-row counter noise."""
+        u = self._noise(weights[0, ..., 0].numel()).view(weights.shape[:-1])
+        return inverse_cdf(weights, u)
 
     def choose(self, logits: torch.Tensor):
         """logits [B, V] -> (tokens [B], probs [B, V] or None when every row is greedy)."""
         if self.uniform:
             return choose(logits, self.default, self.generator)
         if self.greedy:
-            return logits.argmax(-1), None
+            return argmax(logits), None
         probs = self._probabilities(logits)
-        return self._sample(probs), probs
+        return self._sample(probs), probs  # a greedy row's one-hot draws its argmax
 
     def accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor):
         """Greedy rows: the greedy rule; sampled rows: lossless speculative sampling with their own params."""
@@ -244,20 +348,10 @@ class RowSampling:
             return accept_speculative(drafts, draft_probs, target_logits, self.default, self.generator)
         if self.greedy:
             return accept_greedy(drafts, target_logits)
-        B, G = drafts.shape
-        n_g, next_g = accept_greedy(drafts, target_logits)
-        target_probs = self._probabilities(target_logits)  # [B, G+1, V]
-        p_x = target_probs[:, :G].gather(2, drafts[..., None]).squeeze(2)
-        q_x = draft_probs.gather(2, drafts[..., None]).squeeze(2)
-        u = self._noise(G)
-        n_s = (u * q_x <= p_x).int().cumprod(dim=1).sum(dim=1)
-        rows = torch.arange(B, device=drafts.device)
-        p_at = target_probs[rows, n_s]
-        q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n_s]
-        residual = (p_at - q_at).clamp_min(0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
-        next_s = self._sample(residual)
+        x = target_logits.float()  # cast once, for the argmax and the distributions
+        n_g, next_g = accept_greedy(drafts, x)
+        n_s, weights = _verify(drafts, draft_probs, self._distributions(x), self._noise(drafts.shape[1]))
+        next_s = self._sample(weights)
         return torch.where(self._greedy, n_g, n_s), torch.where(self._greedy, next_g, next_s)
 
     def choose_row(self, row: int, logits: torch.Tensor) -> torch.Tensor:
@@ -265,12 +359,9 @@ class RowSampling:
         the batch's generator (as a whole-batch prefill does); otherwise from the row's own counter."""
         p = self.params[row]
         if p.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         if self.uniform:
             return sample(probabilities(logits, p), self.generator)
-        probs = probabilities(logits, p)
         u = counter_uniform(self._seeds[row:row + 1], self._offsets[row:row + 1], 1)
         self._offsets[row:row + 1].add_(1)
-        cdf = probs.cumsum(-1)
-        idx = torch.searchsorted(cdf, (u * cdf[..., -1:]))
-        return idx.clamp_max(probs.shape[-1] - 1).view(1)
+        return inverse_cdf(probabilities(logits, p), u.view(1))
