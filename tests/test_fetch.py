@@ -483,6 +483,84 @@ def test_corrupt_gguf_is_a_checkpoint_error(tiny, tmp_path, damage):
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
+def test_models_convert_makes_a_folder_of_a_users_gguf(tiny, tmp_path, capsys, monkeypatch):
+    """`dustin models convert FILE OUT_DIR`: the folder `models fetch` would make of the same file (same model
+    bytes), its parents made, a marker with the file's sha256 and metadata name; --target takes it. A non-empty
+    folder needs --force, which replaces it."""
+    from dustin.cli.main import main
+    from dustin.models.loader import load_model
+
+    monkeypatch.setenv(gguf_convert.WORKERS_ENV, "1")
+    out = tmp_path / "a" / "b" / "model"
+    assert main(["models", "convert", str(tiny["gguf"]), str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out == f"{out}\n"
+    reference = convert_gguf(tiny["gguf"], tmp_path / "reference", progress=False, workers=1)
+    assert _folder_bytes(out)["model.safetensors"] == _folder_bytes(reference)["model.safetensors"]
+    marker = json.loads((out / "dustin-source.json").read_text())
+    assert marker["gguf_sha256"] == tiny["entry"].sha256 and marker["gguf_size"] == tiny["entry"].size
+    assert marker["gguf"] == "tiny.gguf" and marker["converted_by"] == "dustin models convert"
+    assert resolve_model_path(str(out), "target") == out and load_model(out).args.n_layers == LAYERS
+    assert main(["models", "convert", str(tiny["gguf"]), str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"dustin: error: {out} exists and is not empty; pass --force to replace it\n"
+    (out / "stale.txt").write_text("x")
+    assert main(["models", "convert", str(tiny["gguf"]), str(out), "--quiet", "--force"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]  # no temporary or set-aside folder left
+
+
+def _foreign_gguf(path: Path) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "garbage", "truncated", "llama", "out-is-a-file",
+                                  "interrupted", "disk-error"])
+def test_models_convert_refuses_bad_input_in_one_line_and_leaves_nothing(tiny, tmp_path, capsys, monkeypatch,
+                                                                         case):
+    from dustin.cli.main import main
+
+    src, out = tmp_path / "in.gguf", tmp_path / "out" / "sub" / "model"
+    data = tiny["gguf"].read_bytes()
+    want = {"missing": f"GGUF file {src} does not exist",
+            "folder": f"{src} is a folder; pass a .gguf file",
+            "garbage": f"{src} is not a readable GGUF file (corrupt or truncated?): it does not start with the GGUF "
+                       f"magic bytes",
+            "truncated": f"{src} is not a readable GGUF file (corrupt or truncated?)",
+            "llama": f"{src}: GGUF architecture 'llama' is not supported (dustin converts qwen2)",
+            "out-is-a-file": f"{out} is a file; pass a folder to write the model into",
+            "interrupted": f"interrupted while converting in.gguf; nothing was written to {out}",
+            "disk-error": f"converting in.gguf into {out} failed: No space left on device"}[case]
+    if case == "folder":
+        src.mkdir()
+    elif case == "garbage":
+        src.write_bytes(os.urandom(4096))
+    elif case == "truncated":
+        src.write_bytes(data[: len(data) * 2 // 3])
+    elif case == "llama":
+        _foreign_gguf(src)
+    elif case != "missing":
+        src.write_bytes(data)
+    if case == "out-is-a-file":
+        out.parent.mkdir(parents=True)
+        out.write_text("not a folder")
+    if case in ("interrupted", "disk-error"):
+        def stop(*args, **kwargs):
+            raise KeyboardInterrupt if case == "interrupted" else OSError(28, "No space left on device")
+        monkeypatch.setattr(gguf_convert, "_write_tokenizer", stop)  # while the workers write the weights
+    assert main(["models", "convert", str(src), str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dustin: error: {want}") and err.count("\n") == 1, err
+    before = {"missing": [], "out-is-a-file": ["in.gguf", "out", "out/sub", "out/sub/model"]}.get(case, ["in.gguf"])
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
+
+
 def test_resolve_model_path(tiny, tmp_path, copy_downloader, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setattr(fetch, "DEFAULT_PAIR", (tiny["entry"],))

@@ -744,6 +744,141 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
     assert classic["sparse_config"] is None
 
 
+def _copy_pair(pair, root, dtype=None, noise: float = 0.0, layers: int | None = None):
+    """Copies of a tiny pair's folders as transformers saves them: in another dtype, with every weight perturbed
+    (norms too: the fingerprint reads them), or the target with another number of layers (another architecture)."""
+    import shutil
+
+    from tests.tiny_models import hf_model, make_tiny_checkpoint
+
+    out = []
+    for src, name in zip(pair, ("target", "draft"), strict=True):
+        folder = root / name
+        if layers is not None and name == "target":
+            make_tiny_checkpoint(folder, "qwen2", layers=layers, seed=1)
+        else:
+            model = hf_model(src)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(noise * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+            model.to(dtype or torch.float32).save_pretrained(folder, safe_serialization=True)
+            for f in src.iterdir():
+                if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                    shutil.copy(f, folder / f.name)
+        out.append(folder)
+    return out
+
+
+def test_tuned_config_reaches_other_weights_of_the_same_models_by_identity(tiny_pair, config_dir, tmp_path,
+                                                                         caplog):
+    """A config profiled on the tiny pair (its folders' identities): an fp16 and a bf16 copy match it exactly (no
+    notice); a copy whose every weight was perturbed matches by identity (architecture, config, tokenizer), says
+    so in the config's source and in one notice line, once; a target of another architecture, or the perturbed
+    copy under another tokenizer, get the built-in fallback; an engine without a tokenizer matches exactly only."""
+    import logging
+
+    from dustin.selection import tuned
+    from tests.tiny_models import with_char_tokenizer
+
+    def source(target, draft):
+        return Engine.from_pretrained(target, draft).make_policy(GenerationConfig(method="dustin")).cfg.source
+
+    profiled = Engine.from_pretrained(*tiny_pair)
+    t_id, d_id = profiled.identities()
+    assert t_id["tokenizer"] is not None and t_id["tokenizer"] == d_id["tokenizer"]
+    _write_tuned(config_dir, "pair.json", t_id, d_id)
+    tuned._shipped.cache_clear()
+    (config_dir / "pair.json").write_text(json.dumps({**json.loads((config_dir / "pair.json").read_text()),
+                                                      "models": {"target": t_id, "draft": d_id,
+                                                                 "profiled_on": "the tiny pair's fp32 files"}}))
+    caplog.set_level(logging.WARNING, logger="dustin")
+    assert source(*tiny_pair) == "tuned: pair.json"
+    for dtype in (torch.float16, torch.bfloat16):
+        copy = _copy_pair(tiny_pair, tmp_path / str(dtype), dtype)
+        assert source(*copy) == "tuned: pair.json"
+    assert not caplog.records
+    tuned._NOTED.clear()
+    perturbed = _copy_pair(tiny_pair, tmp_path / "perturbed", noise=0.01)
+    engine = Engine.from_pretrained(*perturbed)
+    assert engine.identities()[0]["fingerprint"] != t_id["fingerprint"]
+    for _ in range(2):
+        cfg = engine.make_policy(GenerationConfig(method="dustin")).cfg
+        assert cfg.source == "tuned: pair.json (by model identity; other weights)" and cfg.target[0].heads == (1, 6)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "\n" not in notes[0], notes
+    assert notes[0].startswith("dustin: note: sparse config pair.json applies by model identity")
+    assert "profiled on the tiny pair's fp32 files, and these weights differ" in notes[0]
+    other_arch = _copy_pair(tiny_pair, tmp_path / "arch", layers=4)
+    assert source(*other_arch) == "built-in default"
+    assert source(*with_char_tokenizer(perturbed, tmp_path / "chars")) == "built-in default"
+    assert len(caplog.records) == 1
+    bare = Engine(load_model(perturbed[0]), load_model(perturbed[1]))  # no tokenizer: no identity to go by
+    assert bare.make_policy(GenerationConfig(method="dustin")).cfg.source == "built-in default"
+    assert Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1])).make_policy(
+        GenerationConfig(method="dustin")).cfg.source == "tuned: pair.json"
+
+
+def test_the_fetched_pair_gets_the_shipped_config_exactly(real_pair, caplog):
+    """The fetched pair is the profiled one (fingerprints) and has the recorded identity; the same models with other
+    weights (Qwen's own release: other fingerprints) reach the same file by identity, with the notice naming the
+    Q4_K_M files it was profiled on."""
+    import logging
+
+    from dustin.selection import tuned
+
+    t_id, d_id = real_pair.identities()
+    match = tuned.match_tuned(t_id, d_id)
+    assert match.exact and match.path.name == "qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json"
+    recorded = json.loads(match.path.read_text())["models"]
+    assert recorded["target"] == {"name": "qwen2.5-coder-1.5b-instruct", **t_id}
+    assert recorded["draft"] == {"name": "qwen2.5-coder-0.5b-instruct", **d_id}
+    other = tuned.match_tuned({**t_id, "fingerprint": "0" * 32}, {**d_id, "fingerprint": "1" * 32})
+    assert other.path == match.path and not other.exact
+    caplog.set_level(logging.WARNING, logger="dustin")
+    tuned._NOTED.discard(other.path)
+    tuned.note_identity_match(other)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dustin: note: sparse config {match.path.name} applies by model identity (architecture, config and "
+        f"tokenizer): it was profiled on the Q4_K_M GGUF files of `dustin models fetch` (dequantized to bf16), and "
+        f"these weights differ; `--config builtin` takes the fallback instead, `dustin profile` makes a config for "
+        f"these weights"]
+
+
+def test_tokenizer_identity_of_the_original_layout():
+    """The default pair's tokenizer as Qwen ships it (vocab.json of the 151,643 byte-level tokens, merges.txt, the
+    22 added tokens apart) has the identity of the one built from the GGUF (151,936 entries: padding included),
+    which the shipped config records for both models; Qwen2's (without Qwen2.5's added tokens) differs."""
+    import tempfile
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    from dustin.selection.tuned import CONFIG_DIR, tokenizer_identity
+
+    target = real_pair_or_skip()[0]
+    shipped = json.loads(next(CONFIG_DIR.glob("qwen2.5-coder-*.json")).read_text())["models"]
+    built = AutoTokenizer.from_pretrained(target)
+    assert tokenizer_identity(built) == shipped["target"]["tokenizer"] == shipped["draft"]["tokenizer"]
+    spec = json.loads((target / "tokenizer.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab, merges = f"{tmp}/vocab.json", f"{tmp}/merges.txt"
+        with open(vocab, "w", encoding="utf-8") as f:
+            json.dump({k: v for k, v in spec["model"]["vocab"].items() if v < 151643}, f, ensure_ascii=False)
+        with open(merges, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n" + "".join(" ".join(m) + "\n" for m in spec["model"]["merges"]))
+        original = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token=None, pad_token=None)
+        for a in sorted(spec["added_tokens"], key=lambda a: a["id"]):
+            original.add_tokens([AddedToken(a["content"], special=a["special"], normalized=False)],
+                                special_tokens=a["special"])
+            if a["content"] == "<|im_end|>":  # Qwen2's added tokens so far, without Qwen2.5's
+                qwen2 = tokenizer_identity(original)
+        original.eos_token, original.pad_token = "<|im_end|>", "<|endoftext|>"
+        original.save_pretrained(f"{tmp}/saved")
+        reloaded = AutoTokenizer.from_pretrained(f"{tmp}/saved")
+    assert len(reloaded) == 151665 and len(built) == 151936
+    assert tokenizer_identity(reloaded) == tokenizer_identity(built) != qwen2
+
+
 # ---------------------------------------------------------------------------------------------- dustin profile
 @pytest.mark.parametrize("argv,needle", [
     (["--depths", "0"], "--depths must be >= 1, got 0"),

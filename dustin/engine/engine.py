@@ -309,22 +309,27 @@ class Engine:
             torch.cuda.empty_cache()
 
     def identities(self) -> tuple[dict, dict | None]:
-        """(target, draft) model identities: architecture + weight fingerprint (selection/tuned.py)."""
+        """(target, draft) model identities: architecture, config and tokenizer, and a weight fingerprint
+        (selection/tuned.py). The draft shares the target's tokenizer (checked when both have one)."""
         from dustin.selection.tuned import model_identity
 
         if self._identities is None:
-            self._identities = (model_identity(self.target, self.target_args),
-                                None if self.draft is None else model_identity(self.draft))
+            self._identities = (model_identity(self.target, self.target_args, self.tokenizer),
+                                None if self.draft is None else model_identity(self.draft, tokenizer=self.tokenizer))
         return self._identities
 
     def default_sparse_config(self) -> "SparseConfig":
-        """The shipped tuned config of this exact pair (by weight fingerprint), else the built-in fallback."""
+        """The shipped tuned config of this pair: profiled on exactly these weights (by fingerprint), else on the
+        same models (by identity: noted once on stderr); else the built-in fallback."""
+        from dustin.parallel.tp import is_main_process
         from dustin.selection.config import default_config
-        from dustin.selection.tuned import find_tuned, load_tuned
+        from dustin.selection.tuned import load_tuned, match_tuned, note_identity_match
 
-        path = find_tuned(*self.identities())
-        if path is not None:
-            return load_tuned(path)
+        match = match_tuned(*self.identities())
+        if match is not None:
+            if is_main_process():
+                note_identity_match(match)
+            return load_tuned(match.path, match.exact)
         return default_config(self.target_args, self.draft.args if self.draft is not None else None)
 
     def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dustin.errors import CheckpointError, FetchError
-from dustin.models.gguf_convert import MARKER, convert_gguf
+from dustin.models.gguf_convert import MARKER, check_gguf, convert_gguf
 from dustin.models.progress import bar, say, stderr_fd
 
 MARKER_VERSION = 1  # bump when the converted folder changes, so old folders are rebuilt
@@ -121,6 +121,48 @@ def _fetch_locked(entry: ChunkedGGUF, home: Path, folder: Path, gguf: Path, whee
     say(progress, f"{entry.name}: ready in {folder} (GGUF fetched or checked in {t1 - t0:.1f} s, converted in "
                   f"{t2 - t1:.1f} s: {times[0].describe()})")
     return folder
+
+
+def convert_file(gguf: Path, out_dir: Path, force: bool = False, progress: bool = True) -> Path:
+    """`dustin models convert`: a user's own Qwen2 GGUF file -> a Hugging Face folder `out_dir` (as `models fetch`
+    converts the default pair's). Refused with one error line, before anything is written: a missing or unreadable
+    file, an architecture the converter does not handle, an `out_dir` that is a file, or a folder holding files
+    (unless `force`). The folder is written under a temporary name and renamed at the end: a failure or an
+    interrupt leaves neither it nor the parent folders this call made. Its dustin-source.json records the file's
+    name, size and sha256, and its own metadata name; a file of the default pair (by sha256) is said to be one."""
+    gguf, out_dir = Path(gguf).expanduser(), Path(out_dir).expanduser()
+    if gguf.is_dir():
+        raise CheckpointError(f"{gguf} is a folder; pass a .gguf file")
+    fields = check_gguf(gguf)  # a missing, truncated or foreign file, another architecture: one line
+    if out_dir.is_file():
+        raise FetchError(f"{out_dir} is a file; pass a folder to write the model into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise FetchError(f"{out_dir} exists and is not empty; pass --force to replace it")
+    made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
+    step = "checking"
+    try:
+        size = gguf.stat().st_size
+        sha256 = _sha256(gguf, size, progress)
+        known = next((e for e in DEFAULT_PAIR if e.sha256 == sha256 and e.size == size), None)
+        say(progress, f"{gguf.name}: {fields.get('general.name', 'no name in its metadata')}"
+                      f"{f' (the default {known.role}, {known.name})' if known else ''}")
+        marker = {"name": out_dir.name, "gguf": gguf.name, "gguf_sha256": sha256, "gguf_size": size,
+                  "gguf_general_name": fields.get("general.name"), "converted_by": "dustin models convert",
+                  "marker_version": MARKER_VERSION}
+        step = "converting"
+        convert_gguf(gguf, out_dir, progress=progress, marker=marker)
+    except BaseException as e:
+        for d in made:  # the parents made for the folder, innermost first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        if isinstance(e, KeyboardInterrupt):
+            raise FetchError(f"interrupted while {step} {gguf.name}; nothing was written to {out_dir}") from None
+        if isinstance(e, OSError):
+            raise FetchError(f"{step} {gguf.name} into {out_dir} failed: {e.strerror or e}"
+                             f"{f' ({e.filename})' if e.filename else ''}") from None
+        raise
+    say(progress, f"{gguf.name}: ready in {out_dir}")
+    return out_dir
 
 
 def is_complete(folder: Path, sha256: str | None = None) -> bool:
@@ -256,17 +298,21 @@ def _gguf_is_valid(gguf: Path, entry: ChunkedGGUF, progress: bool) -> bool:
     """Re-hash a GGUF left by an earlier run (~3 s/GB) rather than trust it; a bad one is deleted."""
     if not gguf.is_file():
         return False
-    if gguf.stat().st_size == entry.size:
-        digest = hashlib.sha256()
-        with open(gguf, "rb") as f, bar(progress, f"checking {gguf.name}", entry.size, True) as advance:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-                advance(len(chunk))
-        if digest.hexdigest() == entry.sha256:
-            return True
+    if gguf.stat().st_size == entry.size and _sha256(gguf, entry.size, progress) == entry.sha256:
+        return True
     say(progress, f"{gguf} is damaged: deleting it and fetching again")
     gguf.unlink()
     return False
+
+
+def _sha256(path: Path, size: int, progress: bool) -> str:
+    """The file's sha256 (~3 s/GB), with a progress bar of its `size` bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, bar(progress, f"checking {path.name}", size, True) as advance:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            advance(len(chunk))
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

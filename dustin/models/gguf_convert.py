@@ -127,6 +127,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
     return out_dir
 
 
+def check_gguf(gguf_path: Path) -> dict:
+    """The metadata fields of a GGUF file that `convert_gguf` can convert (its header read and its conversion
+    planned, nothing written); else one CheckpointError line."""
+    header = _read_gguf(Path(gguf_path))
+    _plan_conversion(header, Path(gguf_path))
+    return header.fields
+
+
 _CGROUP = Path("/sys/fs/cgroup")
 
 
