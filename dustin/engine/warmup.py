@@ -37,11 +37,11 @@ How:
 On the CPU (Triton's interpreter, or no Triton) nothing is compiled: `start_kernel_warmup` returns None. The
 plan itself runs on the CPU too, which is how tests/test_warmup.py checks it against the launches of a real
 prefill and first step. The background warm-up is on by default (`DUSTIN_KERNEL_WARMUP=0` turns it off). Measured
-on one H200 (2026-12-02, scripts/gpu_first_step_compile.py at commit ecedb80, random weights of the default pair's shapes, 16 x 16k
-random prompts, 8 new tokens, each case a fresh process with an empty Triton cache): dustin's process 41.9 -> 24.3 s
-(32 kernels compiled on 4 threads while the prompts prefilled, none on the main thread, no errors), vanilla's
-23.3 -> 16.3 s. `dustin warmup` fills Triton's on-disk cache with the same plan, which a later process reads instead
-of compiling (dustin 21.6 s). `DUSTIN_COMPILE_THREADS` sets the thread count.
+on one H200 (2026-12-02, scripts/gpu_first_step_compile.py at commit ecedb80, random weights of the default pair's
+shapes, 16 x 16k random prompts, 8 new tokens, each case a fresh process with an empty Triton cache): dustin's
+process 41.9 -> 24.3 s (32 kernels compiled on 4 threads while the prompts prefilled, none on the main thread,
+no errors), vanilla's 23.3 -> 16.3 s. `dustin warmup` fills Triton's on-disk cache with the same plan, which a
+later process reads instead of compiling (dustin 21.6 s). `DUSTIN_COMPILE_THREADS` sets the thread count.
 """
 from __future__ import annotations
 
