@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -282,13 +283,18 @@ def test_incremental_detokenizer_holds_back_partial_stops_and_characters():
     ({"prompt": [5, 6], "max_tokens": 10**6}, "max_tokens"),
     ({"prompt": [5, 6], "max_tokens": CONTEXT - 3}, "max_tokens"),  # prompt + max_tokens + Γ past the context
     ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
-    ({"prompt": [5, 6], "n": 2}, "n"),
+    ({"prompt": [5, 6], "n": 0}, "n"),
+    ({"prompt": [5, 6], "n": 5}, "n"),  # more choices than the server's 4 slots
+    ({"prompt": [5, 6], "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": [[5], [6]]}, "prompt"),
+    ({"prompt": [[5], []]}, "prompt"),
+    ({"prompt": [[5], [6, 10_000]]}, "prompt"),
     ({"prompt": [5, 10_000]}, "prompt"),
-    ({"prompt": [5, 6], "echo": True}, "echo"),
-    ({"prompt": [5, 6], "logprobs": 2}, "logprobs"),
+    ({"prompt": [5, 6], "logprobs": 21}, "logprobs"),
+    ({"prompt": [5, 6], "logprobs": -1}, "logprobs"),
+    ({"prompt": [5, 6], "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": [5, 6], "suffix": "x"}, "suffix"),
     ({"prompt": [5, 6], "top_p": 0}, "top_p"),
     ({"prompt": [5, 6], "temperature": -1}, "temperature"),
     ({"prompt": [5, 6], "presence_penalty": 0.5}, "presence_penalty"),
@@ -310,8 +316,11 @@ def test_malformed_json_is_400(live, raw):
 
 def test_openai_client_sees_bad_requests(live):
     with pytest.raises(openai.BadRequestError) as e:
-        live.client.completions.create(model=MODEL, prompt=[5, 6], n=2)
-    assert "n = 1" in str(e.value)
+        live.client.completions.create(model=MODEL, prompt=[5, 6], n=5)
+    assert e.value.body["param"] == "n" and "--max-slots" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(model=MODEL, prompt=[5, 6], logprobs=21)
+    assert e.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError):
         live.client.completions.create(model=MODEL, prompt=[5] * (CONTEXT + 1), max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="chat template"):  # the tiny tokenizer has none
@@ -456,6 +465,280 @@ def test_openai_client_nulls_and_refusals(chat):
     with pytest.raises(openai.BadRequestError) as e:
         chat.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, extra_body={"min_p": 0.1})
     assert e.value.body["param"] == "min_p" and "min_p is not supported" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ logprobs, echo, n
+@pytest.fixture(scope="module")
+def hf(tiny_pair):
+    """The Hugging Face model of the tiny target: the reference distribution of log-probabilities."""
+    from tests.tiny_models import hf_model
+
+    return hf_model(tiny_pair[0])
+
+
+def _log_softmax(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _word(i: int) -> str:
+    """The tiny tokenizer's text of token i alone (special tokens included)."""
+    return {0: "<unk>", 1: "<s>", 2: "</s>"}.get(i, f"w{i - 3}")
+
+
+def _check_legacy(lp, ref: torch.Tensor, ids: list[int], k: int, first_offset: int = 0) -> None:
+    """OpenAI's legacy logprobs of tokens `ids` (ref row j predicts ids[j]; a None row: the prompt's first)."""
+    assert lp.tokens == [_word(i) for i in ids]
+    offsets = [first_offset + sum(len(_word(i)) for i in ids[:j]) for j in range(len(ids))]
+    assert lp.text_offset == offsets
+    for tok, value, top, row in zip(ids, lp.token_logprobs, lp.top_logprobs, ref, strict=True):
+        if row is None:
+            assert value is None and top is None
+            continue
+        assert value == pytest.approx(row[tok].item(), abs=2e-4)
+        best = row.topk(k)
+        want = {_word(i): v for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)}
+        want.setdefault(_word(tok), row[tok].item())  # the chosen token's, too
+        assert top.keys() == want.keys() and all(top[w] == pytest.approx(v, abs=2e-4) for w, v in want.items())
+
+
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_completion_logprobs_are_the_targets_distribution(live, hf, temperature):
+    """logprobs: 3 through the openai client, greedy and sampled (the values are of the raw distribution, before
+    temperature): the chosen tokens' log-probabilities, the top 3 (and the chosen one) and the text offsets
+    equal the HF model's log-softmax; streamed, the chunks' logprobs add up to the same."""
+    p = _prompts([17], seed=21)[0]
+    kw = dict(model=MODEL, prompt=p, max_tokens=12, temperature=temperature, seed=5, logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = live.client.completions.create(**kw).choices[0]
+    ids = choice.token_ids
+    ref = _log_softmax(hf, p + ids)[len(p) - 1:-1]
+    _check_legacy(choice.logprobs, ref, ids, 3)
+    chunks = [c.choices[0] for c in live.client.completions.create(**kw, stream=True)]
+    streamed = {key: [x for c in chunks if c.logprobs for x in getattr(c.logprobs, key)]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed == {key: getattr(choice.logprobs, key) for key in streamed}
+    assert "".join(c.text for c in chunks) == choice.text
+
+
+def test_echo_with_prompt_logprobs_as_lm_eval_asks(live, hf):
+    """lm-eval's loglikelihood request: several token-id prompts, echo, logprobs 1, max_tokens 1 (and 0): each
+    choice holds its prompt and then its token, the prompt's log-probabilities (the first null) from the
+    prefill, and the generated token's; with max_tokens 0 the prompt alone."""
+    prompts = _prompts([9, 30, 4], seed=22)
+    for max_tokens in (1, 0):
+        r = live.client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=max_tokens,
+                                           temperature=0, seed=1234)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == max_tokens * 3
+        for c, p in zip(r.choices, prompts, strict=True):
+            lp = c.logprobs
+            ids = p + ([] if max_tokens == 0 else [next(i for i in range(96) if _word(i) == lp.tokens[-1])])
+            ref = _log_softmax(hf, ids)
+            _check_legacy(lp, [None, *ref[:len(ids) - 1]], ids, 1)
+            assert c.text == "".join(_word(i) for i in ids if i > 2)
+            assert c.finish_reason == "length"
+            if max_tokens:  # the generated token is the greedy one
+                assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    stream = live.client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=0,
+                                            stream=True)
+    (chunk,) = [c.choices[0] for c in stream]
+    assert chunk.text == _text(prompts[0]) and chunk.logprobs.token_logprobs[0] is None
+    assert len(chunk.logprobs.tokens) == len(prompts[0]) and chunk.finish_reason == "length"
+
+
+def test_n_choices_and_several_prompts(live):
+    """n = 2 over two prompts: four choices numbered prompt by prompt, choice i of a prompt seeded with seed + i
+    (it equals the single request with that seed), the prompt prefilled once per prompt; streamed, the same
+    texts per index."""
+    prompts = _prompts([40, 7], seed=23)
+    before = live.metrics()["dustin_prompt_tokens_total"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 10, "temperature": 1.2, "seed": 40, "ignore_eos": True,
+            "return_token_ids": True}
+    r = _complete(live, **body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    # each prompt once, plus the last token of its second sequence (which copies the first's prompt cache)
+    assert live.metrics()["dustin_prompt_tokens_total"] - before == sum(map(len, prompts)) + 2
+    for c in choices:
+        j, i = divmod(c["index"], 2)
+        alone = _complete(live, **{**body, "prompt": prompts[j], "n": 1, "seed": 40 + i}).json()["choices"][0]
+        assert c["token_ids"] == alone["token_ids"] and c["text"] == alone["text"]
+    assert choices[0]["token_ids"] != choices[1]["token_ids"]
+    assert r.json()["usage"] == {"prompt_tokens": 47, "completion_tokens": 40, "total_tokens": 87}
+    stream = live.client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10, temperature=1.2,
+                                            seed=40, stream=True, extra_body={"ignore_eos": True})
+    texts = ["", "", "", ""]
+    for chunk in stream:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c["text"] for c in choices]
+    greedy = live.client.completions.create(model=MODEL, prompt=prompts[0], n=3, max_tokens=8, temperature=0)
+    assert len({c.text for c in greedy.choices}) == 1 and len(greedy.choices) == 3
+
+
+def test_chat_logprobs_and_n(chat):
+    """logprobs: true, top_logprobs: 2 on chat: each content entry's token, log-probability, bytes and top 2
+    are those of /v1/completions for the same prompt ids (the chat fixture renders "w1 w2 w3" as [4, 5, 6]);
+    streamed, the same entries; n = 2 gives two choices; bad combinations are 400s."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "w1 w2 w3"}], max_tokens=8, temperature=0)
+    c = chat.client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, n=2)
+    assert [x.index for x in c.choices] == [0, 1] and c.choices[0].message.content == c.choices[1].message.content
+    legacy = chat.client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=8, temperature=0,
+                                            logprobs=2).choices[0].logprobs
+    content = c.choices[0].logprobs.content
+    assert [e.token for e in content] == legacy.tokens
+    assert [e.logprob for e in content] == pytest.approx(legacy.token_logprobs, abs=1e-5)
+    for e, top in zip(content, legacy.top_logprobs, strict=True):
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert {t.token: t.logprob for t in e.top_logprobs} == pytest.approx(
+            {k: v for k, v in top.items() if k != e.token or len(top) == 2}, abs=1e-5)
+    streamed = [x for ch in chat.client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True)
+                if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = chat.client.chat.completions.create(**kw, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert chat.client.chat.completions.create(**kw).choices[0].logprobs is None
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                                               "top_logprobs"), ({"n": 0}, "n")):
+        r = _chat(chat, max_tokens=2, **bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------------------------------ tokenizer endpoints
+@pytest.fixture(scope="module")
+def text_live(text_pair):
+    """dustin serve on the tiny pair with a character-level tokenizer, which encodes text."""
+    srv = LiveServer(_engine(text_pair, max_context=512))
+    yield srv
+    srv.close()
+
+
+def test_tokenize_detokenize_version(text_live):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize, /version and
+    /tokenizer_info."""
+    import dustin
+
+    tok = text_live.async_engine.tokenizer
+    r = text_live.http.post("/tokenize", json={"model": MODEL, "prompt": "def f(x):", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tok.encode("def f(x):", add_special_tokens=True)
+    assert r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                        "token_strs": tok.convert_ids_to_tokens(ids)}
+    assert text_live.http.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()["tokens"] == \
+        tok.encode("ab", add_special_tokens=False)
+    r = text_live.http.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+    assert text_live.http.get("/version").json() == {"version": dustin.__version__}
+    info = text_live.http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and info["model_max_length"] == 512 and info["tokenizer_class"]
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "a"}]}, "messages"),
+                              ("/tokenize", {"prompt": "a", "min_p": 1}, "min_p"),
+                              ("/detokenize", {"tokens": [5, 10_000]}, "tokens"),
+                              ("/detokenize", {"tokens": "ab"}, "tokens")):
+        r = text_live.http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = text_live.http.post("/tokenize", json={"model": "other", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_openapi_schema_documents_what_the_server_answers(chat):
+    """/openapi.json: every error is a 400 (never FastAPI's 422) with OpenAI's error body; real response models;
+    streamed responses as text/event-stream events whose data are chunks of a documented model; optional request
+    fields nullable. Real responses of each kind, streamed chunks included, validate against the schema."""
+    import jsonschema
+
+    live = chat
+    schema = live.http.get("/openapi.json").json()
+    comps = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in comps and "ValidationError" not in comps
+    ops = {(m.upper(), path): op for path, item in schema["paths"].items() for m, op in item.items()}
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health"),
+            ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/tokenizer_info"),
+            ("GET", "/metrics")} <= ops.keys()
+    for (method, path), op in ops.items():
+        assert "422" not in op["responses"], path
+        if method == "POST":
+            assert op["responses"]["400"]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"}, path
+    for path, model in (("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse")):
+        content = ops["POST", path]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        event = content["text/event-stream"]["schema"]
+        assert event["required"] == ["data"] and {"const": "[DONE]"} in event["properties"]["data"]["anyOf"]
+    assert {"type": "null"} in comps["CompletionRequest"]["properties"]["n"]["anyOf"]
+    assert "prompt" in comps["CompletionRequest"]["required"]
+
+    def valid(body: dict, name: str) -> None:
+        jsonschema.validate(body, {"$ref": f"#/components/schemas/{name}", "components": {"schemas": comps}})
+    valid(_complete(live, prompt=[[5, 6], [7]], n=2, max_tokens=3, logprobs=2, echo=True,
+                    return_token_ids=True).json(), "CompletionResponse")
+    valid(_complete(live, prompt=[5], max_tokens=0).json(), "ErrorResponse")
+    valid(live.http.get("/v1/models").json(), "ModelList")
+    valid(live.http.get("/health").json(), "HealthResponse")
+    valid(live.http.get("/version").json(), "VersionResponse")
+    valid(live.http.post("/detokenize", json={"tokens": [5, 6]}).json(), "DetokenizeResponse")
+    valid(_chat(live, max_tokens=3, logprobs=True, top_logprobs=2, n=2).json(), "ChatCompletionResponse")
+    for path, body, name in (
+            ("/v1/completions", {"prompt": [[5, 6], [7]], "n": 2, "logprobs": 1, "echo": True}, "CompletionResponse"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": True},
+             "ChatCompletionChunk")):
+        body = {"model": MODEL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, **body}
+        with live.http.stream("POST", path, json=body) as r:
+            events = _sse_events(r.iter_lines())
+        assert len(events) > 2
+        for e in events:
+            valid(e, name)
+
+
+# ------------------------------------------------------------------------------------------ lm-eval
+def test_lm_eval_local_completions_runs_both_request_kinds(text_live, text_pair, monkeypatch, tmp_path):
+    """lm-eval's `local-completions` model against the live server on a tiny local task of each kind
+    (tests/data/lm_eval), batch size 4: loglikelihood (echo + logprobs, several prompts a request) and
+    generate_until (several prompts a request, stop strings). lm-eval finds the server's tokenizer itself
+    (/tokenizer_info, /tokenize). Each log-likelihood equals the HF model's; each generation equals the server's
+    answer to that prompt alone."""
+    import datasets
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import check_remote_tokenizer_support
+
+    from tests.tiny_models import hf_model
+
+    here = Path(__file__).resolve().parent / "data" / "lm_eval"
+    monkeypatch.chdir(here)  # the task files name their data relative to this folder
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    url = text_live.url + "/v1/completions"
+    assert check_remote_tokenizer_support(url)
+    res = lm_eval.simple_evaluate(
+        model="local-completions", model_args={"model": MODEL, "base_url": url, "max_length": 512},
+        tasks=["dustin_tiny_mc", "dustin_tiny_gen"], task_manager=TaskManager(include_path=str(here),
+                                                                                include_defaults=False),
+        batch_size=4, log_samples=True)
+    assert res["results"]["dustin_tiny_mc"]["acc,none"] in (0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert "exact_match,none" in res["results"]["dustin_tiny_gen"]
+    tok = text_live.async_engine.tokenizer
+    hf = hf_model(text_pair[0])
+    mc = res["samples"]["dustin_tiny_mc"]
+    assert sum(len(s["resps"]) for s in mc) == 12
+    for s in mc:
+        for (context, continuation), ((ll, greedy),) in zip(s["arguments"], s["resps"], strict=True):
+            ctx = tok.encode(context, add_special_tokens=False)
+            whole = tok.encode(context + continuation, add_special_tokens=False)
+            ref = _log_softmax(hf, whole)
+            want = ref[len(ctx) - 1:-1].gather(1, torch.tensor(whole[len(ctx):])[:, None])
+            assert ll == pytest.approx(want.sum().item(), abs=1e-3)
+            assert greedy == bool((ref[len(ctx) - 1:-1].argmax(-1) == torch.tensor(whole[len(ctx):])).all())
+    gen = res["samples"]["dustin_tiny_gen"]
+    assert len(gen) == 6
+    for s in gen:
+        (context, kwargs), = s["arguments"]
+        alone = text_live.client.completions.create(model=MODEL, prompt=tok.encode(context, add_special_tokens=False),
+                                                    max_tokens=kwargs["max_gen_toks"], temperature=0,
+                                                    stop=kwargs["until"])
+        assert s["resps"] == [[alone.choices[0].text]]
 
 
 # ------------------------------------------------------------------------------------------ disconnects

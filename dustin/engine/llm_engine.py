@@ -20,6 +20,10 @@ Design (nano-vllm's shape, on our speculative step):
   -> postprocess (new tokens per request, finished requests free their rows).
 - Greedy output does not depend on the batch: rows never mix, and each row's first tokens come from its own
   prefill. A request with its own `seed` samples from its own generator.
+- n sequences of one prompt (`add_requests`, OpenAI's `n`) are admitted together, each to its own row; the first
+  is prefilled as usual, and when its prefill completes the others take a copy of its prompt cache and prefill
+  only the prompt's last token themselves (their numbers are those of a whole prefill of their own: K/V do not
+  depend on how a prompt is cut into chunks), so the prompt is prefilled once.
 
 Tensor parallelism (`dustin serve` under torchrun): a step is split into `_schedule()`, which returns a `StepPlan`
 (rows to release, admissions, prefill chunks of decided sizes, whether to decode: every call the step makes on the
@@ -108,7 +112,7 @@ class ServeConfig:
                                 draft_window=self.draft_window)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     request: Request
     arrival: float
@@ -116,6 +120,11 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens given to prefill chunks of scheduled plans
     emitted: int = 0  # tokens already returned by step()
     aborted: bool = False
+    # n sequences of one prompt: the list shared by the group's members still waiting or running (the first
+    # prefills the prompt), the member whose prompt cache this one copies, the plan that completed its prefill
+    group: list[_Sequence] | None = None
+    copy_from: _Sequence | None = None
+    prefill_plan: int | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -132,30 +141,47 @@ class Scheduler:
         self.running: dict[int, _Sequence] = {}  # row -> sequence (prefilling or decoding)
         self.free = list(range(n_rows))
         self.max_waiting, self.chunk, self.budget = max_waiting, chunk, budget
+        self.plans = 0  # prefill plans made (`prefill_chunks` calls)
 
-    def enqueue(self, seq: _Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def enqueue(self, seqs: _Sequence | list[_Sequence]) -> None:
+        """One request, or a group of sequences of one prompt (kept together: admitted at once)."""
+        seqs = [seqs] if isinstance(seqs, _Sequence) else seqs
+        if len(self.waiting) + len(seqs) > self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting (--max-waiting "
                                  f"{self.max_waiting}): try again later")
-        self.waiting.append(seq)
+        self.waiting.extend(seqs)
 
     def admissions(self) -> list[_Sequence]:
-        """Waiting requests given a free row now (lowest rows first), in arrival order."""
+        """Waiting requests given a free row now (lowest rows first), in arrival order; a group only when a row is
+        free for each member (FIFO: nothing behind it goes first). A group's members after the first copy its
+        prompt cache."""
         out = []
         while self.waiting and self.free:
-            seq = self.waiting.popleft()
-            seq.row = self.free.pop(0)
-            self.running[seq.row] = seq
-            out.append(seq)
+            group = self.waiting[0].group or [self.waiting[0]]
+            if len(group) > len(self.free):
+                break
+            for seq in group:  # a group waits in one piece, its first member first
+                popped = self.waiting.popleft()
+                assert popped is seq
+                seq.row = self.free.pop(0)
+                self.running[seq.row] = seq
+                if seq is not group[0]:
+                    seq.copy_from, seq.prefilled = group[0], len(seq.request.prompt_ids) - 1
+                out.append(seq)
         return out
 
     def prefill_chunks(self) -> list[tuple[int, int]]:
         """This step's prefill: (row, tokens) per chunk, oldest request first, a request's chunks in order (it may
         have several in one step), stopping at the first chunk that does not fit the budget: no younger request
         is prefilled ahead of an older one, and no chunk is cut. Counted as prefilled at once (the plan's
-        execution prefills exactly them)."""
+        execution prefills exactly them). A sequence that copies another's prompt cache waits for a plan after
+        the one that completed that prefill."""
+        self.plans += 1
         left, out = self.budget, []
         for seq in sorted(self.running.values(), key=lambda q: q.arrival):
+            src = seq.copy_from
+            if src is not None and (src.prefill_plan is None or src.prefill_plan >= self.plans):
+                continue
             while seq.prefilling:
                 n = min(self.chunk - seq.prefilled % self.chunk, len(seq.request.prompt_ids) - seq.prefilled)
                 if n > left:
@@ -163,7 +189,22 @@ class Scheduler:
                 seq.prefilled += n
                 left -= n
                 out.append((seq.row, n))
+                if not seq.prefilling:
+                    seq.prefill_plan = self.plans
         return out
+
+    def drop(self, seq: _Sequence) -> None:
+        """An aborted sequence leaves the queue or its row. Its group's members that were to copy its prompt cache
+        before its prefill completed prefill the prompt themselves (the Session's `release` does the same)."""
+        if seq.group is not None:
+            seq.group.remove(seq)
+        if seq.row is None:
+            self.waiting.remove(seq)
+            return
+        for other in self.running.values():
+            if other.copy_from is seq and seq.prefill_plan is None:
+                other.copy_from, other.prefilled = None, 0
+        self.finish(seq.row)
 
     def finish(self, row: int) -> _Sequence:
         seq = self.running.pop(row)
@@ -182,6 +223,15 @@ class Admission:
     sampling: SamplingRule
     seed: int | None
     ignore_eos: bool
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prefix_from: int | None = None  # the row whose prompt cache this one copies (n sequences of one prompt)
+
+    @classmethod
+    def of(cls, seq: _Sequence) -> Admission:
+        p = seq.request.params
+        return cls(seq.row, tuple(seq.request.prompt_ids), p.max_tokens, p.sampling, p.seed, p.ignore_eos,
+                   p.logprobs, p.prompt_logprobs, None if seq.copy_from is None else seq.copy_from.row)
 
 
 @dataclass(frozen=True)
@@ -286,8 +336,12 @@ class LLMEngine:
             torch.cuda.set_device(self.engine.device)
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Empty prompt, ids outside the vocabulary, or prompt + max_tokens past the slot: one InputError."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Empty prompt, ids outside the vocabulary, prompt + max_tokens past the slot, or more sequences (n) than
+        slots: one InputError."""
+        if n > self.max_slots:
+            raise InputError(f"n = {n} sequences need {n} KV-cache slots; this engine has {self.max_slots} "
+                             f"(--max-slots)")
         if params.max_tokens > self.max_context:
             raise InputError(f"max_tokens {params.max_tokens} exceeds the engine's context ({self.max_context})")
         cfg = self.gen_cfg
@@ -298,12 +352,27 @@ class LLMEngine:
                              ) from None
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._by_id:
-            raise InputError(f"request id {request.request_id!r} is already in use")
-        self.check_request(request.prompt_ids, request.params)
-        seq = _Sequence(request, time.perf_counter())
-        self.scheduler.enqueue(seq)
-        self._by_id[request.request_id] = seq
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """One request, or several sequences of one prompt (OpenAI's `n`; each its own request, with its own
+        parameters and seed): admitted together, the prompt prefilled once (see the module's docstring)."""
+        ids = [r.request_id for r in requests]
+        taken = [i for i in ids if i in self._by_id]
+        if taken or len(set(ids)) != len(ids):
+            raise InputError(f"request id {(taken or ids)[0]!r} is already in use")
+        if any(r.prompt_ids != requests[0].prompt_ids for r in requests):
+            raise InputError("the sequences of one group must share their prompt")
+        for r in requests:
+            self.check_request(r.prompt_ids, r.params, len(requests))
+        now = time.perf_counter()
+        seqs = [_Sequence(r, now) for r in requests]
+        if len(seqs) > 1:
+            for seq in seqs:
+                seq.group = seqs
+        self.scheduler.enqueue(seqs)
+        for seq in seqs:
+            self._by_id[seq.request.request_id] = seq
 
     def abort_request(self, request_id: str) -> None:
         """Waiting or running: the next step() frees its row and reports it finished ("abort")."""
@@ -343,9 +412,7 @@ class LLMEngine:
         as a StepPlan; the bookkeeping here is the scheduler's, the Session is only read by `_execute`."""
         self._outputs += self._apply_aborts()
         sched = self.scheduler
-        admit = tuple(Admission(seq.row, tuple(seq.request.prompt_ids), seq.request.params.max_tokens,
-                                seq.request.params.sampling, seq.request.params.seed, seq.request.params.ignore_eos)
-                      for seq in sched.admissions())
+        admit = tuple(Admission.of(seq) for seq in sched.admissions())
         prefill = tuple(sched.prefill_chunks())
         release, self._to_release = tuple(self._to_release), []
         # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
@@ -362,7 +429,8 @@ class LLMEngine:
         for row in plan.release:
             s.release(row)
         for a in plan.admit:
-            s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed)
+            s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed, logprobs=a.logprobs,
+                    prompt_logprobs=a.prompt_logprobs, prefix_from=a.prefix_from)
             if a.ignore_eos:
                 s.ignore_eos_rows.add(a.row)
         if plan.prefill:
@@ -449,11 +517,9 @@ class LLMEngine:
             seq = self._by_id.pop(rid, None)
             if seq is None:
                 continue
-            if seq.row is None:
-                self.scheduler.waiting.remove(seq)
-            else:
+            if seq.row is not None:
                 self._to_release.append(seq.row)
-                self.scheduler.finish(seq.row)
+            self.scheduler.drop(seq)
             self.counters["requests_aborted"] += 1
             out.append(RequestOutput(rid, [], True, "abort", len(seq.request.prompt_ids), seq.emitted))
         self._aborts.clear()
@@ -478,10 +544,16 @@ class LLMEngine:
                 reason = "stop" if eos else "length"
                 self._to_release.append(row)
                 self.scheduler.finish(row)
+                if seq.group is not None:
+                    seq.group.remove(seq)
                 del self._by_id[seq.request.request_id]
                 self.counters["requests_finished"] += 1
-            out.append(RequestOutput(seq.request.request_id, list(new), done, reason,
-                                     len(seq.request.prompt_ids), len(toks)))
+            o = RequestOutput(seq.request.request_id, list(new), done, reason, len(seq.request.prompt_ids), len(toks))
+            if seq.request.params.logprobs is not None:
+                o.logprobs = s.token_logprobs[row][len(toks) - len(new):len(toks)]
+            if len(toks) == len(new):  # the request's first output
+                o.prompt_logprobs = s.prompt_logprobs(row)
+            out.append(o)
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

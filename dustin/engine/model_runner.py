@@ -7,10 +7,12 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
 - `prefill(row, tokens, start)`: prompt tokens [start, start + len) of one row, the whole prompt (start 0, the
   causal prefill kernel) or a later chunk (attending over the cached prefix);
 - `prefill_packed(chunks, pad_to, logit_rows)`: prompt chunks of several rows in one forward (the engine loop's
-  prefill: dustin/kernels/prefill_attention.py).
+  prefill: dustin/kernels/prefill_attention.py), optionally also returning the final hidden states of chosen
+  prompt positions (`hidden_at`), whose logits the caller computes in pieces (prompt log-probabilities).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -66,12 +68,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_packed(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int,
-                       observers=()) -> torch.Tensor:
+                       observers=(), hidden_at: list[int] | None = None):
         """chunks: (row, start, tokens): each writes prompt tokens at positions start.. of its row, attending over
         the row's first `start` cached positions. One forward of exactly max(pad_to, real tokens) tokens, and
         logits at each chunk's last token through an lm_head of `logit_rows` (>= chunks) rows: fixed shapes, so
-        every GEMM computes a row's numbers the same way whatever else is packed beside it. Returns [C, V]."""
-        return self.forward_packed(self.pack(chunks, pad_to, logit_rows), observers)
+        every GEMM computes a row's numbers the same way whatever else is packed beside it. Returns [C, V].
+        hidden_at: indices into the packed tokens; returns (logits [C, V], their final hidden states [P, dim],
+        the lm_head) instead, the logits computed exactly as without them."""
+        packed = self.pack(chunks, pad_to, logit_rows)
+        if not hidden_at:
+            return self.forward_packed(packed, observers)
+        ctx = self._packed_context(packed, observers)
+        host = torch.tensor(hidden_at, dtype=torch.long)
+        at = torch.cat([packed.last, (host.pin_memory() if self.device.type == "cuda" else host).to(
+            self.device, non_blocking=True)])
+        with _final_hidden(self.model) as head:
+            h = self.model(packed.tokens, ctx, logits_at=at, float_logits=False)
+        R = packed.last.shape[0]  # the lm_head of `logit_rows` rows, as `forward_packed` runs it
+        return head(h[:R]).float()[:packed.chunks], h[R:], head
 
     def pack(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int) -> "PackedPrefill":
         """The host side of `prefill_packed`: its plan, tokens, positions and logit rows, sent to the device."""
@@ -90,9 +104,23 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_packed(self, packed: "PackedPrefill", observers=()) -> torch.Tensor:
         """The device side of `prefill_packed` (the kernel warm-up runs it on a fake twin, `pack` outside)."""
-        ctx = ForwardContext(self.cache, packed.positions, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
-                             packed=packed.plan, observers=list(observers))
-        return self.model(packed.tokens, ctx, logits_at=packed.last)[:packed.chunks]
+        return self.model(packed.tokens, self._packed_context(packed, observers), logits_at=packed.last)[:packed.chunks]
+
+    def _packed_context(self, packed: "PackedPrefill", observers) -> ForwardContext:
+        return ForwardContext(self.cache, packed.positions, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
+                              packed=packed.plan, observers=list(observers))
+
+
+@contextlib.contextmanager
+def _final_hidden(model: Transformer):
+    """The model's forward returns its final hidden states (after the last norm) instead of logits: its lm_head is
+    an identity meanwhile. Yields the real lm_head."""
+    head = model.lm_head
+    model.lm_head = torch.nn.Identity()
+    try:
+        yield head
+    finally:
+        model.lm_head = head
 
 
 @dataclass

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's cap on top_logprobs)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,10 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None  # sampling seed of this request (None: the engine's stream)
     ignore_eos: bool = False
+    # log-probabilities (of the target's raw distribution: log-softmax of its logits before temperature, top-k and
+    # top-p), with the `logprobs` most likely tokens at each position (0..MAX_LOGPROBS); None: not computed
+    logprobs: int | None = None  # of each generated token
+    prompt_logprobs: int | None = None  # of each prompt token after the first (the dense prefill's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,10 +39,26 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise InputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def sampling(self) -> SamplingRule:
-        return SamplingRule(self.temperature, self.top_k, self.top_p)
+        # values past what the device's float32 / int64 hold are brought within them where that changes nothing:
+        # a top_p that float32 rounds to 0 keeps only the most likely token, as float32's smallest normal number
+        # does; above 1e30 a temperature makes every kept token equally likely in float32, as 1e30 does; a top_k
+        # of at least the vocabulary is off, as 2^31 is
+        return SamplingRule(min(self.temperature, 1e30), min(self.top_k, 2**31), max(self.top_p, 2.0 ** -126))
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and the `logprobs` most likely tokens at its position, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
 
 
 @dataclass
@@ -56,3 +78,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_tokens) | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0  # all tokens generated so far, new ones included
+    logprobs: list[Logprob] | None = None  # of new_token_ids, when the request asked for them
+    # the request's first output, when it asked for them: one per prompt token, None for the first
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -18,7 +18,9 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
+from dustin.engine.logprobs import HostLogprobs, head_logprobs, to_logprob, token_logprobs
 from dustin.engine.model_runner import ModelRunner
+from dustin.engine.request import MAX_LOGPROBS, Logprob
 from dustin.engine.sampling import RowSampling, SamplingRule, accept_controlled
 from dustin.engine.timing import NullTimer, PhaseTimer
 from dustin.models.transformer import Transformer
@@ -131,6 +133,20 @@ class Session:
         self._epoch = [0] * self.B
         self._fresh = [False] * self.B
         self._live: list[list[tuple[int, int, bool]]] = [[], []]  # rows each staged step was launched for
+        # log-probabilities (slots only; dustin/engine/logprobs.py): rows that asked, with their top-N, for generated
+        # and for prompt tokens; the generated ones per row (beside `outputs`), the prompt's per row. A step
+        # computes them (for every row) only while some row asks: a step graph of its own per sampling mode
+        self._lp_rows: dict[int, int] = {}
+        self._plp_rows: dict[int, int] = {}
+        self.token_logprobs: list[list[Logprob]] = [[] for _ in range(self.B)]
+        self._prompt_lp: dict[int, HostLogprobs] = {}
+        self._lp_on = False  # whether the step being launched computes them
+        self._lp_first: tuple[torch.Tensor, torch.Tensor] | None = None  # a row's first token's, from its prefill
+        self._lp_stage: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]  # host, per staged step
+        self._lp_staged = [False, False]
+        # n sequences of one prompt: rows waiting for a row's prompt cache (copied when its prefill completes)
+        self._prefix_wait: dict[int, list[int]] = {}
+        self._seeds: list[int | None] = [None] * self.B  # each row's request seed
         self._slot = 0
         self._graph_warm: set[str] = set()  # modes whose eager first step ran
         self._warmup_s = 0.0
@@ -201,10 +217,18 @@ class Session:
         self.done = torch.ones(self.B, dtype=torch.bool, device=self.device)
 
     def admit(self, row: int, prompt: list[int], limit: int, params: SamplingRule | None = None,
-              seed: int | None = None) -> None:
-        """Give an idle row to a new sequence; its prompt is then prefilled by `prefill_chunk` calls."""
+              seed: int | None = None, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
+              prefix_from: int | None = None) -> None:
+        """Give an idle row to a new sequence; its prompt is then prefilled by `prefill` calls.
+        logprobs / prompt_logprobs: compute the log-probabilities of its generated / prompt tokens with that many
+        most likely tokens each (`token_logprobs`, `prompt_logprobs()`). prefix_from: a row admitted with the same
+        prompt and still prefilling; when its prefill completes, its cache of all prompt tokens but the last is
+        copied into this row (target and draft), which then prefills only the last token itself (n sequences of
+        one prompt share one prefill; this row's numbers are those of its own whole prefill)."""
         if not self.finished[row] or row in self._prompt_rows:
             raise ValueError(f"row {row} is not idle")
+        if prefix_from is not None and self._prompt_rows.get(prefix_from) != list(prompt):
+            raise ValueError(f"row {prefix_from} is not prefilling the same prompt")
         if not 1 <= limit <= self.cfg.max_new_tokens:
             raise ValueError(f"limit must be in [1, {self.cfg.max_new_tokens}], got {limit}")
         if cache_capacity([len(prompt)], [limit], self.gamma) > self.target_cache.capacity:
@@ -215,6 +239,22 @@ class Session:
         self._epoch[row] += 1
         self._fresh[row] = False
         self.sampler.set_row(row, params or self.cfg.sampling, seed, self.device)
+        self._seeds[row] = seed
+        self.token_logprobs[row] = []
+        for want, rows in ((logprobs, self._lp_rows), (prompt_logprobs, self._plp_rows)):
+            rows.pop(row, None)
+            if want is not None:
+                if not 0 <= want <= MAX_LOGPROBS:
+                    raise ValueError(f"log-probabilities of at most {MAX_LOGPROBS} tokens, got {want}")
+                rows[row] = want
+        self._prompt_lp.pop(row, None)
+        if prompt_logprobs is not None:
+            self._prompt_lp[row] = HostLogprobs()
+        if logprobs is not None and self._lp_first is None:
+            self._lp_first = (torch.zeros(self.B, 1 + MAX_LOGPROBS, device=self.device),
+                              torch.zeros(self.B, MAX_LOGPROBS, dtype=torch.long, device=self.device))
+        if prefix_from is not None:
+            self._prefix_wait.setdefault(prefix_from, []).append(row)
 
     @torch.inference_mode()
     def prefill(self, pieces: list[tuple[int, int]], pad_to: int = 0) -> None:
@@ -236,7 +276,20 @@ class Session:
             if n1 == len(prompt):
                 done_rows.append((len(chunks) - 1, row))
         observers = self.policy.target_observers(self) if done_rows else []
-        logits = self.runners["target"].prefill_packed(chunks, pad_to, self.B, observers)[:, : self.V]
+        at, targets, owners = self._prompt_logprob_positions(chunks)
+        out = self.runners["target"].prefill_packed(chunks, pad_to, self.B, observers, hidden_at=at)
+        if at:
+            logits, hidden, head = out
+            k = max(k for _, _, k in owners)
+            tgt = torch.tensor(targets, dtype=torch.long).to(self.device)
+            vals, ids = head_logprobs(head, hidden, tgt, k, self.V)
+            i = 0
+            for row, n, k_row in owners:
+                self._prompt_lp[row].add(vals[i:i + n], ids[i:i + n], k_row)
+                i += n
+        else:
+            logits = out
+        logits = logits[:, : self.V]
         if "draft" in self.runners:
             self.runners["draft"].prefill_packed(chunks, pad_to, self.B)
         for row, _, _ in chunks:
@@ -245,12 +298,60 @@ class Session:
         for i, row in done_rows:
             prompt = self._prompt_rows.pop(row)
             del self._prefilled[row]
+            if self._seeds[row] is not None:
+                # a seeded row's draws start at its first token: the steps that ran while it was prefilling
+                # advanced its counter too, and how many ran depends on what else was running
+                self.sampler.set_row(row, self.sampler.params[row], self._seeds[row], self.device)
             self.pending[row:row + 1].copy_(self.sampler.choose_row(row, logits[i:i + 1]))
+            if row in self._lp_rows:  # the first token's, read back with the row's next step
+                vals, ids = token_logprobs(logits[i], self.pending[row])
+                self._lp_first[0][row].copy_(vals)
+                self._lp_first[1][row].copy_(ids)
+            self._plp_rows.pop(row, None)
             self.prev[row] = prompt[-1]
             self.target_cache.lengths[row] = self.host_lengths[row] = len(prompt)
             self.done[row] = False
             self.finished[row] = False
             self._fresh[row] = True
+            for other in self._prefix_wait.pop(row, ()):
+                self._copy_prefix(row, other, len(prompt) - 1)
+
+    def _prompt_logprob_positions(self, chunks: list[tuple[int, int, list[int]]]):
+        """The packed-token indices whose logits give prompt log-probabilities in this forward (each position of a
+        row that asked, but its prompt's last: that one's is its first generated token's), the prompt tokens they
+        predict, and (row, positions, top-N) per chunk that has any."""
+        at, targets, owners = [], [], []
+        offset = 0
+        for row, n0, toks in chunks:
+            k = self._plp_rows.get(row)
+            if k is not None:
+                prompt = self._prompt_rows[row]
+                stop = min(n0 + len(toks), len(prompt) - 1)
+                if stop > n0:
+                    at += range(offset, offset + stop - n0)
+                    targets += prompt[n0 + 1:stop + 1]
+                    owners.append((row, stop - n0, k))
+            offset += len(toks)
+        return at, targets, owners
+
+    def _copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row `dst` (admitted with `prefix_from=src`) takes `src`'s cache of its first n prompt tokens and prefills
+        the rest itself; the prompt's log-probabilities are `src`'s too."""
+        for runner in self.runners.values():
+            c = runner.cache
+            c.k[:, dst, :, :n].copy_(c.k[:, src, :, :n])
+            c.v[:, dst, :, :n].copy_(c.v[:, src, :, :n])
+        self._prefilled[dst] = n
+        self.target_cache.lengths[dst] = self.host_lengths[dst] = n + 1
+        if dst in self._prompt_lp and src in self._prompt_lp:
+            self._prompt_lp[dst] = self._prompt_lp[src]
+        self._plp_rows.pop(dst, None)
+
+    def prompt_logprobs(self, row: int) -> list[Logprob | None] | None:
+        """The prompt log-probabilities of the row's sequence (None for its first token), once its first token was
+        read back (the device passed the prefill by then); None when it did not ask for them."""
+        host = self._prompt_lp.get(row)
+        return None if host is None else [None, *host.rows()]
 
     def begin_run(self, seed: int) -> None:
         """Start a new generation on a kept slot session (`Engine.generate` reuses one across calls, graphs
@@ -277,6 +378,14 @@ class Session:
         self.host_lengths[row] = 1
         self.sampler.set_row(row, self.cfg.sampling, None, self.device)
         self.ignore_eos_rows.discard(row)
+        for d in (self._lp_rows, self._plp_rows, self._prompt_lp):
+            d.pop(row, None)
+        # a row released before its prefill completed leaves the rows waiting for its prompt cache to prefill
+        # the whole prompt themselves (their prefilled count is still 0); a waiting row stops waiting
+        self._prefix_wait.pop(row, None)
+        for waiting in self._prefix_wait.values():
+            if row in waiting:
+                waiting.remove(row)
 
     @property
     def prefilling_rows(self) -> set[int]:
@@ -328,8 +437,18 @@ class Session:
         slot to `complete` later. The rows the step runs for (and their epochs) are recorded now, so that its
         tokens are booked to the requests that held the rows at launch, whatever was released or admitted since.
         overlapped: the host may be a step behind the device (attention is then sized by the capacity)."""
+        self._lp_on = bool(self._lp_rows)
         out = self._launch(overlapped)
         slot, self._slot = self._slot, self._slot ^ 1
+        self._lp_staged[slot] = self._lp_on
+        if self._lp_on:
+            out, vals, ids = out
+            if self._lp_stage[slot] is None:
+                pinned = self.device.type == "cuda"
+                self._lp_stage[slot] = (torch.empty(vals.shape, dtype=vals.dtype, pin_memory=pinned),
+                                        torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pinned))
+            self._lp_stage[slot][0].copy_(vals, non_blocking=True)
+            self._lp_stage[slot][1].copy_(ids, non_blocking=True)
         self._out_stage[slot].copy_(out, non_blocking=True)
         if self._ready[slot] is not None:
             self._ready[slot].record()
@@ -345,7 +464,8 @@ class Session:
         """Wait for the step staged in `slot` (the step's one host sync) and book its tokens."""
         if self._ready[slot] is not None:
             self._ready[slot].synchronize()
-        self._bookkeep(self._out_stage[slot].tolist(), self._done_stage[slot], self._live[slot])
+        self._bookkeep(self._out_stage[slot].tolist(), self._done_stage[slot], self._live[slot],
+                       self._lp_stage[slot] if self._lp_staged[slot] else None)
 
     @torch.inference_mode()
     def decode(self, max_steps: int | None = None) -> None:
@@ -386,7 +506,7 @@ class Session:
     def _launch(self, overlapped: bool) -> torch.Tensor:
         """Queue one step's device work; returns its [B, 3 + Γ] output (not yet read back)."""
         if self._step_graph_eligible():
-            mode = self.sampler.mode
+            mode = self.sampler.mode + ("+logprobs" if self._lp_on else "")
             graph = self._graphs.get(mode)
             if graph is None and mode in self._graph_warm:
                 graph = self._graphs[mode] = StepGraph(self._capture_step, generators=[self.generator])
@@ -451,7 +571,9 @@ class Session:
     def _device_step(self, max_len: int, graphed_forwards: bool) -> torch.Tensor:
         """The device part of a step: no host sync, and every piece of state it changes (cache lengths,
         `pending`, `prev`, policy buffers) is updated in place, so it can be captured once and replayed.
-        Returns [B, 3 + Γ] = (accepted count, next token, drafts, pending at the step's start) per row."""
+        Returns [B, 3 + Γ] = (accepted count, next token, drafts, pending at the step's start) per row; while
+        `_lp_on`, also the log-probabilities of the row's first token (its prefill's) and of the token chosen at
+        each verify position (`_step_logprobs`)."""
         L = self.target_cache.lengths
         first = self.pending.clone()  # a row's first token (chosen by its prefill) reaches the host with this step
         if self.spec.speculative:
@@ -486,13 +608,25 @@ class Session:
             n_acc = torch.zeros_like(nxt)
             drafts = nxt[:, None][:, :0]
             new_prev = self.pending
+            logits = logits[:, None]
+        lp = self._step_logprobs(logits, drafts, n_acc, nxt) if self._lp_on else None
         # rows already finished stay put so they never outgrow the cache
         self.target_cache.lengths.add_(torch.where(self.done, 0, 1 + n_acc).to(torch.int32))
         if self.spec.speculative:
             self.policy.after_verify(self, n_acc)  # sees the advanced lengths
         self.prev.copy_(torch.where(self.done, self.prev, new_prev))
         self.pending.copy_(torch.where(self.done, self.pending, nxt))
-        return torch.cat([n_acc[:, None], nxt[:, None], drafts, first[:, None]], dim=1)
+        out = torch.cat([n_acc[:, None], nxt[:, None], drafts, first[:, None]], dim=1)
+        return out if lp is None else (out, *lp)
+
+    def _step_logprobs(self, logits: torch.Tensor, drafts: torch.Tensor, n_acc: torch.Tensor, nxt: torch.Tensor):
+        """([B, Γ + 2, 1 + K] fp32, [B, Γ + 2, K] long): `token_logprobs` of each row's first token (written by its
+        prefill), then of the token chosen at each verify position (the accepted drafts, then the next token at
+        position n_acc; positions past it are junk), under the verify forward's logits [B, Γ + 1, V]."""
+        chosen = torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, n_acc[:, None].long(), nxt[:, None])
+        vals, ids = token_logprobs(logits, chosen)
+        return (torch.cat([self._lp_first[0][:, None], vals], dim=1),
+                torch.cat([self._lp_first[1][:, None], ids], dim=1))
 
     def _draft(self, L: torch.Tensor, max_len: int, graphed: bool):
         """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
@@ -518,19 +652,25 @@ class Session:
         greedy choices and acceptance are argmaxes, the same on either dtype)."""
         return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=False, **kw)
 
-    def _bookkeep(self, host: list[list[int]], stage: torch.Tensor, live: list[tuple[int, int, bool]]) -> None:
+    def _bookkeep(self, host: list[list[int]], stage: torch.Tensor, live: list[tuple[int, int, bool]],
+                  lp: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Commit one step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch,
         first token pending) that still belong to the same request and have not stopped; then send the stop mask
         back through `stage` (a pinned buffer on a GPU, so the copy does not wait for the device's queued work).
         A step in which every row had already stopped (the extra step of `decode`) commits nothing and is not
-        counted."""
+        counted. lp: the step's log-probabilities (host), booked for the rows that asked."""
         active = 0
         for b, epoch, fresh in live:
             if epoch != self._epoch[b] or self.finished[b]:
                 continue
             row = host[b]
+            k = self._lp_rows.get(b) if lp is not None else None
+            if k is not None:
+                vals, ids = lp[0][b].tolist(), lp[1][b].tolist()
             if fresh:  # the prefill's first token, not a decode step's
                 self._commit(b, [row[-1]])
+                if k is not None:
+                    self.token_logprobs[b].append(to_logprob(vals[0], ids[0], k))
                 if self.finished[b]:
                     continue
             active += 1
@@ -538,7 +678,10 @@ class Session:
             new = drafts[:n_acc] + [nxt]
             self.host_lengths[b] += len(new)
             self.stats.step_tokens += len(new)
-            self.stats.produced += self._commit(b, new)
+            kept = self._commit(b, new)
+            self.stats.produced += kept
+            if k is not None:
+                self.token_logprobs[b] += [to_logprob(vals[1 + j], ids[1 + j], k) for j in range(kept)]
         if active:
             self.stats.steps += 1
             self.stats.active_seq_steps += active

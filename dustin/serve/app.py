@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP app of `dustin serve` (FastAPI).
 
-    POST /v1/completions        text or token-id prompt (one per request), streamed (SSE) or not
-    POST /v1/chat/completions   messages through the tokenizer's chat template, streamed or not
+    POST /v1/completions        text or token-id prompts (one or a list), n choices each, echo, logprobs; SSE or not
+    POST /v1/chat/completions   messages through the tokenizer's chat template, n choices, logprobs; SSE or not
     GET  /v1/models             the one served model
+    POST /tokenize, /detokenize vLLM's tokenizer endpoints (and GET /tokenizer_info, which lm-eval reads)
+    GET  /version               dustin's version
     GET  /health                200 {"status": "ok"}, or 503 with the engine's error
     GET  /metrics               Prometheus text format
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for any bad request (malformed JSON,
-wrong field types, undeclared fields, empty or too-long prompt, max_tokens past the context, unsupported options
-such as n > 1 or response_format json_object),
-404 for an unknown model or path, 429 when the waiting queue is full, 500/503 when the engine failed.
+wrong field types, undeclared fields, values out of range, empty or too-long prompt, max_tokens past the context,
+unsupported options such as response_format json_object), 404 for an unknown model or path, 429 when the waiting
+queue is full, 500/503 when the engine failed. /openapi.json documents exactly these (FastAPI's 422 is removed).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,10 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dustin.engine.request import RequestOutput, SamplingParams
+from dustin.engine.request import Logprob, RequestOutput, SamplingParams
+from dustin.engine.request import Request as EngineRequest
 from dustin.errors import DustinError, InputError
 from dustin.serve.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from dustin.serve.detokenize import IncrementalDetokenizer
+from dustin.serve.detokenize import IncrementalDetokenizer, TokenText
+from dustin.serve.logprobs import chat_logprobs, completion_logprobs
 from dustin.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,10 +44,18 @@ from dustin.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
     Unsupported,
     Usage,
+    VersionResponse,
     error_body,
     new_id,
     now,
@@ -73,10 +86,51 @@ def _status_label(status: int) -> str:
 
 def _param_of(message: str) -> str | None:
     """The request field an InputError is about (best effort, for the error body's `param`)."""
+    if message.startswith("n = "):
+        return "n"
     for name in ("max_tokens", "temperature", "top_p", "top_k", "prompt"):
         if name in message:
             return name
     return "prompt" if "vocabulary" in message or "context" in message else None
+
+
+def _error(description: str) -> dict:
+    return {"model": ErrorResponse, "description": description}
+
+
+_BAD_REQUEST = {400: _error("a bad request (malformed JSON, a wrong field type, an undeclared field, an unsupported "
+                            "option, a bad value): `param` names the field"),
+                404: _error("an unknown `model` (code `model_not_found`)")}
+_ERRORS = {**_BAD_REQUEST,
+           429: _error("the waiting queue is full (code `queue_full`): retry later"),
+           500: _error("the engine failed while the request ran (code `engine_error`)"),
+           503: _error("the engine failed earlier or the server is shutting down (code `engine_dead`)")}
+_STREAMED = {200: {"description": "the response; with `stream: true` a text/event-stream of events `data: {chunk}` "
+                                  "(one choice each; with stream_options.include_usage a last chunk of no choices "
+                                  "and the usage; an error body if the engine fails), then `data: [DONE]`",
+                   "content": {"text/event-stream": {}}}}  # its schema: `_stream_schemas`
+
+
+def _stream_schemas(schema: dict) -> None:
+    """The text/event-stream schema of the generation routes: each event (an object with its `data`, as Open API
+    before 3.2 has `schema` describe one event) holds a JSON chunk, an error body or [DONE]."""
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, chunk in (("/v1/completions", CompletionResponse), ("/v1/chat/completions", ChatCompletionChunk)):
+        js = chunk.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+        for name, sub in {**js.pop("$defs", {}), chunk.__name__: js}.items():
+            comps.setdefault(name, sub)
+        payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                             {"$ref": "#/components/schemas/ErrorResponse"}]}
+        data = {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                                 "contentSchema": payload}]}
+        content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                   "properties": {"data": data}}}
+
+
+def _dump_none(model) -> dict:
+    """A response model without its unset optional fields (None)."""
+    return {k: v for k, v in model.model_dump().items() if v is not None}
 
 
 def _sse(obj: Any) -> str:
@@ -92,6 +146,138 @@ def _dump(model) -> dict:
         if c.get("token_ids", 0) is None:
             del c["token_ids"]
     return d
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str | None  # as sent (None: token ids, echoed as their decoding)
+    logprobs: list[Logprob | None] | None = None  # from its choices' first output (echo with logprobs)
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt: _Prompt
+    detok: IncrementalDetokenizer
+    logprobs: list[Logprob] = field(default_factory=list)  # of detok.ids[:detok.kept]
+    finish: str | None = None
+    sent: int = 0  # streamed: generated tokens whose log-probabilities went out
+    echoed: bool = False  # streamed: the prompt went out
+    offset: int = 0  # streamed: text_offset of the next token
+
+
+class _Job:
+    """One HTTP generation request: its choices (n per prompt, numbered prompt by prompt), what they asked for,
+    and the answer built from the engine's outputs."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, body, tokenizer, prompts: list[_Prompt],
+                 zero: bool) -> None:
+        self.rid, self.created, self.model, self.chat, self.body = rid, created, model, chat, body
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self.zero = zero  # echo with max_tokens 0: each choice's one generated token is dropped
+        self.stops = body.stop_list()
+        self.echo = not chat and body.echo
+        self.logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+        self.prompt_logprobs = self.logprobs if self.echo else None
+        self.with_ids = body.return_token_ids or tokenizer is None
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.text = TokenText(tokenizer)
+        self.choices: list[_Choice] = []
+        self.by_id: dict[str, _Choice] = {}
+        self.failed = False
+
+    def add(self, prompt: _Prompt, request_id: str) -> None:
+        c = _Choice(len(self.choices), request_id, prompt, IncrementalDetokenizer(self.tokenizer, self.stops))
+        self.choices.append(c)
+        self.by_id[request_id] = c
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish for c in self.choices)
+
+    def take(self, out: RequestOutput, stream: RequestStream) -> tuple[_Choice, str]:
+        """Book one output to its choice; the choice and its newly final text. A stop string ends the choice
+        (its engine request is aborted)."""
+        c = self.by_id[out.request_id]
+        if out.prompt_logprobs is not None:
+            c.prompt.logprobs = out.prompt_logprobs
+        ids, lps = ([], []) if self.zero else (out.new_token_ids, out.logprobs or [])
+        before = len(c.detok.ids)
+        text = c.detok.add(ids)
+        c.logprobs += lps[:c.detok.kept - before]
+        if c.detok.stopped:
+            stream.abort(c.request_id)
+            c.finish = "stop"
+        elif out.finished:
+            text += c.detok.finish()
+            c.finish = "length" if self.zero else out.finish_reason
+        return c, text
+
+    def echo_text(self, c: _Choice) -> str:
+        p = c.prompt
+        if p.text is not None:
+            return p.text
+        return "" if self.tokenizer is None else self.tokenizer.decode(p.ids, skip_special_tokens=True)
+
+    def _entries(self, c: _Choice, start: int, echo: bool) -> tuple[list[int], list[Logprob | None]]:
+        """Tokens and log-probabilities from generated token `start` on (through a stop), the prompt's first."""
+        ids, lps = c.detok.ids[start:c.detok.kept], list(c.logprobs[start:])
+        if echo:
+            prompt = c.prompt.logprobs or [None] * len(c.prompt.ids)
+            ids, lps = c.prompt.ids + ids, prompt + lps
+        return ids, lps
+
+    def usage(self) -> Usage:
+        return Usage.of(sum(len(p.ids) for p in self.prompts), sum(len(c.detok.ids) for c in self.choices))
+
+    def response(self) -> CompletionResponse | ChatCompletionResponse:
+        choices = []
+        for c in self.choices:
+            ids = list(c.detok.ids) if self.with_ids else None
+            if self.chat:
+                lp = None if self.logprobs is None else chat_logprobs(*self._entries(c, 0, False), self.text)
+                choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.detok.text),
+                                          logprobs=lp, finish_reason=c.finish, token_ids=ids))
+            else:
+                lp = None if self.logprobs is None else \
+                    completion_logprobs(*self._entries(c, 0, self.echo), self.text)[0]
+                text = (self.echo_text(c) if self.echo else "") + c.detok.text
+                choices.append(CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=c.finish,
+                                                token_ids=ids))
+        cls = ChatCompletionResponse if self.chat else CompletionResponse
+        return cls(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage())
+
+    def stream_chunk(self, c: _Choice, text: str, out: RequestOutput) -> dict | None:
+        """The SSE chunk of one output (None when it carries nothing): the new text, the new tokens'
+        log-probabilities, and for an echo the prompt (and its log-probabilities) first."""
+        echo = self.echo and not c.echoed
+        lp = None
+        if self.logprobs is not None and (c.detok.kept > c.sent or echo):
+            ids, lps = self._entries(c, c.sent, echo)
+            if self.chat:
+                lp = chat_logprobs(ids, lps, self.text)
+            else:
+                lp, c.offset = completion_logprobs(ids, lps, self.text, c.offset)
+        c.sent = c.detok.kept
+        if echo:
+            text, c.echoed = self.echo_text(c) + text, True
+        if not (text or c.finish or self.with_ids or lp is not None):
+            return None
+        return self.chunk(c, text, lp, [] if self.zero else out.new_token_ids)
+
+    def chunk(self, c: _Choice, text: str | None, lp, ids: list[int], role: bool = False) -> dict:
+        ids = ids if self.with_ids else None
+        if self.chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            d = _dump(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[
+                ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish if not role else None,
+                                token_ids=ids)]))
+            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
+            return d
+        return _dump(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[
+            CompletionChoice(index=c.index, text=text or "", logprobs=lp, finish_reason=c.finish, token_ids=ids)]))
 
 
 class _Server:
@@ -110,33 +296,49 @@ class _Server:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
 
-    def tokenizer(self, what: str):
+    def tokenizer(self, what: str, param: str = "prompt"):
         tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, f"this model has no tokenizer: {what}; send token ids to /v1/completions",
-                           param="prompt" if "prompt" in what else "messages")
+                           param=param)
         return tok
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            from dustin.engine.engine import encode_prompt
-            ids = encode_prompt(self.tokenizer("a text prompt needs one"), prompt)
-            if not ids:
-                raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-            return ids
-        return list(prompt)
+    def completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
+        out = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                from dustin.engine.engine import encode_prompt
+                ids = encode_prompt(self.tokenizer("a text prompt needs one"), prompt)
+                if not ids:
+                    raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+                out.append(_Prompt(ids, prompt))
+            else:
+                out.append(_Prompt(list(prompt), None))
+        return out
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.tokenizer("chat completions need one")
+    def chat_ids(self, messages: list, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `messages` through the tokenizer's chat template (the generation prompt added, as chat
+        completions render them, unless told otherwise)."""
+        tok = self.tokenizer("chat messages need one", "messages")
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
         from dustin.engine.engine import encode_chat
+        dicts = [m.template_dict() for m in messages]
         try:
-            return encode_chat(tok, [m.template_dict() for m in body.messages])
+            if add_generation_prompt and not continue_final_message and not add_special_tokens:
+                return encode_chat(tok, dicts)
+            text = tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message)
         except Exception as e:  # noqa: BLE001 - jinja raises for message orders the template refuses
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return tok.encode(text, add_special_tokens=add_special_tokens, verbose=False)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        limit = self.engine.vocab_limit
+        if any(not 0 <= i < limit for i in ids):
+            raise ApiError(400, f"{param} holds token ids outside the vocabulary (0..{limit - 1})", param=param)
 
     def room(self, prompt_len: int) -> int:
         """The largest max_tokens a prompt of `prompt_len` tokens may ask for (the engine's context minus the
@@ -163,29 +365,32 @@ class _Server:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return ctx - 1 - lo
 
-    def params(self, body, max_tokens: int) -> SamplingParams:
+    def params(self, body, max_tokens: int, choice: int, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            return SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  **body.sampling_kwargs(choice))
         except InputError as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
-    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def start(self, groups: list[list[EngineRequest]]) -> RequestStream:
         from dustin.engine.llm_engine import QueueFullError
 
         try:
-            return await self.engine.generate(request_id, prompt_ids, params)
+            return await self.engine.generate_groups(groups)
         except QueueFullError as e:
             raise ApiError(429, str(e), type="server_overloaded", code="queue_full") from None
         except EngineDeadError as e:
             raise ApiError(503, f"the engine is not serving: {e}", type="server_error", code="engine_dead") from None
         except InputError as e:
             # a prompt that leaves no room for even one token is the prompt's fault, else max_tokens'
-            param = "prompt" if prompt_ids and self.room(len(prompt_ids)) < 1 else _param_of(str(e))
+            longest = max(len(g[0].prompt_ids) for g in groups)
+            param = "prompt" if longest and self.room(longest) < 1 else _param_of(str(e))
             raise ApiError(400, str(e), param=param) from None
 
     # ------------------------------------------------------------------ output
     async def _outputs(self, stream: RequestStream, request: Request) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finished; returns early (aborting it) when the client went away."""
+        """The requests' outputs until each finished; returns early (aborting them) when the client went away."""
         while not stream.finished:
             out = await stream.next(timeout=POLL_S)
             if await request.is_disconnected():
@@ -193,104 +398,68 @@ class _Server:
             if out is not None:
                 yield out
 
-    async def complete(self, request: Request, body, prompt_ids: list[int], params: SamplingParams,
-                       chat: bool) -> Any:
+    async def generate(self, request: Request, body, prompts: list[_Prompt], max_tokens: int, chat: bool) -> Any:
+        """Run every choice (n per prompt, numbered prompt by prompt) and answer: one JSON response or an SSE
+        stream. max_tokens 0 (completions with echo): each choice generates one token, which is dropped."""
         rid = new_id("chatcmpl" if chat else "cmpl")
-        created = now()
-        stops = body.stop_list()
-        if stops and self.engine.tokenizer is None:
+        zero = max_tokens == 0 and not chat and body.echo
+        job = _Job(rid, now(), self.model, chat, body, self.engine.tokenizer, prompts, zero)
+        if job.stops and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
-        stream = await self.start(rid, prompt_ids, params)
-        detok = IncrementalDetokenizer(self.engine.tokenizer, stops)
+        groups = []
+        for j, prompt in enumerate(prompts):
+            group = []
+            for i in range(body.n):
+                params = self.params(body, 1 if zero else max_tokens, i, job.logprobs, job.prompt_logprobs)
+                group.append(EngineRequest(f"{rid}-{j}-{i}", prompt.ids, params))
+                job.add(prompt, group[-1].request_id)
+            groups.append(group)
+        stream = await self.start(groups)
         if body.stream:
-            return StreamingResponse(self._stream(request, body, stream, detok, rid, created, len(prompt_ids),
-                                                  chat), media_type="text/event-stream",
+            return StreamingResponse(self._stream(request, job, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finish = None
         try:
             async for out in self._outputs(stream, request):
-                detok.add(out.new_token_ids)
-                if detok.stopped:
-                    stream.abort()
-                    finish = "stop"
-                    break
-                if out.finished:
-                    detok.finish()
-                    finish = out.finish_reason
+                job.take(out, stream)
         except EngineDeadError as e:
             raise ApiError(500, f"the engine failed while generating: {e}", type="server_error",
                            code="engine_error") from None
         finally:
-            if finish is None:  # client gone or cancelled
-                stream.abort()
-        if finish is None:
+            stream.abort()  # client gone or cancelled (a no-op once every choice finished)
+        if not job.done:
             self.counts["aborted"] += 1
             return JSONResponse(error_body("client disconnected", code="client_disconnected"), status_code=499)
         self.counts["success"] += 1
-        usage = Usage.of(len(prompt_ids), len(detok.ids))
-        token_ids = list(detok.ids) if (body.return_token_ids or self.engine.tokenizer is None) else None
-        if chat:
-            resp = ChatCompletionResponse(id=rid, created=created, model=self.model, usage=usage, choices=[
-                ChatChoice(message=AssistantMessage(content=detok.text), finish_reason=finish, token_ids=token_ids)])
-        else:
-            resp = CompletionResponse(id=rid, created=created, model=self.model, usage=usage, choices=[
-                CompletionChoice(text=detok.text, finish_reason=finish, token_ids=token_ids)])
-        return JSONResponse(_dump(resp))
+        return JSONResponse(_dump(job.response()))
 
-    async def _stream(self, request: Request, body, stream: RequestStream, detok: IncrementalDetokenizer,
-                      rid: str, created: int, prompt_len: int, chat: bool) -> AsyncIterator[str]:
-        with_ids = body.return_token_ids or self.engine.tokenizer is None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(text: str | None, finish: str | None, ids: list[int] | None, role: bool = False) -> str:
-            ids = ids if with_ids else None
-            if chat:
-                delta = Delta(role="assistant" if role else None, content=text)
-                c = ChatCompletionChunk(id=rid, created=created, model=self.model, choices=[
-                    ChatChunkChoice(delta=delta, finish_reason=finish, token_ids=ids)])
-                d = _dump(c)
-                d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
-            else:
-                c = CompletionResponse(id=rid, created=created, model=self.model, choices=[
-                    CompletionChoice(text=text or "", finish_reason=finish, token_ids=ids)])
-                d = _dump(c)
-            return _sse(d)
-
-        finish = None
+    async def _stream(self, request: Request, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         try:
-            if chat:
-                yield chunk("", None, [] if with_ids else None, role=True)
+            if job.chat:
+                for c in job.choices:
+                    yield _sse(job.chunk(c, "", None, [], role=True))
             async for out in self._outputs(stream, request):
-                text = detok.add(out.new_token_ids)
-                if detok.stopped:
-                    stream.abort()
-                    finish = "stop"
-                elif out.finished:
-                    text += detok.finish()
-                    finish = out.finish_reason
-                if text or finish or with_ids:
-                    yield chunk(text, finish, out.new_token_ids)
-                if finish:
-                    break
-            if finish is None:  # the client went away
+                c, text = job.take(out, stream)
+                chunk = job.stream_chunk(c, text, out)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if not job.done:  # the client went away
                 return
             self.counts["success"] += 1
-            if include_usage:
-                usage = Usage.of(prompt_len, len(detok.ids)).model_dump()
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _sse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [],
-                            "usage": usage})
+            if job.include_usage:
+                obj = "chat.completion.chunk" if job.chat else "text_completion"
+                yield _sse({"id": job.rid, "object": obj, "created": job.created, "model": self.model,
+                            "choices": [], "usage": job.usage().model_dump()})
             yield "data: [DONE]\n\n"
         except EngineDeadError as e:
-            finish = "error"
+            job.failed = True
             self.counts["error"] += 1
             yield _sse(error_body(f"the engine failed while generating: {e}", type="server_error",
                                   code="engine_error"))
             yield "data: [DONE]\n\n"
         finally:  # also on asyncio.CancelledError / GeneratorExit when the client disconnects
-            if finish is None:
-                stream.abort()
+            if not (job.done or job.failed):
                 self.counts["aborted"] += 1
+            stream.abort()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> str:
@@ -344,8 +513,10 @@ def _num(v: Any) -> str:
 def create_app(async_engine: AsyncLLMEngine, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (whose thread the caller starts and shuts down)."""
     server = _Server(async_engine, served_model_name or async_engine.model_name)
+    from dustin import __version__
+
     app = FastAPI(title="dustin serve", description="OpenAI-compatible speculative-decoding server", docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, version=__version__)
     app.state.server = server
 
     def fail(e: ApiError) -> JSONResponse:
@@ -392,7 +563,8 @@ def create_app(async_engine: AsyncLLMEngine, served_model_name: str | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(error_body(str(e.detail), param=None, code=code), status_code=e.status_code)
+        return JSONResponse(error_body(str(e.detail), param=None, code=code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))  # 405's Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
@@ -401,39 +573,98 @@ def create_app(async_engine: AsyncLLMEngine, served_model_name: str | None = Non
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse, "description":
+                                                                         "the engine failed: it serves no more"}})
     async def health() -> JSONResponse:
         err = async_engine.error
         if err is not None:
             return JSONResponse({"status": "error", "error": err}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> JSONResponse:
         card = ModelCard(id=server.model, created=server.created, max_model_len=async_engine.max_context)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMED, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
         server.check_model(body.model)
-        prompt_ids = server.completion_prompt(body)
+        prompts = server.completion_prompts(body)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        return await server.complete(request, body, prompt_ids, server.params(body, max_tokens), chat=False)
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
+        return await server.generate(request, body, prompts, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_STREAMED, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check_supported()
         server.check_model(body.model)
-        prompt_ids = server.chat_prompt(body)
+        prompt_ids = server.chat_ids(body.messages)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # the rest of the context (a prompt that leaves none fails with the engine's error)
             max_tokens = max(server.room(len(prompt_ids)), 1)
-        return await server.complete(request, body, prompt_ids, server.params(body, max_tokens), chat=True)
+        return await server.generate(request, body, [_Prompt(prompt_ids, None)], max_tokens, chat=True)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_BAD_REQUEST)
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        body.check_supported()
+        server.check_model(body.model)
+        if body.prompt is not None:
+            tok = server.tokenizer("/tokenize needs one")
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False, verbose=False)
+        else:
+            tok = server.tokenizer("/tokenize needs one", "messages")
+            ids = server.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                  bool(body.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse(_dump_none(TokenizeResponse(count=len(ids), max_model_len=async_engine.max_context,
+                                                        tokens=ids, token_strs=strs)))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_BAD_REQUEST)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        server.check_model(body.model)
+        tok = server.tokenizer("/detokenize needs one", "tokens")
+        server.check_ids(body.tokens, "tokens")
+        return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_BAD_REQUEST)
+    async def tokenizer_info() -> JSONResponse:
+        tok = server.tokenizer("/tokenizer_info needs one", None)
+
+        def name(t) -> str | None:
+            return None if t is None else str(t)
+        template = getattr(tok, "chat_template", None)
+        return JSONResponse(TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__, bos_token=name(tok.bos_token), eos_token=name(tok.eos_token),
+            pad_token=name(tok.pad_token), unk_token=name(tok.unk_token),
+            chat_template=template if isinstance(template, str) else None,
+            model_max_length=async_engine.max_context).model_dump())
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema without the 422 it adds to every route with a body: this server answers 400 with
+        OpenAI's error body instead (documented per route)."""
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            _stream_schemas(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     return app
 

@@ -52,8 +52,8 @@ class _Stream:
 
 @dataclass
 class _Add:
-    request: Request
-    stream: _Stream
+    groups: list[list[Request]]  # each one request, or the sequences of one prompt (LLMEngine.add_requests)
+    stream: _Stream  # where all their outputs go
     future: Future = field(default_factory=Future)
 
 
@@ -63,14 +63,21 @@ class _Abort:
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator of `RequestOutput`; ends after the finished one.
+    """The outputs of one request, or of several (the choices of one HTTP request: `RequestOutput.request_id`
+    tells them apart), in the order the engine made them, as an async iterator of `RequestOutput`; ends after
+    each request's finished one.
 
     `next(timeout)` is the same with a timeout (None when nothing came), so a handler can poll for a client that
-    went away between outputs. Closing (or leaving) a stream before it finished aborts the request."""
+    went away between outputs. Closing (or leaving) a stream before it finished aborts its unfinished requests."""
 
-    def __init__(self, owner: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
-        self.owner, self.request_id, self._stream = owner, request_id, stream
-        self.finished = False
+    def __init__(self, owner: AsyncLLMEngine, request_ids: list[str], stream: _Stream) -> None:
+        self.owner, self._stream = owner, stream
+        self.request_id = request_ids[0]
+        self.unfinished = dict.fromkeys(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -84,24 +91,31 @@ class RequestStream:
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output; None at the end of the stream or when `timeout` seconds passed without one
         (check `finished` to tell them apart). Raises EngineDeadError when the engine failed."""
-        if self.finished:
-            return None
-        try:
-            item = await asyncio.wait_for(self._stream.queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self.unfinished:
+            try:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                item = await asyncio.wait_for(self._stream.queue.get(), left)
+            except asyncio.TimeoutError:
+                return None
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            if item.request_id not in self.unfinished:  # of a request aborted here
+                continue
+            if item.finished:
+                del self.unfinished[item.request_id]
+            return item
+        return None
 
-    def abort(self) -> None:
-        """Stop generating (client gone, stop string found). Idempotent; no-op once finished."""
-        if not self.finished:
-            self.finished = True
-            self.owner.abort(self.request_id)
+    def abort(self, request_id: str | None = None) -> None:
+        """Stop generating one request (a choice's stop string) or every unfinished one (client gone).
+        Idempotent; no-op for finished requests."""
+        for rid in [request_id] if request_id is not None else list(self.unfinished):
+            if rid in self.unfinished:
+                del self.unfinished[rid]
+                self.owner.abort(rid)
 
     async def aclose(self) -> None:
         self.abort()
@@ -119,6 +133,7 @@ class AsyncLLMEngine:
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.model_name = getattr(engine, "model_name", "dustin")
         self.max_context = int(engine.max_context)
+        self.vocab_limit = int(engine.engine.vocab_limit)  # token ids the engine takes: 0..vocab_limit - 1
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -143,21 +158,30 @@ class AsyncLLMEngine:
         with self._lock:
             return self._error
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
         """LLMEngine.check_request (InputError), run by the caller: it reads only settings fixed at start."""
-        self.engine.check_request(prompt_ids, params)
+        self.engine.check_request(prompt_ids, params, n)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request and return its output stream once the engine accepted it.
 
         Raises before any output: InputError (bad prompt or parameters), QueueFullError (too many waiting),
         EngineDeadError (the engine failed or is shutting down)."""
+        return await self.generate_groups([[Request(request_id, list(prompt_ids), params)]])
+
+    async def generate_groups(self, groups: list[list[Request]]) -> RequestStream:
+        """`generate` for several requests at once (all or none are queued), one stream for all their outputs:
+        each group is one request, or the n sequences of one prompt, each with its own parameters (seed), whose
+        prompt is prefilled once (LLMEngine.add_requests)."""
         err = self.error
         if err is not None:
             raise EngineDeadError(err)
-        self.check_request(prompt_ids, params)
+        for group in groups:
+            for r in group:
+                self.check_request(r.prompt_ids, r.params, len(group))
+        ids = [r.request_id for group in groups for r in group]
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        cmd = _Add(Request(request_id, list(prompt_ids), params), stream)
+        cmd = _Add(groups, stream)
         self._commands.put(cmd)
         self._wake.set()
         if self._stop.is_set():  # raced with shutdown: the engine thread may never read the command
@@ -165,9 +189,10 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(cmd.future)
         except asyncio.CancelledError:  # the client left while the request was being queued
-            self.abort(request_id)
+            for rid in ids:
+                self.abort(rid)
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, ids, stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a waiting or running request (thread-safe, non-blocking, no-op for unknown ids)."""
@@ -235,12 +260,21 @@ class AsyncLLMEngine:
         if self._error is not None:
             _set_exception(cmd.future, EngineDeadError(self._error))
             return
+        added: list[str] = []
         try:
-            self.engine.add_request(cmd.request)
+            for group in cmd.groups:
+                if len(group) == 1:
+                    self.engine.add_request(group[0])
+                else:
+                    self.engine.add_requests(group)
+                added += [r.request_id for r in group]
         except Exception as e:  # noqa: BLE001 - InputError, QueueFullError (or a bug): the caller gets it
+            for rid in added:  # all or nothing
+                self.engine.abort_request(rid)
             _set_exception(cmd.future, e)
             return
-        self._streams[cmd.request.request_id] = cmd.stream
+        for rid in added:
+            self._streams[rid] = cmd.stream
         _set_result(cmd.future, None)
         self._refresh_stats()
 

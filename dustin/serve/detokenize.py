@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False  # a stop string was found: nothing more will be emitted
+        self.kept = 0  # tokens the text stands for: all of `ids`, or those through the one that completed a stop
         # ids[:_offset] decode to _settled on their own, and the whole text is _settled + decode(ids[_offset:]):
         # each call decodes a short tail instead of the whole completion (which made a 512-token stream cost
         # 512 decodes of up to 512 tokens, on the server's event loop)
@@ -45,7 +46,9 @@ class IncrementalDetokenizer:
         """Take the next tokens; return the newly final text (possibly empty). Sets `stopped` on a stop string."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids.extend(new_ids)
+        self.kept = len(self.ids)
         if not new_ids:
             return ""
         full = self._decode()
@@ -55,12 +58,22 @@ class IncrementalDetokenizer:
             hits = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
             if hits:
                 self.stopped = True
+                self.kept = self._through_stop(before, start)
                 return self._emit(full[:min(hits)])
         end = len(full)
         while end > emitted and full[end - 1] == "\ufffd":
             end -= 1
         end -= self._partial_stop(full[:end])
         return self._emit(full[:end])
+
+    def _through_stop(self, before: int, start: int) -> int:
+        """The fewest tokens whose text holds a stop string found at or after `start` (the first `before` did
+        not)."""
+        for k in range(max(before, self._offset) + 1, len(self.ids)):
+            text = self._settled + self.tokenizer.decode(self.ids[self._offset:k], skip_special_tokens=True)
+            if any(text.find(s, start) >= 0 for s in self.stops):
+                return k
+        return len(self.ids)
 
     def finish(self) -> str:
         """Generation ended without a stop string: the held-back rest of the text."""
@@ -86,3 +99,61 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+class TokenText:
+    """Each token's own text and UTF-8 bytes, for log-probabilities (cached per id).
+
+    The text is the token decoded alone (special tokens included), as vLLM reports it; a token holding part of a
+    multi-byte character decodes to U+FFFD. The bytes are the token's own: for byte-level BPE tokenizers (GPT-2's,
+    Qwen's, Llama 3's) read through the byte alphabet, so that a character split over tokens is rebuilt by joining
+    their bytes (what OpenAI's `bytes` is for); else the text's UTF-8. Without a tokenizer a token is
+    `token_id:N`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._byte_of = _byte_alphabet(tokenizer)
+
+    def texts(self, ids: list[int]) -> list[str]:
+        missing = list({i for i in ids if i not in self._text})
+        if missing:
+            tok = self.tokenizer
+            texts = [f"token_id:{i}" for i in missing] if tok is None else \
+                tok.batch_decode([[i] for i in missing], skip_special_tokens=False)
+            self._text.update(zip(missing, texts, strict=True))
+        return [self._text[i] for i in ids]
+
+    def text(self, i: int) -> str:
+        return self.texts([i])[0]
+
+    def bytes(self, i: int) -> list[int]:
+        b = self._bytes.get(i)
+        if b is None:
+            piece = None if self._byte_of is None else self.tokenizer.convert_ids_to_tokens(i)
+            if piece is not None and all(ch in self._byte_of for ch in piece):
+                b = [self._byte_of[ch] for ch in piece]
+            else:
+                b = list(self.text(i).encode("utf-8"))
+            self._bytes[i] = b
+        return b
+
+
+def _byte_alphabet(tokenizer) -> dict[str, int] | None:
+    """GPT-2's byte-to-character table, inverted, when the tokenizer decodes with it (byte-level BPE)."""
+    try:
+        decoder = tokenizer.backend_tokenizer.decoder
+    except AttributeError:
+        return None
+    if decoder is None or "ByteLevel" not in type(decoder).__name__ and "ByteLevel" not in repr(decoder):
+        return None
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}

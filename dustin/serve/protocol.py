@@ -2,10 +2,11 @@
 
 Requests: a field these models do not declare is rejected, and so is a declared field of the wrong type (strict
 mode: "5" is not an int, true is not a number); the app turns either into a 400 with OpenAI's error body naming the
-field. `null` for an optional field means its default, as OpenAI's schema allows. Features the engine does not have
-(n > 1, echo, logprobs, penalties, logit_bias, tools, response_format other than text, store) are accepted only at
-their neutral value and otherwise rejected with a 400 naming the field, never silently ignored. The fields in
-IGNORED_FIELDS are accepted and ignored: none of them changes the output (docs/serving.md says why for each).
+field. `null` for an optional field means its default, as OpenAI's schema allows (the JSON schema says so: every
+optional field is nullable). Features the engine does not have (penalties, logit_bias, tools, response_format other
+than text, store, suffix, best_of other than n) are accepted only at their neutral value and otherwise rejected with
+a 400 naming the field, never silently ignored. The fields in IGNORED_FIELDS are accepted and ignored: none of them
+changes the output (docs/serving.md says why for each).
 
 Extensions (pass them with the openai client's `extra_body`): `ignore_eos` (always generate max_tokens tokens),
 `return_token_ids` (each choice and stream chunk carries the generated `token_ids`).
@@ -14,12 +15,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from dustin.engine.request import MAX_LOGPROBS
 
 # accepted on both endpoints and ignored; each is documented in docs/serving.md ("Fields accepted and ignored")
 IGNORED_FIELDS = ("user", "metadata", "service_tier")
+
+# value ranges the schema states (a value outside is a 400 naming the field)
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class Unsupported(ValueError):
@@ -30,11 +39,27 @@ class Unsupported(ValueError):
         self.param = param
 
 
+def _nullable_optionals(schema: dict, cls: type) -> None:
+    """JSON schema of a request object: its optional fields also accept null (meaning the default)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        alts = prop.get("anyOf")
+        if alts is None:
+            meta = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            alts = [dict(prop)]
+            prop.clear()
+            prop.update(meta, anyOf=alts)
+        if {"type": "null"} not in alts:
+            alts.append({"type": "null"})
+
+
 class _Body(BaseModel):
     """A request body, or an object inside one: strict types, no undeclared fields, and a declared field sent as
     `null` is as if it were absent: an optional one takes its default, a required one is missing."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_nullable_optionals)
 
     @model_validator(mode="before")
     @classmethod
@@ -53,15 +78,15 @@ class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None  # None: 1.0, OpenAI's default
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM-style extension; 0 or -1: off
-    stop: str | list[str] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: completions with echo only
+    temperature: Annotated[float, Field(ge=0)] | None = None  # None: 1.0, OpenAI's default
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM-style extension; 0 or -1: off
+    stop: NonEmpty | list[NonEmpty] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -79,13 +104,9 @@ class _SamplingFields(_Body):
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if any(s == "" for s in stops):
-            raise Unsupported("stop", "stop strings must not be empty")
         return list(dict.fromkeys(stops))
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise Unsupported("n", f"only n = 1 is supported, got n = {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v not in (None, 0, 0.0):
@@ -98,45 +119,37 @@ class _SamplingFields(_Body):
                                                  f"text (only {{\"type\": \"text\"}} is accepted)")
         if self.store:
             raise Unsupported("store", "store is not supported: this server keeps no completions")
-        self.stop_list()
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments except max_tokens (validated there: InputError -> 400)."""
+    def sampling_kwargs(self, choice: int = 0) -> dict[str, Any]:
+        """SamplingParams keyword arguments except max_tokens and log-probabilities (validated there: InputError
+        -> 400), for choice `choice` of n: its seed is seed + choice."""
         top_k = self.top_k if self.top_k is not None else 0
         return {"temperature": 1.0 if self.temperature is None else float(self.temperature),
                 "top_p": 1.0 if self.top_p is None else float(self.top_p),
-                "top_k": 0 if top_k == -1 else top_k, "seed": self.seed, "ignore_eos": self.ignore_eos}
+                "top_k": 0 if top_k == -1 else top_k, "seed": None if self.seed is None else self.seed + choice,
+                "ignore_eos": self.ignore_eos}
 
 
 class CompletionRequest(_SamplingFields):
-    # text, token ids, or a batch of exactly one of either
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False
-    logprobs: int | None = None
+    # text, token ids, or a batch of prompts: a list of texts or of token-id lists
+    prompt: NonEmpty | TokenIds | Annotated[list[NonEmpty], Field(min_length=1)] \
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    echo: bool = False  # the prompt before the completion (with `logprobs`: the prompt's log-probabilities too)
+    logprobs: TopN | None = None  # the chosen tokens' log-probabilities and this many most likely tokens'
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise Unsupported("echo", "echo is not supported")
-        if self.logprobs is not None:
-            raise Unsupported("logprobs", "logprobs is not supported")
-        if self.best_of not in (None, 1):
-            raise Unsupported("best_of", "only best_of = 1 is supported")
+        if self.best_of not in (None, self.n):
+            raise Unsupported("best_of", "best_of is not supported (only best_of = n)")
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); a batch of several prompts is rejected."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise Unsupported("prompt", f"only one prompt per request is supported, got {len(p)}")
-            p = p[0]
-        if len(p) == 0:
-            raise Unsupported("prompt", "the prompt is empty")
-        return p
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (texts or token ids), in order: choices are numbered prompt by prompt."""
+        p = self.prompt  # the schema's lengths: no prompt is empty, nor a list of them
+        return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
 
 class TextPart(_Body):
@@ -160,20 +173,18 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopN | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if not self.messages:
-            raise Unsupported("messages", "messages must hold at least one message")
-        if self.logprobs or self.top_logprobs:
-            raise Unsupported("logprobs", "logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tools or self.functions:
             raise Unsupported("tools", "tools / function calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):  # without tools only the neutral choices mean anything
@@ -184,6 +195,32 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): exactly one of `prompt` (text) and `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's own)
+    add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False  # messages only: the last message left open (no generation prompt)
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise Unsupported("prompt", "give exactly one of prompt and messages")
+        if self.prompt is None and self.add_generation_prompt and self.continue_final_message:
+            raise Unsupported("continue_final_message", "continue_final_message and add_generation_prompt "
+                                                        "cannot both be true")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -197,10 +234,20 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy form, per token: its text, log-probability (null for a prompt's first token), the
+    `logprobs` most likely tokens' (and the chosen one's) and the text offset (cumulative token lengths)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # extension: return_token_ids
 
@@ -219,10 +266,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a character may span tokens)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely tokens, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -244,7 +305,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -269,6 +330,39 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info (vLLM's, which lm-eval's remote tokenizer reads): the tokenizer's class, special tokens
+    and chat template."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "error"]
+    error: str | None = None  # why the engine stopped serving (status "error", HTTP 503)
 
 
 class ErrorInfo(BaseModel):
@@ -296,6 +390,8 @@ def now() -> int:
 
 
 __all__ = ["AssistantMessage", "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest",
-           "ChatCompletionResponse", "ChatMessage", "CompletionChoice", "CompletionRequest", "CompletionResponse",
-           "Delta", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "StreamOptions", "Unsupported",
-           "Usage", "IGNORED_FIELDS", "error_body", "new_id", "now"]
+           "ChatCompletionResponse", "ChatLogprobs", "ChatMessage", "CompletionChoice", "CompletionLogprobs",
+           "CompletionRequest", "CompletionResponse", "Delta", "DetokenizeRequest", "DetokenizeResponse", "ErrorInfo",
+           "ErrorResponse", "HealthResponse", "ModelCard", "ModelList", "StreamOptions", "TokenLogprob",
+           "TokenizeRequest", "TokenizeResponse", "TokenizerInfoResponse", "TopLogprob", "Unsupported", "Usage",
+           "VersionResponse", "IGNORED_FIELDS", "error_body", "new_id", "now"]
