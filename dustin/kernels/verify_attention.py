@@ -15,7 +15,7 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
   resident programs (see PROGRAMS_PER_SM): at B*Hkv = 64 that is 4 splits, and 8k..32k contexts read K/V at
   77-105% of the device copy bandwidth. Merging in the launch saves the combine kernel's launch: the 1.5B
   target's full attention at 16 x 32k 127.0 -> 124.0 us a layer (4.33 TB/s), 16 x 16k 69.1 -> 66.5 us
-  (scripts/gpu_split_merge.py at commit 91e0610, docs/results/kernels_2026-12-02/).
+  (scripts/gpu_split_merge.py at commit 91e0610, docs/results/split_merge/).
   Each sequence spreads its OWN visible keys over the splits (`_row_split_size`): how its keys are cut, and
   so its output bits, depend only on its length, not on the batch's longest sequence or on the bound the grid
   is sized by. A serving slot sized for 24k positions holding a 2k sequence still uses every split (when the
