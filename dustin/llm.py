@@ -176,6 +176,11 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     for i, p in enumerate(plist):
         if not isinstance(p, SamplingParams):
             raise InputError(f"params[{i}] is a {type(p).__name__}, not a SamplingParams")
+    for p in plist:
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(p, name) is not None:  # never a silent drop: LLM.generate returns no log-probabilities yet
+                raise InputError(f"LLM.generate does not return {name}; ask `dustin serve` (OpenAI's logprobs / "
+                                 f"echo) or drive LLMEngine with Request(..., SamplingParams({name}=...))")
     return plist
 
 

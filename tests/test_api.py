@@ -179,6 +179,9 @@ def test_bad_inputs(llm):
         llm.generate([[5] * 4000], SamplingParams(temperature=0, max_tokens=200))
     with pytest.raises(InputError, match="max_tokens must be an integer >= 1"):
         SamplingParams(temperature=0, max_tokens=0)
+    for name in ("logprobs", "prompt_logprobs"):  # refused, not dropped
+        with pytest.raises(InputError, match=f"LLM.generate does not return {name}"):
+            llm.generate(prompts[:1], SamplingParams(temperature=0, **{name: 2}))
 
 
 def test_import_dustin_is_cheap():
