@@ -168,9 +168,7 @@ def _is_token_ids(prompts) -> bool:
 def _params_list(params, n: int) -> list[SamplingParams]:
     if params is None:
         params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    plist = list(params)
+    plist = [params] * n if isinstance(params, SamplingParams) else list(params)
     if len(plist) != n:
         raise InputError(f"got {len(plist)} SamplingParams for {n} prompts: pass one, or one per prompt")
     for i, p in enumerate(plist):
