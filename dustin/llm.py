@@ -152,11 +152,7 @@ class LLM:
 
     def _context(self) -> int:
         """Positions a prompt and its new tokens may take: the target's context, and the draft's when it drafts."""
-        e = self.engine
-        context = e.target.args.max_position_embeddings
-        if e.draft is not None and self.base_config.spec.speculative:
-            context = min(context, e.draft.args.max_position_embeddings)
-        return context
+        return self.engine.max_context(self.base_config.spec.speculative)
 
 
 def _is_token_ids(prompts) -> bool:

@@ -52,9 +52,9 @@ if TYPE_CHECKING:
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
 REAL_METHODS = ("vanilla", "classic", "magicdec", "streaming", "dustin")
-# also accepted: the ablations and the per-layer baselines (graph-safe: each step one CUDA graph like dustin's).
-# Not snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
-EXTRA_METHODS = ("dustin-t", "dustin-d", "streaming", "quest", "specattn")
+# also accepted: the ablations, dustin-anchor and the per-layer baselines (graph-safe: each step one CUDA graph like
+# dustin's). Not snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
+EXTRA_METHODS = ("dustin-t", "dustin-d", "dustin-anchor", "streaming", "quest", "specattn")
 DEFAULT_TAU = 2.2
 PROMPT_KINDS = {"code": "code", "prose": "essays"}  # --prompts kind -> `dustin.data.corpora` text kind
 
@@ -340,17 +340,16 @@ def _plan(a) -> dict:
 def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     """The pair's names and the prompt length that leaves room for the decoded tokens, from config.json alone
     (no weights read): a missing model or a context past the model's is one line before the slow load."""
+    from dustin.models.args import pair_context
     from dustin.models.fetch import resolve_model_path
     from dustin.models.loader import read_args
 
     t_path = resolve_model_path(a.target, "target")
     rope = getattr(a, "rope_scaling", None)  # --rope-scaling yarn:F: the context the Engine loads with (F x)
-    limit = read_args(t_path, rope).max_position_embeddings
     d_path = resolve_model_path(a.draft, "draft") if speculative and a.draft else None
     if speculative and d_path is None:
         raise InputError("speculative methods need a draft model (--draft)")
-    if d_path is not None:
-        limit = min(limit, read_args(d_path, rope).max_position_embeddings)
+    limit = pair_context(read_args(t_path, rope), read_args(d_path, rope) if d_path is not None else None)
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
     # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`

@@ -18,6 +18,7 @@ from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
 from dustin.engine.session import PrefillCache, Session, cache_capacity
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
+from dustin.models.args import pair_context
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
 from dustin.selection.base import SelectionPolicy
@@ -178,6 +179,11 @@ class Engine:
         """The weights' dtype, e.g. "bfloat16" (what `--dtype auto` resolved to)."""
         return str(self.target.embed_tokens.weight.dtype).removeprefix("torch.")
 
+    def max_context(self, speculative: bool = True) -> int:
+        """Positions a sequence may take (prompt, new tokens and a step's lookahead): the target's context, and
+        the draft's too when it drafts."""
+        return pair_context(self.target.args, self.draft.args if speculative and self.draft is not None else None)
+
     # ------------------------------------------------------------------ API
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -272,7 +278,7 @@ class Engine:
                 torch.cuda.empty_cache()
             cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if self.keep_session else need
             self._check_memory(ids, cfg, limits, capacity=cap)
-            context = self.target.args.max_position_embeddings
+            context = self.max_context(cfg.spec.speculative)
             serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=context, max_waiting=len(ids),
                                 draft_window=cfg.draft_window, seed=cfg.seed)
             core = LLMEngine(self, serve, generation=replace(cfg, max_new_tokens=cap), slots=len(ids),
@@ -364,9 +370,7 @@ class Engine:
 
     def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None,
                   memory: bool = True) -> None:
-        context = self.target.args.max_position_embeddings
-        if self.draft is not None and cfg.spec.speculative:
-            context = min(context, self.draft.args.max_position_embeddings)
+        context = self.max_context(cfg.spec.speculative)
         limits = limits if limits is not None else [cfg.max_new_tokens] * len(prompts)
         if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
             raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
@@ -466,9 +470,9 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     from dustin.models.loader import read_args
 
     t_path = resolve_model_path(str(target), "target")
-    context = read_args(t_path, rope_scaling).max_position_embeddings
-    if draft is not None and cfg.spec.speculative:
-        context = min(context, read_args(resolve_model_path(str(draft), "draft"), rope_scaling).max_position_embeddings)
+    d_args = (read_args(resolve_model_path(str(draft), "draft"), rope_scaling)
+              if draft is not None and cfg.spec.speculative else None)
+    context = pair_context(read_args(t_path, rope_scaling), d_args)
     tokenizer = _load_tokenizer(t_path)
     if tokenizer is None:
         return None, None

@@ -266,9 +266,7 @@ class LLMEngine:
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         cuda = engine.device.type == "cuda"
-        context = engine.target.args.max_position_embeddings
-        if METHODS[config.method].speculative:
-            context = min(context, engine.draft.args.max_position_embeddings)
+        context = engine.max_context(METHODS[config.method].speculative)
         default_context = context if cuda else min(context, 8192)
         self.max_context = min(config.max_context or default_context, context)
         self.max_slots = slots or config.max_slots or (16 if cuda else 8)

@@ -102,9 +102,7 @@ def run(args) -> int:
         raise InputError("the target model folder has no tokenizer: needle prompts are text")
     main = is_main_process()  # under torchrun only rank 0 reports and writes
     console = Console(stderr=True, quiet=not main)
-    limit = engine.target.args.max_position_embeddings
-    if speculative:
-        limit = min(limit, engine.draft.args.max_position_embeddings)
+    limit = engine.max_context(speculative)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
     from dustin.engine.session import PrefillCache, cache_capacity

@@ -104,9 +104,7 @@ def run(args) -> int:
                                     rope_scaling=args.rope_scaling)
         if engine.tokenizer is None:
             raise InputError("the target model folder has no tokenizer: tasks are text")
-        limit = engine.target.args.max_position_embeddings
-        if speculative:
-            limit = min(limit, engine.draft.args.max_position_embeddings)
+        limit = engine.max_context(speculative)
         main = is_main_process()
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")

@@ -166,3 +166,11 @@ def named_config(name: str, **overrides: Any) -> ModelArgs:
     if key not in NAMED_CONFIGS:
         raise CheckpointError(f"unknown named config {name!r}; known: {', '.join(sorted(NAMED_CONFIGS))}")
     return replace(NAMED_CONFIGS[key], **overrides)
+
+
+def pair_context(target: ModelArgs, draft: ModelArgs | None = None) -> int:
+    """Positions a sequence may take: the target's context, and the draft's too when it drafts (draft None when
+    it does not). The one place this is computed: the loaded pair (`Engine.max_context`) and the commands that
+    check prompts from config.json before loading both call it."""
+    context = target.max_position_embeddings
+    return context if draft is None else min(context, draft.max_position_embeddings)

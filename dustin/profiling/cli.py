@@ -114,7 +114,7 @@ def _srh(engine, args, out: Path, progress) -> None:
     if args.needles > len(PROFILE_NEEDLES):
         raise InputError(f"--needles {args.needles}: only {len(PROFILE_NEEDLES)} profiling needles exist")
     needles = PROFILE_NEEDLES[:args.needles]
-    limit = min(engine.target.args.max_position_embeddings, engine.draft.args.max_position_embeddings)
+    limit = engine.max_context()
     limit = min(limit - args.srh_max_new_tokens - 64, args.max_context or limit)
     contexts = int_list("--contexts", args.contexts) if args.contexts else default_contexts(limit)
     haystacks = shuffled_haystacks(essays("profile"), len(needles), args.seed)
