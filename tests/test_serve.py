@@ -959,7 +959,10 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     cfg = GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=n)
     want_chat = engine.generate([question], cfg, chat=True).sequences[0]
     want_text = engine.generate([code], cfg).sequences[0]
-    llm = LLMEngine(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=1024))
+    # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
+    # prefill is padded to prefill_tokens (512 by default on a CPU)
+    llm = LLMEngine(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192, prefill_chunk=64,
+                                        prefill_tokens=64))
     srv = LiveServer(llm, name="qwen", timeout=600)
     try:
         chat = srv.client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": question}],
