@@ -8,6 +8,7 @@
   the query of the last token that ends up in the cache; at the next step it scores that query against the
   full target cache (S_target).
 Scores are fp32 rows [B, S_cap]; only the configured heads' probabilities are ever materialized.
+`DraftLookahead` is S_draft's plumbing for the policies that use it (dustin, dustin-anchor).
 On the GPU (and under the Triton interpreter) each `compute` is ONE `attention_scores_multi` estimate over
 all configured layers: the per-layer cache views passed in are recognised, from their metadata alone, as
 layers of one [L, B, Hkv, S, D] cache tensor (or the caller passes it as k_all). The estimate overwrites the
@@ -214,3 +215,22 @@ class TargetHistoricalScores:
             accumulate_scores(q_last, k_caches[layer], self.kv_heads[layer], lengths, pos, self.scores, lengths,
                               accumulate=i > 0)
         return self.scores
+
+
+class DraftLookahead:
+    """S_draft's plumbing, for the policies that estimate it (Eq. 5): its observer on the draft's forwards, the
+    step's base lengths, one estimate per step. The policy's `_setup` makes `_draft_scores` (None: no S_draft)."""
+
+    _draft_scores: DraftLookaheadScores | None = None
+
+    def draft_observers(self, state):
+        self._setup(state)
+        return [self._draft_scores] if self._draft_scores is not None else []
+
+    def begin_step(self, state) -> None:
+        if self._draft_scores is not None:
+            self._draft_scores.begin_step(state.target_cache.lengths)
+
+    def _estimate_draft(self, state, lengths: torch.Tensor) -> torch.Tensor:
+        caches = {layer: state.draft_cache.k[layer] for layer in self._draft_scores.layers}
+        return self._draft_scores.compute(caches, lengths)

@@ -6,7 +6,8 @@
 - `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
               it runs a full-cache forward first, so it is for analysis only.
 Per-layer baselines live in `layerwise.py` (`quest`, `specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time
-set per layer and KV head, fixed after prefill, plus every generated position).
+set per layer and KV head, fixed after prefill, plus every generated position); `anchors.py` holds `dustin-anchor`
+(anchor layers pick the sets of the layers above them from their own verify queries).
 One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
 tokens are appended and nothing is evicted, so any position can be selected at a later step.
 """
@@ -19,7 +20,7 @@ from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState
 from dustin.selection.config import ORACLE_RUNGS, SparseConfig
-from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
+from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
@@ -43,7 +44,7 @@ class StreamingSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-class DustinSelection(SelectionPolicy):
+class DustinSelection(DraftLookahead, SelectionPolicy):
     """Hybrid draft-lookahead + target-historical selection. variant: "dustin" | "dustin-t" | "dustin-d"."""
 
     graph_safe = True  # both estimators only write fixed-address buffers; one SparsePlan per step
@@ -105,14 +106,6 @@ class DustinSelection(SelectionPolicy):
         self._setup(state)
         return [self._target_scores] if self._target_scores is not None else []
 
-    def draft_observers(self, state: StepState):
-        self._setup(state)
-        return [self._draft_scores] if self._draft_scores is not None else []
-
-    def begin_step(self, state: StepState) -> None:
-        if self._draft_scores is not None:
-            self._draft_scores.begin_step(state.target_cache.lengths)
-
     def plan(self, state: StepState) -> SparsePlan:
         L = state.target_cache.lengths
         s_target = s_draft = self._zeros
@@ -121,8 +114,7 @@ class DustinSelection(SelectionPolicy):
             caches = {layer: state.target_cache.k[layer] for layer in self._target_scores.layers}
             s_target = self._target_scores.compute(caches, L)
         if self._draft_scores is not None:
-            caches = {layer: state.draft_cache.k[layer] for layer in self._draft_scores.layers}
-            s_draft = self._draft_scores.compute(caches, L)
+            s_draft = self._estimate_draft(state, L)
         state.timer.stop("estimate")
         state.timer.start("select")
         if self.auto is None:
@@ -165,8 +157,8 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "quest", "specattn", "snapkv", "oracle",
-            *ORACLE_RUNGS)
+POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "dustin-anchor", "quest", "specattn", "snapkv",
+            "oracle", *ORACLE_RUNGS)
 
 
 def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
@@ -178,6 +170,9 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
         return StreamingSelection(cfg)
     if name in ("dustin", "dustin-t", "dustin-d"):
         return DustinSelection(cfg, name)
+    if name == "dustin-anchor":
+        from dustin.selection.anchors import AnchorSelection
+        return AnchorSelection(cfg)
     if name == "oracle":
         return OracleSelection(cfg)
     if name in ORACLE_RUNGS:
