@@ -85,7 +85,7 @@ def anchor_set(scores: torch.Tensor, lengths: torch.Tensor, k: int, sinks: int, 
     if draft_picks is not None:
         scores.scatter_(2, draft_picks[:, None].expand(B, R, -1), float("inf"))
     flat = scores.view(B * R, S)
-    rows_len = lengths if R == 1 else lengths.repeat_interleave(R)
+    rows_len = lengths[:, None].expand(B, R).reshape(B * R)  # each row's length per KV head (a copy, no sync)
     idx, counts = select_dustin(flat, flat, rows_len, k=k, m=0, sinks=sinks, window=window)
     if R == 1:
         return SparsePlan(idx, counts)
