@@ -130,6 +130,25 @@ def test_anchor_set_against_a_loop(monkeypatch, kernel, rows, m):
             assert chosen == sorted(want[b][r]), (b, r)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_one_sequence_sets_per_kv_head_use_its_own_length(monkeypatch, kernel):
+    """A batch of one row with two KV heads: each head's set stays inside the row's own length, equal to that
+    row's sets in a batch of three (its per-head lengths were once a stride-0 view, and the selection kernel read
+    the next sequence's length for the second head)."""
+    import dustin.kernels.selection as sel
+
+    if not kernel:
+        monkeypatch.setattr(sel, "sort_row_width", lambda *a: 1 << 20)
+    torch.manual_seed(2)
+    L = torch.tensor([70, 25, 52], dtype=torch.int32)
+    scores = torch.rand(3, 2, 80)
+    alone = anchor_set(scores[:1].clone(), L[:1], 29, 4, 16)
+    batch = anchor_set(scores.clone(), L, 29, 4, 16)
+    assert torch.equal(alone.indices[0], batch.indices[0]) and torch.equal(alone.counts[0], batch.counts[0])
+    want = _reference_set(scores[:1], L[:1], 29, 4, 16, None)
+    assert [sorted(x) for x in want[0]] == [alone.indices[0, r].tolist() for r in range(2)]
+
+
 @pytest.mark.parametrize("granularity", ["kv", "layer"])
 def test_an_anchor_picks_the_ladders_oracle_set(granularity):
     """At an anchor layer the set is the oracle ladder's rung of the same granularity (selection/ladder.py)."""

@@ -53,7 +53,7 @@ from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
 
 # sparse policies whose per-sequence state is (re)built by a row's own prefill; quest, snapkv, specattn and
 # oracle build state for the whole batch at once (or run full forwards) and stay offline-only
-SERVABLE = ("vanilla", "classic", "magicdec", "streaming", "dustin", "dustin-t", "dustin-d")
+SERVABLE = ("vanilla", "classic", "magicdec", "streaming", "dustin", "dustin-t", "dustin-d", "dustin-anchor")
 
 
 # prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the

@@ -153,7 +153,7 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     if impl == "torch" or p > 4096 or not (s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _select_dustin_torch(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
-    lengths = lengths.to(device)
+    lengths = lengths.to(device).contiguous()  # the kernels read lengths[b] at lengths_ptr + b
     rows = 2 if m > 0 else 1
     pdl = pdl_options(device)
     masked = torch.empty(rows, B, S, device=device, dtype=torch.float32)

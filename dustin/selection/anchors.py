@@ -85,7 +85,8 @@ def anchor_set(scores: torch.Tensor, lengths: torch.Tensor, k: int, sinks: int, 
     if draft_picks is not None:
         scores.scatter_(2, draft_picks[:, None].expand(B, R, -1), float("inf"))
     flat = scores.view(B * R, S)
-    rows_len = lengths[:, None].expand(B, R).reshape(B * R)  # each row's length per KV head (a copy, no sync)
+    # each row's length per KV head; contiguous: with B = 1 the reshape is a stride-0 view of `lengths`
+    rows_len = lengths[:, None].expand(B, R).reshape(B * R).contiguous()
     idx, counts = select_dustin(flat, flat, rows_len, k=k, m=0, sinks=sinks, window=window)
     if R == 1:
         return SparsePlan(idx, counts)
@@ -108,10 +109,9 @@ class AnchorSelection(DraftLookahead, SelectionPolicy):
     # the anchors' scoring and selection run inside the verify forward on fixed shapes without host syncs, the
     # S_draft estimator writes fixed buffers: the whole step replays as one CUDA graph
     graph_safe = True
-    # Its state is per sequence (the sets are rebuilt every step from the step's own queries), but the serving loop
-    # does not run it (llm_engine.SERVABLE): Engine.generate keeps a whole-batch Session for it, as for the other
-    # per-layer planners
-    row_local = False
+    # every piece of state is per sequence: the sets are rebuilt every step from the step's own queries, S_draft's
+    # rows are each sequence's own lookahead (as dustin's); so a sequence can join a running batch (serving)
+    row_local = True
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg

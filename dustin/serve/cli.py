@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
                    help=f"decoding method of every request (default {DEFAULT_METHOD}; the offline-only baselines "
-                        f"quest, snapkv, specattn and oracle are refused)")
+                        f"quest, snapkv, specattn, oracle and the oracle-* ladder are refused)")
     add_speculation_args(p)
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
