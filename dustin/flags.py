@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA  # noqa: F401 (re-exported until its importers move)
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DRAFT_WINDOW, GAMMA
 
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:

@@ -43,9 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "__main__"),  # the command line
 )
 # Imports from a lower layer up to a higher one known today, as (importing module, imported module).
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
-    ("dustin.engine.llm_engine", "dustin.flags"),  # the --budget auto defaults, now in dustin.defaults
-})
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
 
 
 def _module_name(path: Path) -> str:

@@ -23,8 +23,9 @@ import json
 import statistics
 import time
 
+from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import InputError
-from dustin.flags import DEFAULT_METHOD, add_model_args
+from dustin.flags import add_model_args
 
 MODES = ("greedy", "sampled", "rows")
 

@@ -10,8 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import DustinError, InputError
-from dustin.flags import DEFAULT_METHOD, add_model_args, add_sparse_args, add_speculation_args, check_outputs
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, check_outputs
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:

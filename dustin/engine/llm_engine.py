@@ -43,13 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import SamplingRule
 from dustin.engine.session import Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
-from dustin.flags import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
 
 # sparse policies whose per-sequence state is (re)built by a row's own prefill; quest, snapkv, specattn and
 # oracle build state for the whole batch at once (or run full forwards) and stay offline-only

@@ -16,8 +16,9 @@ import signal
 import socket
 import threading
 
+from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import InputError
-from dustin.flags import DEFAULT_METHOD, add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
