@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dustin.defaults import DRAFT_WINDOW
+
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters one forward reads (the untied input embedding excluded: a gather of rows)."""
@@ -60,7 +62,7 @@ class StepBytes:
         return self.total / bandwidth
 
 
-def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int, *, draft_window: int = 512,
+def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int, *, draft_window: int = DRAFT_WINDOW,
                sparse_cfg=None, target_args=None) -> StepBytes:
     """Bytes one step of `method` must read (see the module docstring). target/draft: the models (the rank's
     target shard under tensor parallelism); sparse_cfg: the SparseConfig of a sparse method (k, score heads);

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
@@ -71,7 +71,7 @@ class ServeConfig:
     CPU, where the slots' caches live in host memory); max_slots None: 16 on a GPU, 8 on a CPU."""
 
     method: str = DEFAULT_METHOD
-    gamma: int = 4
+    gamma: int = GAMMA
     budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
     budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k
     budget_min: int = AUTO_MIN
@@ -87,7 +87,7 @@ class ServeConfig:
     prefill_chunk: int = 512
     prefill_tokens: int | None = None
     max_waiting: int = 256
-    draft_window: int = 512  # positions the streaming draft attends: sinks + recent
+    draft_window: int = DRAFT_WINDOW  # positions the streaming draft attends: sinks + recent
     seed: int = 0
 
     def __post_init__(self) -> None:
