@@ -7,8 +7,9 @@
         print(out.text, out.finish_reason, out.metrics.tau)
 
 `LLM` is a thin layer over `dustin.engine.engine.Engine` (which it keeps as `llm.engine`): it fixes the decoding
-method once, takes vLLM's per-request `SamplingParams` instead of a batch-wide `GenerationConfig`, and returns one
-`RequestResult` per prompt. Everything that decodes is `Engine.generate`'s; nothing here duplicates its checks.
+method once, passes vLLM's per-request `SamplingParams` straight to the engine core (one batch, each prompt its own
+row and rule), and returns one `RequestResult` per prompt. Everything that decodes is the engine core's; nothing
+here duplicates its checks.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
-from dustin.engine.engine import Engine, GenerationResult, check_prompts
+from dustin.engine.engine import Engine, GenerationResult
+from dustin.engine.pair import check_prompts
 from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
 
@@ -105,19 +107,12 @@ class LLM:
         every prompt (None: `SamplingParams()`, 16 tokens at temperature 1.0), or one per prompt. chat: wrap text
         prompts in the model's chat template.
 
-        How a call is batched: `Engine.generate` takes one `GenerationConfig` for its whole batch (one sampling
-        rule, one seed, one EOS rule; only the number of new tokens may differ per prompt, as its `limits`). So
-        prompts are grouped by their sampling settings (temperature, top_p, top_k, seed, ignore_eos; greedy
-        prompts form one group whatever their seeds), each group is one `Engine.generate` batch with its
-        max_tokens as per-prompt limits, and the results are put back in prompt order. A request's `metrics` are
-        its group's. Consequences: a sampled prompt's random numbers come from its group's seed and its place in
-        the group, not from its own seed alone (`seed=None` means seed 0, so a call is reproducible); groups run
-        one after another, not side by side (on a GPU, `Engine.generate` keeps one engine with its CUDA graphs
-        per decoding setting, so alternating settings re-capture). Greedy output does not depend on the batch.
-        Why not one mixed batch: the serving core (`LLMEngine`) can mix per-request sampling, but only
-        `Engine.generate` runs every method (quest, specattn, snapkv and oracle are offline-only) and keeps its
-        session across calls, and reusing it keeps one decoding path for the command line and this API.
-        All prompts are checked (empty, outside the vocabulary, too long for the context) before any group runs.
+        One call is one batch on the engine core, as `dustin serve` runs requests: each prompt takes its own row with
+        its own SamplingParams (temperature, top_p, top_k, seed, ignore_eos, max_tokens). A prompt with a `seed`
+        draws from its own stream, so its tokens do not depend on the rest of the batch; one without gets a seed
+        from the call's stream (seed 0), so a call is reproducible. Greedy output does not depend on the batch.
+        A request's `metrics` are its batch's.
+        All prompts are checked (empty, outside the vocabulary, too long for the context) before anything runs.
         """
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
@@ -136,19 +131,14 @@ class LLM:
         except InputError as e:  # its messages name the command line's flags
             raise InputError(str(e).replace("--max-new-tokens", "max_tokens")) from None
 
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(plist):
-            groups.setdefault(_group_key(p), []).append(i)
-        results: list[RequestResult | None] = [None] * len(prompts)
-        for (temperature, top_p, top_k, seed, ignore_eos), members in groups.items():
-            cfg = replace(self.base_config, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop_at_eos=not ignore_eos, max_new_tokens=max(limits[i] for i in members))
-            out = self.engine.generate([ids[i] for i in members], cfg, limits=[limits[i] for i in members])
-            metrics = Metrics.of(out)
-            for i, seq in zip(members, out.sequences, strict=True):
-                stop = bool(seq.token_ids) and not ignore_eos and seq.token_ids[-1] in self.engine.eos_ids
-                results[i] = RequestResult(ids[i], seq.token_ids, seq.text, "stop" if stop else "length", metrics)
-        return results  # type: ignore[return-value]  # every slot was filled by its group
+        cfg = replace(self.base_config, max_new_tokens=max(limits))
+        out = self.engine.generate(ids, cfg, params=plist)
+        metrics = Metrics.of(out)
+        results = []
+        for p, seq, rp in zip(ids, out.sequences, plist, strict=True):
+            stop = bool(seq.token_ids) and not rp.ignore_eos and seq.token_ids[-1] in self.engine.eos_ids
+            results.append(RequestResult(p, seq.token_ids, seq.text, "stop" if stop else "length", metrics))
+        return results
 
     def _context(self) -> int:
         """Positions a prompt and its new tokens may take: the target's context, and the draft's when it drafts."""
@@ -174,13 +164,5 @@ def _params_list(params, n: int) -> list[SamplingParams]:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(p, name) is not None:  # never a silent drop: LLM.generate returns no log-probabilities yet
                 raise InputError(f"LLM.generate does not return {name}; ask `dustin serve` (OpenAI's logprobs / "
-                                 f"echo) or drive LLMEngine with Request(..., SamplingParams({name}=...))")
+                                 f"echo) or drive EngineCore with Request(..., SamplingParams({name}=...))")
     return plist
-
-
-def _group_key(p: SamplingParams) -> tuple:
-    """What must be equal for prompts to share one `Engine.generate` batch. Greedy ignores top-p, top-k and the
-    seed, so every greedy prompt (of one EOS rule) shares a batch."""
-    if p.temperature == 0:
-        return (0.0, 1.0, 0, 0, p.ignore_eos)
-    return (float(p.temperature), float(p.top_p), int(p.top_k), 0 if p.seed is None else int(p.seed), p.ignore_eos)

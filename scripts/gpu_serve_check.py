@@ -1,4 +1,4 @@
-"""GPU check of the serving core (LLMEngine): continuous batching on CUDA with graphs and chunked prefill gives
+"""GPU check of the serving core (EngineCore): continuous batching on CUDA with graphs and chunked prefill gives
 each request the tokens of its own offline generation (bf16: near-ties may flip; the count is reported), and
 the engine's steady-state throughput next to the offline engine's on the same work.
 
@@ -13,8 +13,8 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.engine.request import SamplingParams
 from dustin.models.args import named_config
 from dustin.models.loader import random_model
@@ -38,7 +38,7 @@ def main() -> None:
         ref = [eng.generate([p], GenerationConfig(method=method, max_new_tokens=new, stop_at_eos=False, **kw))
                .sequences[0].token_ids for p in prompts]
         t_ref = time.perf_counter() - t0
-        llm = LLMEngine(eng, ServeConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
+        llm = EngineCore(eng, ServeConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # capture the graphs
         t0 = time.perf_counter()
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))

@@ -3,7 +3,7 @@
 16 prompts of 8,000-19,250 tokens (real code with the real pair, random ids with random weights of the pair's
 shapes), 64 greedy tokens each (EOS ignored), 16 slots of 24,576 positions:
 - `Engine.generate` of all 16 at once, warm (one untimed call first), timed `--repeats` times;
-- `LLMEngine.generate` (the serving engine without HTTP) on the same prompts, warm, timed;
+- `EngineCore.generate` (the serving engine without HTTP) on the same prompts, warm, timed;
 - with --http: the same burst as 16 concurrent streaming `/v1/completions` requests to a live `dustin serve` app
   in this process, `--bursts` times, plus each request sent alone: wall time, and whether the token ids are
   identical across bursts and equal to the request sent alone and to `Engine.generate`.
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--methods", default="dustin,vanilla")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--server", action="store_true", help="also LLMEngine.generate on the same prompts")
+    ap.add_argument("--server", action="store_true", help="also EngineCore.generate on the same prompts")
     ap.add_argument("--server-repeats", type=int, default=1)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--http", action="store_true")
@@ -80,12 +80,12 @@ def main() -> None:
         row["offline"]["tokens_per_s"] = round(16 * a.max_tokens / min(walls), 1)
         print(method, "offline", row["offline"], flush=True)
         if a.server or a.http:
-            from dustin.engine.llm_engine import LLMEngine, ServeConfig
+            from dustin.engine.core import EngineCore, ServeConfig
             from dustin.engine.request import SamplingParams
 
             kw = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
-            eng.release_kept_session()
-            llm = LLMEngine(eng, ServeConfig(method=method, max_slots=16, max_context=24576, **kw))
+            eng.release_cached()
+            llm = EngineCore(eng, ServeConfig(method=method, max_slots=16, max_context=24576, **kw))
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # capture, compile
             walls = []

@@ -4,7 +4,7 @@ Run on a GPU machine: PYTHONPATH=. python3 scripts/gpu_step_graph_check.py
 
 Tiny random Qwen2 pair in fp32 on the GPU (Triton backend): for every graph-safe method, greedy and sampled, the
 whole-step CUDA graph (`GenerationConfig.step_graph`, the default) must give exactly the tokens of one graph per
-forward (same kernels, same sizes) and of eager forwards, and the overlapped loop (`Session.decode`, a step ahead)
+forward (same kernels, same sizes) and of eager forwards, and the overlapped engine loop (a step ahead)
 those of the step-by-step one; acceptance control likewise; the serving engine
 (slot mode, step graph) must equal offline generation. fp32 so that equality is exact, not near-tie-limited.
 Writes $OUT/step_graph_check.json. An argument (e.g. `quest,specattn`) runs those cases only.
@@ -79,7 +79,7 @@ def main() -> int:
         print(f"fused-vs-plain-ops-{method}", same, flush=True)
     del plain
     # graphs persist across generate calls: the second identical call captures nothing and gives the same tokens
-    eng.release_kept_session()  # the fused-vs-plain run above kept a session of this very config
+    eng.release_cached()  # the fused-vs-plain run above kept a core of this very config
     first, second = run(method="dustin", budget=128), run(method="dustin", budget=128)
     same = [a.token_ids == b.token_ids for a, b in zip(first.sequences, second.sequences, strict=True)]
     ok &= all(same) and second.capture_s == 0.0 and first.capture_s > 0.0
@@ -87,11 +87,11 @@ def main() -> int:
                                 "tokens_per_s": [round(first.tokens_per_s, 1), round(second.tokens_per_s, 1)]}
     print("generate-twice", report["generate-twice"], flush=True)
     # the serving core: slots, chunked prefill, the step graph replayed across requests
-    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.core import EngineCore, ServeConfig
     from dustin.engine.request import SamplingParams
 
     for method in ("dustin", "classic"):
-        llm = LLMEngine(eng, ServeConfig(method=method, budget=128 if method == "dustin" else None, max_slots=3,
+        llm = EngineCore(eng, ServeConfig(method=method, budget=128 if method == "dustin" else None, max_slots=3,
                                          max_context=4096, prefill_chunk=1024))
         served = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))

@@ -206,9 +206,9 @@ def test_small_budget_dense_layers_and_reuse(engine, tmp_path, granularity):
         return p
 
     policy.plan_layer = recording
-    s = engine.session(prompts, cfg, policy=policy)
-    s.step()
-    s.step()
+    core = engine.start(prompts, cfg, policy=policy)
+    core.step()  # the prefill and step 1
+    core.step()
     assert set(seen) == {0, 1, 2} and seen[0] == [None, None]
     shape = (2, engine.target.args.n_kv_heads, 32) if granularity == "kv" else (2, 32)
     for step in range(2):
@@ -268,8 +268,7 @@ def test_draft_picks_are_in_every_set(engine, tmp_path):
     sets = []
     plan_layer = policy.plan_layer
     policy.plan_layer = lambda layer, q, ctx: sets.append(plan_layer(layer, q, ctx)) or sets[-1]
-    s = engine.session(_prompts([150, 210]), cfg, policy=policy)
-    s.step()
+    engine.start(_prompts([150, 210]), cfg, policy=policy).step()  # the prefill and step 1
     picks = policy._draft_picks
     assert picks.shape == (2, 7)
     for plan in sets[1:]:

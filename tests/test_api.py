@@ -52,16 +52,15 @@ def test_greedy_equals_engine_generate(llm):
 
 
 def test_default_sampling_params_are_vllms(llm):
-    """`SamplingParams()` has vLLM's defaults: temperature 1.0, so a call without params samples (seed None: the
-    group's seed 0) and is not the greedy output."""
+    """`SamplingParams()` has vLLM's defaults: temperature 1.0, so a call without params samples (unseeded rows
+    take their seeds from the call's stream: a call is reproducible) and is not the greedy output."""
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos) == (16, 1.0, 1.0, 0, None, False)
     prompts = _prompts([12, 18], seed=4)
     default = llm.generate(prompts)
-    ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=16,
-                                                        temperature=1.0, seed=0))
-    assert _ids(default) == [s.token_ids for s in ref.sequences]
+    assert _ids(llm.generate(prompts)) == _ids(default)
     assert _ids(default) != _ids(llm.generate(prompts, SamplingParams(temperature=0)))
+
 
 def test_eos_stops_and_is_reported(llm):
     """ignore_eos off: a sequence that emits an EOS id ends there with finish_reason "stop"; the others run to
@@ -95,28 +94,25 @@ def test_per_prompt_max_tokens(llm):
     assert _ids(out) == [f.token_ids[:m] for f, m in zip(full, caps, strict=True)]
 
 
-def test_sampling_groups_keep_prompt_order(llm):
-    """Greedy and sampled prompts interleaved: two `Engine.generate` batches, results back in prompt order."""
+def test_per_request_params_in_one_batch(llm):
+    """Greedy and seeded sampled prompts interleaved in one batch, each with its own SamplingParams: results in
+    prompt order; each prompt's tokens are those of the same prompt run alone with the same params (greedy rows, and
+    seeded sampled rows, do not depend on the batch); a seeded call is reproducible, another seed gives other
+    tokens."""
     prompts = _prompts([9, 14, 21, 6], seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
-    out = llm.generate(prompts, [greedy, sampled, greedy, sampled])
+    sampled = [SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7 + i, ignore_eos=True) for i in (0, 1)]
+    params = [greedy, sampled[0], greedy, sampled[1]]
+    out = llm.generate(prompts, params)
     assert [r.prompt_token_ids for r in out] == prompts
-    ref_greedy = llm.engine.generate([prompts[0], prompts[2]], GenerationConfig(
-        method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False))
-    ref_sampled = llm.engine.generate([prompts[1], prompts[3]], GenerationConfig(
-        method="classic", gamma=3, max_new_tokens=10, temperature=0.8, top_k=20, seed=7, stop_at_eos=False))
-    assert [out[0].token_ids, out[2].token_ids] == [s.token_ids for s in ref_greedy.sequences]
-    assert [out[1].token_ids, out[3].token_ids] == [s.token_ids for s in ref_sampled.sequences]
+    alone = [llm.generate([p], rp)[0].token_ids for p, rp in zip(prompts, params, strict=True)]
+    assert _ids(out) == alone
     assert [len(r.token_ids) for r in out] == [12, 10, 12, 10]
-    assert out[0].metrics is out[2].metrics and out[1].metrics is out[3].metrics  # each group's batch statistics
-    assert out[0].metrics is not out[1].metrics
-    # a seeded sampled call is reproducible; another seed gives other tokens
-    again = llm.generate(prompts, [greedy, sampled, greedy, sampled])
-    assert _ids(again) == _ids(out)
-    other = llm.generate([prompts[1], prompts[3]], SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=8,
-                                                                  ignore_eos=True))
-    assert _ids(other) != [out[1].token_ids, out[3].token_ids]
+    assert out[0].metrics is out[1].metrics  # one batch, its statistics
+    assert _ids(llm.generate(prompts, params)) == _ids(out)
+    other = llm.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=8,
+                                                      ignore_eos=True))
+    assert other[0].token_ids != out[1].token_ids
 
 
 def test_single_prompt_forms(llm):

@@ -101,10 +101,11 @@ def test_shared_prefill_is_exact(text_pair):
     def outputs(method, cache):
         cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=17, stop_at_eos=False, budget=32,
                                draft_window=24)
-        s = engine.session(prompts, cfg, prefill_cache=cache)
-        for _ in range(4):
-            s.step()
-        return s.outputs
+        core = engine.start(prompts, cfg, prefill_cache=cache)
+        for _ in range(4):  # the prefill and 4 steps
+            core.step()
+        core.drain()
+        return core.session.outputs
 
     shared = PrefillCache()
     methods = ("vanilla", "classic", "magicdec", "dustin")

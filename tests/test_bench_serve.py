@@ -37,7 +37,7 @@ def test_bench_serve_end_to_end(tiny_pair, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--methods", "quest"], "offline-only"), (["--prompt-tokens", "9"], "MIN,MAX"),
+    (["--prompt-tokens", "9"], "MIN,MAX"),
     (["--prompt-tokens", "30,10"], "MIN <= MAX"), (["--rate", "0"], "--rate"), (["--max-slots", "0"], "--max-slots"),
     (["--scenario", "steady"], "--scenario"),
     (["--prefill-tokens", "100", "--prefill-chunk", "512"], "--prefill-tokens")])

@@ -80,7 +80,7 @@ def test_one_default_method_everywhere():
 
     from dustin.cli.main import build_parser
     from dustin.engine.config import GenerationConfig
-    from dustin.engine.llm_engine import ServeConfig
+    from dustin.engine.core import ServeConfig
     from dustin.llm import LLM
 
     defaults = {"generate": build_parser(["generate"]).parse_args(["generate", "--prompt", "x"]).method,
@@ -96,6 +96,7 @@ def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
     import torch
 
     from dustin.engine import engine as engine_module
+    from dustin.engine import pair as pair_module
     from dustin.errors import InputError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
@@ -112,7 +113,7 @@ def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
         assert code == 2 and loads[-1] == "cuda"  # planned for the GPU (the fake one stops at the load)
     else:
         assert code == 2 and "not for --device cpu" in err and len(loads) == 1
-    assert engine_module.parse_device("auto") == torch.device("cuda" if gpu else "cpu")
+    assert pair_module.parse_device("auto") == torch.device("cuda" if gpu else "cpu")
 
 @pytest.mark.parametrize("flag", [["--config", "x.json"], ["--budget", "64"]])
 def test_sparse_flags_on_a_full_verification_method(capsys, flag):

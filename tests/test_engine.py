@@ -128,10 +128,10 @@ def test_mismatched_vocabularies(tmp_path, tiny_pair):
 
 
 def test_batch_too_large_for_memory(engine, monkeypatch):
-    from dustin.engine import engine as engine_mod
+    from dustin.engine import pair as pair_mod
     from dustin.errors import OutOfMemoryError
 
-    monkeypatch.setattr(engine_mod, "_free_memory", lambda device: 1024)
+    monkeypatch.setattr(pair_mod, "_free_memory", lambda device: 1024)
     with pytest.raises(OutOfMemoryError, match="lower the batch size"):
         _run(engine, _prompts([10, 10]), method="classic")
 
@@ -140,7 +140,7 @@ def test_kv_cache_bytes_match_the_allocated_caches(engine):
     """The memory check (and `bench e2e`'s fit test) count exactly what a session allocates."""
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=5)
     prompts = _prompts([10, 7])
-    s = engine.session(prompts, cfg)
+    s = engine.start(prompts, cfg).session
     allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
                     for c in (s.target_cache, s.draft_cache))
     assert engine.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated

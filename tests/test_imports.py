@@ -23,9 +23,8 @@ KNOWN_CLI_IMPORTERS: frozenset[str] = frozenset()  # none: only dustin/cli and d
 # Module-level import cycles known today, each as the sorted tuple of its modules. Empty: none is tolerated.
 KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
 # Cycles once the imports inside functions (and under TYPE_CHECKING) count too: a module that imports another
-# only when called still depends on it. Known today: `Engine.generate` drives the engine loop, which imports
-# `Engine` back (to be gone with one engine core).
-KNOWN_CYCLES_ALL_IMPORTS: frozenset[tuple[str, ...]] = frozenset({("dustin.engine.engine", "dustin.engine.llm_engine")})
+# only when called still depends on it. Empty: none is tolerated.
+KNOWN_CYCLES_ALL_IMPORTS: frozenset[tuple[str, ...]] = frozenset()
 
 # The declared layers, bottom first: a module may import its own layer and the layers below it. Each entry is a
 # top-level module or package of dustin; "" is the package itself (dustin/__init__.py: the public API).

@@ -59,8 +59,8 @@ def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, metho
     prompts = _prompts([70, 5, 133, 41], 12)
     cfg = GenerationConfig(method=method, max_new_tokens=24, stop_at_eos=False, **kw)
     got = fresh.generate(prompts, cfg)
-    want = fresh.session(prompts, cfg).run()
-    assert [s.token_ids for s in got.sequences] == want.outputs
+    want = fresh.start(prompts, cfg, fill="whole").run_queued()[0]
+    assert [s.token_ids for s in got.sequences] == want
 
 
 def test_kept_session_reuse_and_replacement(engines, monkeypatch):
@@ -68,7 +68,7 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
 
     monkeypatch.setattr(engine_module, "KEPT_ROUNDING", 64)  # small slots, so a longer context outgrows them
     _, kept = engines
-    kept.release_kept_session()
+    kept.release_cached()
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
     kept.generate(_prompts([20, 30]), cfg)
     first = kept._kept[1]
@@ -80,7 +80,7 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     second = kept._kept[1]
     kept.generate(_prompts([100, 5, 5]), cfg)
     assert kept._kept[1] is not second and kept._kept[1].session.target_cache.capacity == 128  # outgrown: a larger one
-    kept.release_kept_session()
+    kept.release_cached()
     assert kept._kept is None
 
 

@@ -114,8 +114,7 @@ def test_small_budget_plans_differ_by_layer_and_head(engine, tiny_sparse_config)
         return p
 
     policy.plan_layer = recording
-    s = engine.session(prompts, cfg, policy=policy)
-    s.step()
+    engine.start(prompts, cfg, policy=policy).step()  # the prefill and step 1
     n_layers = engine.target.args.n_layers
     assert set(seen) == set(range(n_layers)) and seen[0] == [None]
     sets = [seen[layer][0] for layer in range(1, n_layers)]

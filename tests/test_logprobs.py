@@ -1,4 +1,4 @@
-"""Log-probabilities and n sequences of one prompt in the serving engine core (LLMEngine, Session in slot mode):
+"""Log-probabilities and n sequences of one prompt in the serving engine core (EngineCore, Session in slot mode):
 generated tokens' log-probabilities are the target's raw distribution at each accepted position (of the verify
 forward that accepted it; for a row's first token, its prefill's), prompt tokens' those of the dense prefill, with
 the top-N; asking for them changes no token; n sequences of one prompt prefill it once and each equals the request
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.engine.request import Request, SamplingParams
 from tests.tiny_models import hf_model
 
@@ -29,13 +29,13 @@ def hf(tiny_pair):
     return hf_model(tiny_pair[0])
 
 
-def _llm(engine, method="classic", **kw) -> LLMEngine:
+def _llm(engine, method="classic", **kw) -> EngineCore:
     kw = {**(SPARSE if method.startswith("dustin") else {}), "max_slots": 4, "max_context": 256,
           "prefill_chunk": 16, "prefill_tokens": 32, **kw}
-    return LLMEngine(engine, ServeConfig(method=method, **kw))
+    return EngineCore(engine, ServeConfig(method=method, **kw))
 
 
-def _run(llm: LLMEngine, groups: list[list[Request]], steps_before: int = 0) -> dict:
+def _run(llm: EngineCore, groups: list[list[Request]], steps_before: int = 0) -> dict:
     """Add each group (one request, or n sequences of one prompt) and step to the end: per request id its
     tokens, log-probabilities and prompt log-probabilities."""
     got: dict[str, dict] = {}
@@ -204,7 +204,7 @@ def test_step_graphs_with_logprobs_on_the_gpu():
 
     def run(eng, prompts, method, graphs, lp):
         kw = {"budget": 64, "draft_window": 64} if method == "dustin" else {}
-        llm = LLMEngine(eng, ServeConfig(method=method, max_slots=4, max_context=1024, **kw))
+        llm = EngineCore(eng, ServeConfig(method=method, max_slots=4, max_context=1024, **kw))
         llm.session.use_graphs = graphs
         sps = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=24, logprobs=lp,
                               prompt_logprobs=lp, ignore_eos=True) for i in range(len(prompts))]

@@ -25,10 +25,10 @@ def _prompts(lengths, seed=0):
 
 
 def _run(engine, prompts, cfg, limits, eos):
-    s = engine.session(prompts, cfg, limits=limits)
-    s.eos_ids = eos
-    s.run()
-    return s
+    core = engine.start(prompts, cfg, limits=limits)
+    core.session.eos_ids = eos
+    core.run_queued()
+    return core.session
 
 
 CASES = [
@@ -53,7 +53,7 @@ def test_overlapped_decode_equals_step_by_step(engine, method, kw):
     eos = {probe.outputs[0][len(probe.outputs[0]) // 2]}
     want = _run(engine, prompts, GenerationConfig(**{**base.__dict__, "overlap": False}), limits, eos)
     got = _run(engine, prompts, base, limits, eos)
-    assert got.policy.graph_safe  # so `decode` really ran one step ahead
+    assert got.policy.graph_safe  # so the engine loop really ran one step ahead
     assert got.outputs == want.outputs
     assert len(got.outputs[0]) < limits[0] and got.outputs[0][-1] in eos
     assert [len(o) for o in got.outputs[1:]] != [0, 0, 0]
@@ -64,24 +64,29 @@ def test_overlapped_decode_equals_step_by_step(engine, method, kw):
     assert int(got.target_cache.lengths.max()) <= got.target_cache.capacity
 
 
-def test_decode_max_steps_and_mixing_with_step(engine):
-    """decode(n) launches and reads back exactly n steps when nobody stops; step() continues from there."""
+def test_engine_steps_overlapped_equal_steps_read_back_at_once(engine):
+    """n engine steps a step ahead of the host, then `drain`, leave exactly what n steps read back one by one
+    leave; more steps continue from there, and running to the end gives the same tokens."""
     prompts = _prompts([40, 12, 33], seed=1)
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=60, stop_at_eos=False)
-    ref = engine.session(prompts, GenerationConfig(**{**cfg.__dict__, "overlap": False}))
+    ref = engine.start(prompts, GenerationConfig(**{**cfg.__dict__, "overlap": False}))
     for _ in range(7):
         ref.step()
-    s = engine.session(prompts, cfg)
-    s.decode(4)
+    core = engine.start(prompts, cfg)
+    s, r = core.session, ref.session
+    for _ in range(4):
+        core.step()
+    core.drain()
     assert s.stats.steps == 4
-    s.step()
-    s.decode(2)
+    for _ in range(3):
+        core.step()
+    core.drain()
     assert s.stats.steps == 7
-    assert s.outputs == ref.outputs and s.host_lengths == ref.host_lengths
-    assert torch.equal(s.target_cache.lengths, ref.target_cache.lengths)
-    s.run()
-    ref.run()
-    assert s.outputs == ref.outputs and all(len(o) == 60 for o in s.outputs)
+    assert s.outputs == r.outputs and s.host_lengths == r.host_lengths
+    assert torch.equal(s.target_cache.lengths, r.target_cache.lengths)
+    core.run_queued()
+    ref.run_queued()
+    assert s.outputs == r.outputs and all(len(o) == 60 for o in s.outputs)
 
 
 @pytest.mark.parametrize("method", ["classic", "dustin"])
@@ -96,9 +101,10 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
     prompts = _prompts([60, 10], seed=4)
     limits = [12, 40]  # 1 + 5 + 5 = 11 tokens after two steps: the third ends at 16, 4 past the limit
     for overlap in (False, True):
-        s = e.session(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=40, budget=24,
-                                                stop_at_eos=False, overlap=overlap), limits=limits)
-        s.run()
+        core = e.start(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=40, budget=24,
+                                                 stop_at_eos=False, overlap=overlap), limits=limits)
+        core.run_queued()
+        s = core.session
         assert [len(o) for o in s.outputs] == limits
         assert int(s.target_cache.lengths[0]) <= 60 + 12 + 2 * 4  # frozen at n + m + 2Γ at most
     assert s.stats.tau > 4.5 if method == "classic" else s.stats.tau > 1.0

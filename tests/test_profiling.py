@@ -351,6 +351,64 @@ def _ids(n, seed=0):
 
 
 @torch.inference_mode()
+def _needle_reference(model, prompts, max_new: int, eos: set[int], vocab: int):
+    """An independent greedy loop over one model: each prompt prefilled alone (its last query observed), then one
+    token per forward for the batch, adding every head's span mass whenever the token just chosen lies in the
+    row's needle span (the loop `run_needle_batch` replaced)."""
+    a = model.args
+    B, n_max = len(prompts), max(p.n_tokens for p in prompts)
+    cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, n_max + max_new + 1, torch.float32, "cpu")
+    spans = torch.tensor([p.spans[p.asked] for p in prompts])
+    obs = SpanMass(a.n_layers, a.n_heads, spans)
+    wanted = [set(p.ids[s:e]) for p, (s, e) in zip(prompts, spans.tolist(), strict=True)]
+    total, hits, out, done = torch.zeros(B, a.n_layers, a.n_heads), [0] * B, [[] for _ in prompts], [False] * B
+    first = []
+    for b, p in enumerate(prompts):
+        n = p.n_tokens
+        ctx = ForwardContext(cache, torch.arange(n)[None], torch.zeros(1, dtype=torch.int32), n,
+                             rows=slice(b, b + 1), fresh=True, observers=[obs])
+        first.append(model(torch.tensor(p.ids)[None], ctx, logits_at=torch.tensor([n - 1]))[:, :vocab].argmax(-1))
+    tok = torch.cat(first)
+    cache.lengths.copy_(torch.tensor([p.n_tokens for p in prompts], dtype=torch.int32))
+    for step in range(max_new):
+        for b, t in enumerate(tok.tolist()):
+            if not done[b]:
+                if t in wanted[b]:
+                    total[b] += obs.mass[b]
+                    hits[b] += 1
+                out[b].append(t)
+                done[b] = t in eos
+        if all(done) or step == max_new - 1:
+            break
+        L = cache.lengths
+        ctx = ForwardContext(cache, L.long()[:, None], L, n_max + step + 1, observers=[obs])
+        tok = model(tok[:, None], ctx)[:, 0, :vocab].argmax(-1)
+        cache.lengths.add_(1)
+    return total, hits, out
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_needle_mass_on_the_engine_core_equals_a_direct_loop(pair_engine, role):
+    """`run_needle_batch` (greedy on the engine core, `NeedleMassProbe`) gives a ragged batch the tokens, needle hits
+    and per-head span masses of an independent greedy loop over the same model."""
+    from types import SimpleNamespace
+
+    from dustin.profiling.srh import run_needle_batch
+
+    model = pair_engine.target if role == "target" else pair_engine.draft
+    prompts = []
+    for b, n in enumerate((70, 41, 93)):
+        ids = _ids(n, seed=10 + b)
+        span = (5 + b, 5 + b + 25)  # 25 tokens: some of them are generated
+        prompts.append(SimpleNamespace(ids=ids, n_tokens=n, spans=[(0, 1), span], asked=1))
+    got = run_needle_batch(pair_engine, model, prompts, 12)
+    want = _needle_reference(model, prompts, 12, pair_engine.eos_ids, pair_engine.vocab_limit)
+    assert got[2] == want[2] and got[1] == want[1]
+    assert sum(want[1]) > 0  # the mass was booked at some steps
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
 def _dense_probs(model, ids):
     """layer -> [H, n, n] causal attention probabilities of every query, from one fresh dense forward."""
     a, n = model.args, len(ids)

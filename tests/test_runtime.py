@@ -28,7 +28,7 @@ def test_environment_overrides_the_probe(monkeypatch, value, dtype):
 
 
 def test_resolve_dtype_uses_the_probe(monkeypatch):
-    from dustin.engine.engine import resolve_dtype
+    from dustin.engine.pair import resolve_dtype
 
     for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda native=native: native)

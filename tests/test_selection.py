@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -72,14 +73,16 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
 
     def recording(state):
         p = plan(state)
-        plans.append(([len(o) for o in state.outputs], state.target_cache.lengths.tolist(), p))
+        # the host books a row's first token (its prefill's) with the first step: count it before that
+        plans.append(([max(len(o), 1) for o in state.outputs], state.target_cache.lengths.tolist(), p))
         return p
 
     policy.plan = recording
-    s = engine.session(prompts, cfg, policy=policy)
-    lens = [[len(o) for o in s.outputs]]  # the prefill's first token is committed at once
+    core = engine.start(prompts, replace(cfg, overlap=False), policy=policy)  # each step read back at once
+    s = core.session
+    lens = [[1] * len(prompts)]  # the prefill's first token, booked with the first step's
     for _ in range(n_steps):
-        s.step()
+        core.step()  # the first also prefills
         lens.append([len(o) for o in s.outputs])
     grown = [[b - a for a, b in zip(x, y, strict=True)] for x, y in zip(lens, lens[1:], strict=False)]
     assert all(1 <= g <= gamma + 1 for row in grown for g in row), grown  # a round yields 1 .. Γ + 1 tokens
@@ -115,10 +118,10 @@ def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
         policies = {m: engine.make_policy(GenerationConfig(method=m, budget=k, sparse_config=sparse_cfg))
                     for m in ("dustin", "dustin-t", "streaming")}
         probe = ARRProbe(policies, cfg.budget)
-        s = engine.session(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=24, stop_at_eos=False),
-                           policy=probe).run()
+        s = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=24, stop_at_eos=False),
+                            policy=probe)
         arr = probe.mean_arr()
-        assert s.outputs == [x.token_ids for x in classic.sequences]
+        assert [x.token_ids for x in s.sequences] == [x.token_ids for x in classic.sequences]
         if full:
             assert all(v == pytest.approx(1.0, abs=1e-5) for v in arr.values())
         else:
@@ -135,16 +138,16 @@ def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
 
     prompts = _prompts([120, 90], seed=6)
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False)
-    classic = engine.session(prompts, cfg).run().outputs
+    classic = [x.token_ids for x in engine.generate(prompts, cfg).sequences]
     policies = {m: engine.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
                 for m in ("quest", "specattn", "dustin")}
     probe = ARRProbe(policies, 32)
     shared = PrefillCache() if reuse else None
     if reuse:  # the prefill-reuse path calls after_verify before any plan (Quest has no pages yet)
-        engine.session(prompts, cfg, prefill_cache=shared).run()
-    s = engine.session(prompts, cfg, policy=probe, prefill_cache=shared).run()
+        engine.generate(prompts, cfg, prefill_cache=shared)
+    s = engine.generate(prompts, cfg, policy=probe, prefill_cache=shared)
     arr = probe.mean_arr()
-    assert s.outputs == classic
+    assert [x.token_ids for x in s.sequences] == classic
     assert arr["quest"] is None and arr["specattn"] is None and 0.0 < arr["dustin"] < 1.0
 
 
@@ -156,9 +159,10 @@ def test_target_scores_use_the_last_cached_query(engine):
     cfg = SparseConfig(target=(heads,), draft=(), budget=40, draft_topm=0)
     policy = DustinSelection(cfg, "dustin-t")
     prompt = _prompts([60])[0]
-    s = engine.session([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False),
-                       policy=policy)
-    s.step()
+    core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
+                                                   overlap=False), policy=policy)
+    core.step()  # the prefill and step 1, read back
+    s = core.session
     L = s.target_cache.lengths.clone()
     got = policy._target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
     committed = (prompt + s.outputs[0])[: int(L)]  # cached tokens (all but the pending one)
@@ -223,10 +227,11 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     policy = DustinSelection(cfg, "dustin-d")
     prompt = _prompts([50], seed=2)[0]
     gamma = 3
-    s = engine.session([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
-                                                  stop_at_eos=False, draft_kv="full"), policy=policy)
-    L0 = int(s.target_cache.lengths[0])
-    s.step()
+    core = engine.start([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
+                                                   stop_at_eos=False, draft_kv="full", overlap=False), policy=policy)
+    L0 = len(prompt)
+    core.step()  # the prefill and step 1, read back
+    s = core.session
     got = policy._draft_scores.scores[0, :L0]
     lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
     ids = (prompt + s.outputs[0])[:L0] + lookahead

@@ -27,10 +27,10 @@ except ImportError:  # some environments ship httpx's successor under its own na
 import openai
 
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.engine.request import SamplingParams
-from dustin.serve.async_engine import AsyncLLMEngine
+from dustin.serve.async_engine import AsyncEngineCore
 from dustin.serve.detokenize import IncrementalDetokenizer
 from dustin.serve.local import LocalServer
 
@@ -65,10 +65,10 @@ class LiveServer(LocalServer):
         super().close()
 
 
-def _engine(tiny_pair, **cfg) -> LLMEngine:
+def _engine(tiny_pair, **cfg) -> EngineCore:
     target, draft = tiny_pair
     cfg = {"method": "classic", "gamma": GAMMA, "max_slots": 4, "max_context": CONTEXT, "max_waiting": 64, **cfg}
-    return LLMEngine.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=ServeConfig(**cfg))
+    return EngineCore.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=ServeConfig(**cfg))
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +334,7 @@ def chat(live, monkeypatch):
     """/v1/chat/completions answering on the tiny pair for this test: its tokenizer gets a chat template, and the
     template's encoding (which the tiny tokenizer cannot do from text) is each message's words "wN" as ids N + 3,
     in turn."""
-    from dustin.engine import engine as engine_module
+    from dustin.engine import pair as engine_module
 
     def encode_chat(tokenizer, messages):
         return [int(w[1:]) + 3 for m in messages for w in m["content"].split()]
@@ -790,7 +790,7 @@ def test_queue_full_is_429(tiny_pair):
 
 
 class _ProxyEngine:
-    """An LLMEngine whose step() takes `delay` seconds longer, and raises once `fail` is set."""
+    """An EngineCore whose step() takes `delay` seconds longer, and raises once `fail` is set."""
 
     def __init__(self, engine, delay: float = 0.0) -> None:
         self._engine, self.delay, self.fail = engine, delay, False
@@ -848,7 +848,7 @@ def test_async_engine_check_runs_before_queueing(tiny_pair):
 
     from dustin.errors import InputError
 
-    eng = AsyncLLMEngine(_engine(tiny_pair))
+    eng = AsyncEngineCore(_engine(tiny_pair))
     try:
         async def go():
             with pytest.raises(InputError, match="empty"):
@@ -872,7 +872,6 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--method", "quest"], "offline-only"),
     (["--gamma", "0"], "--gamma must be >= 1"),
     (["--max-slots", "0"], "--max-slots"),
     (["--port", "70000"], "--port"),
@@ -961,7 +960,7 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     want_text = engine.generate([code], cfg).sequences[0]
     # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
     # prefill is padded to prefill_tokens (512 by default on a CPU)
-    llm = LLMEngine(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192, prefill_chunk=64,
+    llm = EngineCore(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192, prefill_chunk=64,
                                         prefill_tokens=64))
     srv = LiveServer(llm, name="qwen", timeout=600)
     try:

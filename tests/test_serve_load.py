@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.serve.local import LocalServer
 from tests.conftest import without_interpreter
 
@@ -26,7 +26,7 @@ def setup(tiny_pair):
     """The server and the reference engine run dustin's selection and score estimation with the CPU's PyTorch
     code (TRITON_INTERPRET unset, as on a user's CPU): this test is about the load (many clients, disconnects, bad
     requests), and the interpreted selection kernel (one program per sequence) made the 48-prompt reference alone
-    take most of its time (test_serve and test_llm_engine serve with the interpreted kernels)."""
+    take most of its time (test_serve and test_engine_core serve with the interpreted kernels)."""
     with pytest.MonkeyPatch.context() as mp:
         without_interpreter(mp)
         yield from _setup(tiny_pair)
@@ -36,7 +36,7 @@ def _setup(tiny_pair):
     target, draft = tiny_pair
     cfg = ServeConfig(method="dustin", gamma=3, budget=24, draft_window=32, max_slots=4, max_context=512,
                       max_waiting=64, prefill_chunk=32, prefill_tokens=96)
-    llm = LLMEngine.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=cfg)
+    llm = EngineCore.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=cfg)
     ref = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32")
     with LocalServer(llm, MODEL) as srv:
         yield srv, ref

@@ -30,8 +30,8 @@ except ImportError:  # as in tests/test_serve.py
 import openai
 
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, ServeConfig
 from dustin.engine.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_half_set_torchrun_environment_is_one_line(capsys, tiny_pair, monkeypatc
 
 # ------------------------------------------------------------------------------------------ the follower protocol
 class _CountingEngine:
-    """The rank-0 LLMEngine as the async engine sees it: counts step() calls; `fail_loop` makes the engine loop
+    """The rank-0 EngineCore as the async engine sees it: counts step() calls; `fail_loop` makes the engine loop
     itself fail (has_unfinished raises), so the engine thread dies."""
 
     def __init__(self, llm) -> None:
@@ -238,14 +238,14 @@ class _CountingEngine:
         return self.llm.has_unfinished()
 
 
-def _lead(llm: LLMEngine) -> dict:
+def _lead(llm: EngineCore) -> dict:
     """Rank 0: requests through the async engine (greedy, seeded and unseeded sampling), an idle spell of
     heartbeats, then the engine thread dies; its end must have stopped the follower."""
-    from dustin.serve.async_engine import AsyncLLMEngine
+    from dustin.serve.async_engine import AsyncEngineCore
 
     llm.heartbeat_s = 0.0  # every idle wake-up sends one
     proxy = _CountingEngine(llm)
-    eng = AsyncLLMEngine(proxy, idle_poll_s=0.02)
+    eng = AsyncEngineCore(proxy, idle_poll_s=0.02)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in LIMITS]
     params[3] = SamplingParams(max_tokens=LIMITS[3], temperature=0.8, seed=5)
     params.append(SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True))  # the engine's generator
@@ -277,7 +277,7 @@ def _worker(rank: int, world: int, port: int, target: str, draft: str, out_dir: 
 
     assert init_distributed("gloo") == (rank, world)
     try:
-        llm = LLMEngine.from_pretrained(target, draft, device="cpu", dtype="fp32", config=ServeConfig(**SERVE))
+        llm = EngineCore.from_pretrained(target, draft, device="cpu", dtype="fp32", config=ServeConfig(**SERVE))
         result = {"received": llm.follow()} if rank else _lead(llm)
         result.update(outputs=llm.session.outputs, counters=llm.counters)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

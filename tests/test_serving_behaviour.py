@@ -18,10 +18,12 @@ import torch
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, Scheduler, ServeConfig, _Sequence
 from dustin.engine.request import Request, SamplingParams
 from dustin.engine.sampling import SamplingRule, probabilities
+from dustin.engine.scheduler import Scheduler
+from dustin.engine.scheduler import Sequence as _Sequence
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -43,14 +45,14 @@ def _offline(engine, prompt, method, max_new, **kw) -> list[int]:
     return engine.generate([prompt], cfg).sequences[0].token_ids
 
 
-def _llm(engine, eos: set[int] | None = None, **cfg) -> LLMEngine:
-    """An LLMEngine over `engine`; with `eos`, that set is the EOS ids its Session stops at (the Session takes the
+def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
+    """An EngineCore over `engine`; with `eos`, that set is the EOS ids its Session stops at (the Session takes the
     Engine's set when it is built; the shared Engine keeps its own)."""
     saved = engine.eos_ids
     if eos is not None:
         engine.eos_ids = set(eos)
     try:
-        llm = LLMEngine(engine, ServeConfig(**cfg))
+        llm = EngineCore(engine, ServeConfig(**cfg))
     finally:
         engine.eos_ids = saved
     if eos is not None:
@@ -58,7 +60,7 @@ def _llm(engine, eos: set[int] | None = None, **cfg) -> LLMEngine:
     return llm
 
 
-def _drain(llm: LLMEngine, requests=()) -> tuple[dict[str, list[int]], dict[str, str], dict[str, int]]:
+def _drain(llm: EngineCore, requests=()) -> tuple[dict[str, list[int]], dict[str, str], dict[str, int]]:
     """Add the requests, step to the end; (tokens, finish reason, completion_tokens) per request id."""
     for r in requests:
         llm.add_request(r)
@@ -395,7 +397,7 @@ class _RecordingSession:
 
 
 def test_engine_steps_keep_the_prefill_invariants(engine):
-    """Guards the engine loop's prefill through `LLMEngine.step()` (the Session's calls recorded): 9 requests of
+    """Guards the engine loop's prefill through `EngineCore.step()` (the Session's calls recorded): 9 requests of
     1-150 tokens arriving over several steps into 3 slots, chunk 16, 40 prompt tokens per step (not a multiple of
     the chunk). Every step: one packed prefill call padded to 40 tokens, at most 40 real tokens; each prompt cut at
     multiples of 16 from its own start; no younger request prefilled while an older one (waiting or running) with
@@ -470,7 +472,7 @@ def test_dustin_d_served_equals_offline_generation(engine):
     prompts = _prompts(6, seed=7, low=5, high=110)
     cfg = GenerationConfig(method="dustin-d", max_new_tokens=12, stop_at_eos=False, **SPARSE)
     ref = [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
-    assert engine.session(prompts, cfg).run().outputs == ref
+    assert engine.start(prompts, cfg, fill="whole").run_queued()[0] == ref
     llm = _llm(engine, method="dustin-d", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=80,
                **SPARSE)
     assert llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == ref
@@ -481,7 +483,7 @@ def test_dustin_d_served_equals_offline_generation(engine):
 # ------------------------------------------------------------------------------------------ 5. aborts
 @pytest.mark.parametrize("when", ["decode", "prefill"])
 def test_abort_returns_abort_frees_the_slot_and_stops_generating(engine, when):
-    """Guards `LLMEngine.abort_request` of a running request (mid-decode, or mid-prefill of a long prompt in
+    """Guards `EngineCore.abort_request` of a running request (mid-decode, or mid-prefill of a long prompt in
     32-token chunks), one slot, a second request waiting: the next step reports it finished with "abort" and no new
     tokens, the waiting request is admitted and prefilled in that same step and gets exactly its offline tokens
     (nothing of the aborted request's in-flight step leaks into the reused row), no output of the aborted request
@@ -525,7 +527,7 @@ def test_abort_returns_abort_frees_the_slot_and_stops_generating(engine, when):
 
 
 class _RecordingEngine:
-    """An LLMEngine whose step() takes `delay` seconds longer and records every output it returns."""
+    """An EngineCore whose step() takes `delay` seconds longer and records every output it returns."""
 
     def __init__(self, engine, delay: float) -> None:
         self._engine, self.delay = engine, delay

@@ -9,7 +9,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache, Session
+from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.scoring import causal_probs
@@ -37,8 +37,11 @@ def _cfg(**kw):
 
 
 def _session(engine, prompts, budget=K, **kw):
+    """The batch's session after its (gang) prefill and first step, and its policy."""
     policy = SnapKVSelection(SparseConfig(budget=budget, draft_topm=0))
-    return engine.session(prompts, _cfg(budget=budget, **kw), policy=policy), policy
+    core = engine.start(prompts, _cfg(budget=budget, **kw), policy=policy)
+    core.step()
+    return core, policy
 
 
 def _dense_prefill(model, ids):
@@ -126,9 +129,10 @@ def test_plan_is_prompt_picks_and_generated_positions(engine):
     """After a few steps each layer's plan is exactly (prompt picks) ∪ [prompt_len_b, lengths[b]), sorted, 0 past
     the counts, every entry < lengths[b]; the per-KV-head mask built from it keeps the same positions."""
     prompts = _prompts(RAGGED, seed=1)
-    s, policy = _session(engine, prompts)
-    for _ in range(3):
-        s.step()
+    core, policy = _session(engine, prompts)
+    for _ in range(2):
+        core.step()
+    s = core.session
     L = s.target_cache.lengths.clone()
     assert bool((L > torch.tensor(RAGGED)).all())  # something was generated
     assert policy.plan(s) is policy
@@ -150,7 +154,7 @@ def test_plan_is_prompt_picks_and_generated_positions(engine):
             for h in range(a.n_kv_heads):
                 seen = set(torch.nonzero(mask[b, h, : int(L[b])]).flatten().tolist())
                 assert seen == set(plan.indices[b, h, : int(plan.counts[b, h])].tolist())
-    s.run()  # decoding to the end stays inside the fixed buffers
+    core.run_queued()  # decoding to the end stays inside the fixed buffers
     assert bool(((s.target_cache.lengths - policy.prefill.prompt_lengths) <= policy.prefill.max_generated).all())
 
 
@@ -166,8 +170,7 @@ def test_generate_completes_and_reports_tau(engine):
 
 def test_reuse_prefill_runs_its_own_prefill(engine):
     """The Engine never hands snapkv a reused prefill (which re-runs only the last prompt token): with a
-    prefill cache it prefills in full and decodes exactly as without; a Session built directly with a reused or
-    random prefill refuses."""
+    prefill cache it prefills in full and decodes exactly as without; a noise-filled prefill refuses."""
     prompts = _prompts(RAGGED, seed=3)
     kw = {"gamma": 3, "max_new_tokens": 16, "stop_at_eos": False, "draft_window": 16}
     shared = PrefillCache()
@@ -182,10 +185,7 @@ def test_reuse_prefill_runs_its_own_prefill(engine):
 
     cfg = GenerationConfig(method="snapkv", budget=K, **kw)
     with pytest.raises(InputError, match="snapkv needs its own prefill"):
-        Session(engine.target, engine.draft, prompts, cfg, engine.eos_ids, engine.vocab_limit,
-                SnapKVSelection(SparseConfig(budget=K, draft_topm=0)), reuse_prefill=saved)
-    with pytest.raises(InputError, match="snapkv needs its own prefill"):
-        engine.session(prompts, cfg, random_prefill=True)
+        engine.start(prompts, cfg, fill="noise").step()
 
 
 def test_triton_backend_gives_the_same_tokens(tmp_path):

@@ -45,7 +45,7 @@ PAD = 256  # tokens per packed prefill forward in these sessions
 def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
-    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, [], cfg, engine.eos_ids,
+    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, cfg, engine.eos_ids,
                 engine.vocab_limit, engine.make_policy(cfg), slots=slots, capacity=cap)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
@@ -181,9 +181,9 @@ def test_the_warmup_is_on_unless_switched_off(monkeypatch):
 
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
     assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
-    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.core import EngineCore, ServeConfig
 
-    llm = LLMEngine(triton_pair, ServeConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
+    llm = EngineCore(triton_pair, ServeConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
     assert llm.kernel_warmup is None
 
 
@@ -215,13 +215,13 @@ class _FakeWarmup:
 def loop_reference(triton_pair):
     """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases: the
     Triton kernels run interpreted on the CPU)."""
-    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.core import EngineCore, ServeConfig
     from dustin.engine.request import SamplingParams
 
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
     cfg = ServeConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    return prompts, cfg, params, LLMEngine(triton_pair, cfg).generate(prompts, params)
+    return prompts, cfg, params, EngineCore(triton_pair, cfg).generate(prompts, params)
 
 
 @pytest.mark.parametrize("busy", [2, 1000])
@@ -229,11 +229,11 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
     the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
     time), and every request gets the tokens of a run without a warm-up."""
-    from dustin.engine.llm_engine import LLMEngine
+    from dustin.engine.core import EngineCore
     from dustin.engine.request import Request
 
     prompts, cfg, params, ref = loop_reference
-    llm = LLMEngine(triton_pair, cfg)
+    llm = EngineCore(triton_pair, cfg)
     fake = llm.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm._schedule

@@ -9,8 +9,8 @@ Random weights cannot agree with a draft, so acceptance is *controlled*: every d
 probability p (`--accept-prob`, or `--tau` solved for p; default τ = 2.2 at Γ = 4 as in the paper), through
 `GenerationConfig.accept_prob`. Everything else of each method runs for real: Γ draft forwards (full or streaming
 draft cache), score estimation on the configured heads, selection, the sparse or full verify forward, all_reduces.
-Results are labelled "acceptance-controlled". The prompt caches are filled with noise (`random_prefill`) instead
-of running a prefill, which does not change a decode step's cost.
+Results are labelled "acceptance-controlled". The prompt caches are filled with noise (a "noise" gang,
+`Session.prefill_gang`) instead of running a prefill, which does not change a decode step's cost.
 
 Real weights (`--real`): the staged pair (`--target`/`--draft`, default the fetched default pair) on real
 prompts, verified for real (greedy), so τ is measured; labelled "real weights":
@@ -89,7 +89,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-step-graph", action="store_true",
                    help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="read each step back before queueing the next (A/B of Session.decode's one-step lookahead)")
+                   help="read each step back before queueing the next (A/B of the engine loop's one-step lookahead)")
     p.add_argument("--json-out", default=None, help="write the results JSON here (default: none)")
     p.add_argument("--plot-out", default=None,
                    help="PNG of tokens/s (and, --real, %% of byte roofline) against context")
@@ -124,7 +124,8 @@ def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "
     import torch
 
     from dustin.attention.backend import AttentionBackend
-    from dustin.engine.engine import Engine, resolve_dtype
+    from dustin.engine.engine import Engine
+    from dustin.engine.pair import resolve_dtype
     from dustin.models.loader import random_model
     from dustin.parallel.tp import current_parallel, init_distributed, rank_device
 
@@ -154,46 +155,57 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
 
 
 def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
-    """An acceptance-controlled session of `method` over noise-filled caches of `batch` x `context`, with room
-    for `steps` steps."""
+    """An acceptance-controlled engine core of `method` over noise-filled caches of `batch` x `context`, with room
+    for `steps` steps, and its config."""
     from dustin.engine.sampling import accept_prob_for_tau
 
     tau = a.tau if a.tau is not None else DEFAULT_TAU
     p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(tau, a.gamma)
     cfg = _config(method, a, steps, None if method == "vanilla" else p)
     prompts = [[1] * context for _ in range(batch)]  # only the lengths matter: the caches are filled with noise
-    return engine.session(prompts, cfg, random_prefill=True), cfg
+    return engine.start(prompts, cfg, fill="noise"), cfg
 
 
 PROFILED_STEPS = 2  # steps after the timed ones whose GPU kernels are counted (CUDA only)
 
 
-def _kernels_per_step(s, steps: int) -> float:
+def run_steps(core, steps: int) -> None:
+    """`steps` engine steps (the device a step ahead of the host, as in offline generation), all read back."""
+    for _ in range(steps):
+        core.step()
+    core.drain()
+
+
+def _kernels_per_step(core, steps: int) -> float:
     """GPU kernels (and memory copies) per step over `steps` more steps, from the profiler's CUDA activity: the
     number of launches a step pays, each with its own launch latency and tail (inside a CUDA graph too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        s.decode(steps)
-        _sync(s.device)
+        run_steps(core, steps)
+        _sync(core.session.device)
     return round(sum(e.device_type.name == "CUDA" for e in prof.events()) / steps, 1)
 
 
 def run_method(engine, method: str, batch: int, context: int, a, prompts=None, prefill_cache=None) -> dict:
-    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones, then (on a GPU) count the kernels
-    of `PROFILED_STEPS` more. prompts: real token ids, `batch` of `context` each, verified for real (greedy;
-    sessions given the same `prefill_cache` share one prefill); None: acceptance-controlled over noise-filled
-    caches (`bench_session`)."""
+    """Time `a.steps` decode steps of one method after `a.warmup` untimed ones (the first of which prefills), then
+    (on a GPU) count the kernels of `PROFILED_STEPS` more. prompts: real token ids, `batch` of `context` each,
+    verified for real (greedy; runs given the same `prefill_cache` share one prefill); None: acceptance-controlled
+    over noise-filled caches (`bench_session`)."""
     profiled = PROFILED_STEPS if engine.device.type == "cuda" else 0
-    total = a.warmup + a.steps + profiled
+    total = max(a.warmup, 1) + a.steps + profiled
     if prompts is None:
-        s, cfg = bench_session(engine, method, batch, context, a, total)
+        core, cfg = bench_session(engine, method, batch, context, a, total)
     else:
         cfg = _config(method, a, total)
-        s = engine.session(prompts, cfg, prefill_cache=prefill_cache)
+        core = engine.start(prompts, cfg, prefill_cache=prefill_cache)
+    s = core.session
     _sync(s.device)
     t0 = time.perf_counter()
-    s.decode(a.warmup)
+    run_steps(core, 1)  # the prefill, and the first decode step
+    _sync(s.device)
+    prefill_s = time.perf_counter() - t0
+    run_steps(core, max(a.warmup - 1, 0))
     _sync(s.device)
     warmup_s = time.perf_counter() - t0
     s.timer.totals()
@@ -202,7 +214,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     steps0, tokens0, seq_steps0 = s.stats.steps, s.stats.step_tokens, s.stats.active_seq_steps
     _sync(s.device)
     t0 = time.perf_counter()
-    s.decode(a.steps)  # the device a step ahead of the host, as in `Engine.generate`
+    run_steps(core, a.steps)
     _sync(s.device)
     elapsed = time.perf_counter() - t0
     tokens = s.stats.step_tokens - tokens0
@@ -213,8 +225,8 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
            "accept_prob": cfg.accept_prob,
            "cuda_graphs": bool(s.use_graphs),
            "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()},
-           "warmup_s": round(warmup_s, 3), "capture_s": round(s.stats.capture_s, 3),
-           "prefill_s": round(s.stats.prefill_s, 3), "budget_k": s.policy.budget_stats()}
+           "warmup_s": round(warmup_s, 3), "capture_s": round(s.capture_total(), 3),
+           "prefill_s": round(prefill_s, 3), "budget_k": s.policy.budget_stats()}
     if getattr(a, "copy_bw", None):  # the bytes a step must read (at the mean context of the timed steps)
         from dustin.bench.roofline import step_bytes
 
@@ -228,8 +240,8 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
         row["roofline_ms_per_step"] = float(f"{1e3 * b.seconds(a.copy_bw):.4g}")
         row["pct_of_byte_roofline"] = float(f"{100 * share:.4g}")
     if profiled:
-        row["kernels_per_step"] = _kernels_per_step(s, profiled)
-    del s
+        row["kernels_per_step"] = _kernels_per_step(core, profiled)
+    del s, core
     _free(engine.device)
     return row
 

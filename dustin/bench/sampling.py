@@ -65,20 +65,34 @@ def _check(args) -> list[str]:
 
 
 def make_session(engine, prompts: list[list[int]], mode: str, args):
-    """A session of `mode` over `prompts`, long enough for every warm-up and timed step."""
+    """An engine core of `mode` over `prompts` (noise-filled caches), long enough for every warm-up and timed step;
+    each `step()` is one engine step (its first also fills the caches: a warm-up step)."""
     from dustin.engine.config import GenerationConfig
-    from dustin.engine.sampling import SamplingRule
+    from dustin.engine.request import SamplingParams
 
     temperature = 0.0 if mode == "greedy" else args.temperature
-    rounds = args.warmup + args.steps + 1
+    rounds = args.warmup + args.steps + 2
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=rounds * (args.gamma + 1),
                            temperature=temperature, top_p=args.top_p, top_k=args.top_k, stop_at_eos=False)
-    session = engine.session(prompts, cfg, random_prefill=True)
+    params = None
     if mode == "rows":  # the serving engine's batch: each row its own rule and seed
-        for row in range(len(prompts)):
-            session.sampler.set_row(row, SamplingRule(args.temperature, args.top_k, args.top_p), seed=row,
-                                    device=engine.device)
-    return session
+        params = [SamplingParams(max_tokens=cfg.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, seed=row, ignore_eos=True) for row in range(len(prompts))]
+    return EngineStepper(engine.start(prompts, cfg, fill="noise", params=params))
+
+
+class EngineStepper:
+    """`step()`: one engine step of an offline batch on the engine core; `sampler`: its batch's sampling state."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+
+    def step(self) -> None:
+        self.core.step()
+
+    @property
+    def sampler(self):
+        return self.core.session.sampler
 
 
 class SamplerStep:
@@ -134,7 +148,7 @@ def run(args) -> int:
     modes = _check(args)
     init_distributed()
     if args.sampler_only:
-        from dustin.engine.engine import parse_device, resolve_dtype
+        from dustin.engine.pair import parse_device, resolve_dtype
 
         device = parse_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

@@ -1,6 +1,6 @@
 """`dustin bench serve`: a load generator against `dustin serve`, per decoding method and scenario.
 
-For each method the models load once, an `LLMEngine` of that method is served over HTTP in this process
+For each method the models load once, an `EngineCore` of that method is served over HTTP in this process
 (`serve/local.py`, the same app as `dustin serve`), and streaming completions are sent. Scenarios (`--scenario`,
 comma separated; explicit flags override a scenario's values):
 - `burst`: 16 prompts of 8,000-19,250 tokens all at once, 64 tokens each (prefill-heavy);
@@ -90,7 +90,7 @@ def _scenarios(args) -> list[dict]:
 
 
 def _serve_config(args, method: str, max_waiting: int):
-    from dustin.engine.llm_engine import ServeConfig
+    from dustin.engine.core import ServeConfig
 
     return ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
                        sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
@@ -101,7 +101,7 @@ def _serve_config(args, method: str, max_waiting: int):
 def _plan(args) -> dict:
     methods = method_list(args.methods)
     scenarios = _scenarios(args)
-    for m in methods:  # offline-only methods and bad scheduling flags: one line before any model loads
+    for m in methods:  # bad methods and scheduling flags: one line before any model loads
         _serve_config(args, m, 1)
     return {"methods": methods, "scenarios": scenarios}
 
@@ -189,8 +189,8 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dustin.engine.config import METHODS, GenerationConfig
+    from dustin.engine.core import EngineCore
     from dustin.engine.engine import Engine
-    from dustin.engine.llm_engine import LLMEngine
     from dustin.engine.request import SamplingParams
     from dustin.serve.local import LocalServer
 
@@ -206,7 +206,7 @@ def run(args) -> int:
     rows = []
     for method in p["methods"]:
         waiting = max(sc["num_requests"] for sc in p["scenarios"])
-        llm = LLMEngine(engine, _serve_config(args, method, waiting))
+        llm = EngineCore(engine, _serve_config(args, method, waiting))
         # warm-up, untimed: the first steps compile the kernels and capture the step graph (one-time costs a
         # server pays once at start, not per scenario)
         first = work[p["scenarios"][0]["name"]]
@@ -240,7 +240,7 @@ def run(args) -> int:
                 row.update(_roofline(engine, llm, method, prompts, sc["max_tokens"], row["tau"], bandwidth, args))
             rows.append(row)
         del llm
-        engine.release_kept_session()
+        engine.release_cached()
     data = {"settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
                          if k in ("target", "draft", "device", "dtype", "prompts", "scenario", "gamma",
                                   "draft_window", "budget", "config", "max_slots", "max_context", "prefill_chunk",

@@ -162,7 +162,8 @@ def _read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from dustin.engine.config import GenerationConfig
-    from dustin.engine.engine import Engine, precheck_prompts
+    from dustin.engine.engine import Engine
+    from dustin.engine.pair import precheck_prompts
 
     prompts = _read_prompts(args)
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,

@@ -34,16 +34,19 @@ def run(args) -> int:
     import torch
 
     from dustin.engine.config import METHODS, GenerationConfig
-    from dustin.engine.engine import KEPT_ROUNDING, Engine, parse_device
-    from dustin.engine.llm_engine import DEFAULT_PREFILL_TOKENS_GPU, SERVABLE, ServeConfig
+    from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU, ServeConfig
+    from dustin.engine.engine import KEPT_ROUNDING, Engine
+    from dustin.engine.pair import parse_device
     from dustin.engine.session import cache_capacity
     from dustin.engine.warmup import KernelWarmup, compiles_here, plan_first_step
+    from dustin.selection.policies import policy_class
 
     methods = method_list(args.methods)
-    off = [m for m in methods if m not in SERVABLE]
+    chunked = [m for m in METHODS if policy_class(METHODS[m].policy).row_local]
+    off = [m for m in methods if m not in chunked]
     if off:
-        raise InputError(f"--methods: {', '.join(off)} run on whole-batch sessions, which warm up on their own; "
-                         f"choose from {', '.join(SERVABLE)}")
+        raise InputError(f"--methods: {', '.join(off)} run as gangs (whole-batch prefill), whose kernels compile "
+                         f"at their first step; choose from {', '.join(chunked)}")
     batches = int_list("--batch-sizes", args.batch_sizes)
     if args.context < 16:
         raise InputError(f"--context must be >= 16, got {args.context}")

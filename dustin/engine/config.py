@@ -58,7 +58,7 @@ class GenerationConfig:
     # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
     # verify, acceptance, cache bookkeeping) as ONE graph; False: one graph per forward, Python in between
     step_graph: bool = True
-    # decode with the device one step ahead of the host (`Session.decode`): the host's stopping and output work
+    # decode with the device one step ahead of the host (`EngineCore.step`): the host's stopping and output work
     # overlaps the next step; a sequence that stops runs one extra step whose tokens are dropped
     overlap: bool = True
     # sparse verification: k positions per sequence (None: the config's, 512), or "auto": per sequence and step,

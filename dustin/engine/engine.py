@@ -1,34 +1,31 @@
-"""The Python API: a target (and optional draft) model pair, validated once, that generates batches.
+"""Offline generation: the model pair, and batches of prompts run to completion on an `EngineCore`.
 
     engine = Engine.from_pretrained("default", "default", device="cuda")
     result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4))
+
+Every batch runs on the same engine core as the server (dustin/engine/core.py). How it is admitted depends on what
+it asks: a row-local policy's prompts join one slot each and are prefilled in packed chunks, as served requests
+are; a policy with whole-batch state, a `PrefillCache` (methods compared over one prefill) or noise-filled caches
+(benchmarks) make it one gang (`Scheduler`).
 """
 from __future__ import annotations
 
 import gc
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.session import PrefillCache, Session, cache_capacity
-from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
-from dustin.models.args import pair_context
-from dustin.models.loader import load_model
-from dustin.models.transformer import Transformer
+from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.pair import ModelPair, check_prompts
+from dustin.engine.request import SamplingParams
+from dustin.engine.session import PrefillCache, cache_capacity
+from dustin.errors import InputError, OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
 
-# kept sessions (`Engine.generate` on a GPU) round their capacity up to a multiple of this many positions
+# kept engine cores (`Engine.generate` on a GPU) round their capacity up to a multiple of this many positions
 KEPT_ROUNDING = 4096
-
-if TYPE_CHECKING:
-    from dustin.parallel.tp import TensorParallel
-    from dustin.selection.config import SparseConfig
 
 
 @dataclass
@@ -71,232 +68,108 @@ class GenerationResult:
         }
 
 
-def parse_device(name: str) -> torch.device:
-    """--device: auto (cuda when a CUDA GPU is available, else cpu), or cpu or cuda[:N] that exists here, else one
-    InputError line (torch raises RuntimeError)."""
-    from dustin.runtime import resolve_device
+class Engine(ModelPair):
+    """The model pair with offline batch generation. On a GPU one engine core is kept across `generate` calls
+    (KV caches, policy buffers and CUDA graphs reused; see `start`); on a CPU each call allocates its own."""
 
-    try:
-        dev = torch.device(resolve_device(name))
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise InputError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda was requested but no CUDA GPU is available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    return dev
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name in (None, "auto"):
-        from dustin.runtime import auto_dtype
-
-        return auto_dtype(device)
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise InputError(f"--dtype must be one of {', '.join(table)}, got {name!r}")
-    return table[name]
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-class Engine:
-    def __init__(self, target: Transformer, draft: Transformer | None = None, tokenizer=None,
-                 draft_tokenizer=None, parallel: "TensorParallel | None" = None) -> None:
-        """parallel: the TensorParallel that sharded `target` (under torchrun), else None."""
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.parallel = parallel
-        # the target's unsharded shape: sparse configs and the tuned-config fingerprint name global heads
-        self.target_args = parallel.full_args if parallel is not None and parallel.full_args else target.args
-        self.device = target.embed_tokens.weight.device
-        if draft is not None:
-            _check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
-        sizes = [target.args.vocab_size] + ([draft.args.vocab_size] if draft is not None else [])
-        if tokenizer is not None:
-            sizes.append(len(tokenizer))
-        self.vocab_limit = min(sizes)  # rows past the tokenizer are padding: never sample them
-        eos = set(target.args.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_ids = eos
-        self._identities = None  # (target, draft) model identities, computed on first use
-        # `generate` runs on one kept slot session (caches + CUDA graphs reused across calls) on a GPU; CPU
-        # runs allocate per call (their caches live in host memory, and there are no graphs to keep)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.keep_session = self.device.type == "cuda"
-        self._kept: tuple[tuple, Session] | None = None
+        self._kept: tuple[tuple, EngineCore] | None = None
 
-    @classmethod
-    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *, device: str = "cpu",
-                        dtype: str | None = None, attention: str = "auto",
-                        rope_scaling: str | None = None, tokenizer=None) -> "Engine":
-        """rope_scaling: "yarn:F" extends both models' context F times (`models.args.with_rope_scaling`).
-        tokenizer: the target's tokenizer when the caller already loaded it (`precheck_prompts`), else loaded here.
-        On a GPU the draft and its tokenizer load on a second thread while the target loads (reading the files
-        and copying them to the device release the GIL); on a CPU one after the other (host memory is the
-        limit there, and both files' pages would be resident at once)."""
-        from dustin.models.fetch import resolve_model_path
+    def release_cached(self) -> None:
+        """Free the kept engine core's KV caches and graphs (the next `generate` allocates and captures anew)."""
+        self._kept = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-        dev = parse_device(device)
-        from dustin.parallel.tp import current_parallel, init_distributed, rank_device
-        init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
-        dev = rank_device(dev)
-        dt = resolve_dtype(dtype, dev)
-        backend = AttentionBackend.for_device(dev, attention)
-        t_path = resolve_model_path(str(target), "target")
-        d_path = resolve_model_path(str(draft), "draft") if draft is not None else None
-        parallel = current_parallel()
-
-        def load_target():  # under tensor parallelism each rank reads only its slices
-            return load_model(t_path, dev, dt, backend, shard=parallel, rope_scaling=rope_scaling)
-
-        def load_draft():
-            if d_path is None:
-                return None, None
-            return load_model(d_path, dev, dt, backend, rope_scaling=rope_scaling), _load_tokenizer(d_path)
-
-        if d_path is not None and dev.type == "cuda":
-            with ThreadPoolExecutor(1, thread_name_prefix="dustin-draft-load") as pool:
-                pending = pool.submit(load_draft)
-                t_model = load_target()
-                d_model, d_tok = pending.result()
-        else:
-            t_model = load_target()
-            d_model, d_tok = load_draft()
-        tok = tokenizer if tokenizer is not None else _load_tokenizer(t_path)
-        return cls(t_model, d_model, tok, d_tok, parallel=parallel)
-
-    @property
-    def dtype_name(self) -> str:
-        """The weights' dtype, e.g. "bfloat16" (what `--dtype auto` resolved to)."""
-        return str(self.target.embed_tokens.weight.dtype).removeprefix("torch.")
-
-    def max_context(self, speculative: bool = True) -> int:
-        """Positions a sequence may take (prompt, new tokens and a step's lookahead): the target's context, and
-        the draft's too when it drafts."""
-        return pair_context(self.target.args, self.draft.args if speculative and self.draft is not None else None)
-
-    # ------------------------------------------------------------------ API
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, chat)
-
-    def session(self, prompts: list[list[int]], cfg: GenerationConfig,
-                policy: SelectionPolicy | None = None, prefill_cache: PrefillCache | None = None,
-                random_prefill: bool = False, limits: list[int] | None = None) -> Session:
-        """A generation to drive with `step()`. Greedy sessions given the same `prefill_cache` over the same
-        prompts share one prefill (the prompt caches are copied), which is how methods are compared side by side.
-        `random_prefill` fills the prompt caches with noise instead (benchmarks with random weights).
-        `limits`: new tokens per prompt (default cfg.max_new_tokens for each)."""
+    def start(self, prompts: list[list[int]], cfg: GenerationConfig, policy: SelectionPolicy | None = None,
+              prefill_cache: PrefillCache | None = None, fill: str | None = None,
+              limits: list[int] | None = None, params: list[SamplingParams] | None = None,
+              warmup: bool = True) -> EngineCore:
+        """An engine core with `prompts` queued as one offline batch (one slot each), to drive with `step()`.
+        limits: new tokens per prompt (default cfg.max_new_tokens each). params: each prompt's own sampling (its
+        max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the
+        same one over the same prompts share one prefill (a "snapshot" gang). fill="noise": the prompt caches are
+        filled with noise instead of computed (benchmarks with random weights). A row-local policy without either
+        runs chunked, on the core kept across calls on a GPU (a second call of the same method and batch size, and
+        a context that fits, pays neither the allocation nor the graph capture again; capacity is rounded up to a
+        multiple of `KEPT_ROUNDING` positions so that calls of similar lengths share it)."""
         if cfg.spec.speculative and self.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
+        if params is not None:
+            if len(params) != len(prompts):
+                raise InputError(f"params: one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
+            limits = [p.max_tokens for p in params]
         self._validate(prompts, cfg, limits)
+        limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(prompts)
+        if params is None:
+            params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+                      for m in limits]
+        own_policy = policy is None
         policy = policy or self.make_policy(cfg)
-        share = prefill_cache is not None and cfg.sampling.greedy and not random_prefill
-        key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
-        reuse = prefill_cache.lookup(key) if share else None
-        if share and reuse is None:  # another batch's prompt caches: free them before this one allocates its own
-            prefill_cache.clear()
-        if policy.needs_own_prefill:  # e.g. snapkv: it scores the prompt with its last queries; prefill in full
-            reuse = None
-        try:
-            s = Session(self.target, self.draft if cfg.spec.speculative else None, prompts, cfg,
-                        self.eos_ids, self.vocab_limit, policy, reuse_prefill=reuse, random_prefill=random_prefill,
-                        limits=limits)
-            if share and (reuse is None or reuse.draft_kv is None):
-                prefill_cache.store(s.prefill_state(keep=reuse))
-            return s
-        except torch.OutOfMemoryError:
-            raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
-                                   f"lower the batch size, the prompt length or --max-new-tokens") from None
-
-    def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
-                 policy: SelectionPolicy | None = None, chat: bool = False,
-                 prefill_cache: PrefillCache | None = None, limits: list[int] | None = None) -> GenerationResult:
-        """limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask).
-
-        Runs on the serving engine's loop (`LLMEngine`: packed chunked prefill, a step ahead of the host), one
-        slot per prompt, so offline and served requests go through the same code. Two cases keep a whole-batch
-        `Session` instead: policies with whole-batch state (quest, specattn, snapkv, oracle: not `row_local`) and
-        a shared `prefill_cache` (comparing methods over one prefill)."""
-        ids = [self.encode(p, chat) for p in prompts]
-        try:
-            own_policy = policy is None
-            policy = policy or self.make_policy(cfg)
-            if prefill_cache is None and policy.row_local:
-                s, outputs, timing = self._run_loop(ids, cfg, limits, policy, warmup=own_policy)
-                policy = s.policy
-            else:
-                s, timing = self.session(ids, cfg, policy, prefill_cache, limits=limits).run(), None
-                outputs = s.outputs
-        except torch.OutOfMemoryError:
-            self._kept = None
-            raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
-                                   f"lower the batch size or the context length") from None
-        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, outputs, strict=False)]
-        st = s.stats
-        split = dict(st.phases)
-        split["other"] = max(st.decode_s - sum(split.values()), 0.0)
-        sc = policy.cfg
-        used = None if sc is None else {"source": sc.source, **sc.to_json()}
-        produced = st.produced if timing is None else timing["produced_after_prefill"]
-        return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
-                                policy.budget_stats(), None if timing is None else timing.get("kernel_warmup"))
-
-    def _run_loop(self, ids: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
-                  policy: SelectionPolicy, warmup: bool = True) -> tuple[Session, list[list[int]], dict]:
-        """Generate through an `LLMEngine` of one slot per prompt. On a GPU the engine is kept: its KV caches,
-        policy buffers and CUDA graphs outlive the call, so a second `generate` of the same method and batch size
-        (and a context that fits) pays neither the allocation nor the graph capture again. One is kept; another
-        method, batch size or a longer context replaces it. Capacity is rounded up to a multiple of
-        `KEPT_ROUNDING` positions so that calls of similar lengths share it. `policy` (fresh, row-local) serves a
-        new engine; a reused one keeps its own. The generator is reseeded per call, so a call's tokens do not
-        depend on earlier calls. A new engine on a GPU compiles its first prefill's and decode step's kernels in the
-        background (`warmup`: the policy is `make_policy`'s; dustin/engine/warmup.py). Returns the session (stats,
-        policy), the new tokens per prompt and the run's timings."""
-        from dustin.engine.llm_engine import LLMEngine, ServeConfig
-        from dustin.engine.request import SamplingParams
-
-        self._validate(ids, cfg, limits, memory=False)  # memory: below, only if an engine is allocated
-        limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(ids)
+        if fill is None and prefill_cache is not None and cfg.sampling.greedy:
+            fill = "snapshot"
+        if fill is None and not policy.row_local:
+            fill = "whole"
         gamma = cfg.gamma if cfg.spec.speculative else 0
-        need = cache_capacity([len(p) for p in ids], limits, gamma)
-        key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(ids))
+        need = cache_capacity([len(p) for p in prompts], limits, gamma)
+        keep = self.keep_session and fill is None
+        key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(prompts))
         kept = self._kept
-        if kept is None or kept[0] != key or kept[1].session.target_cache.capacity < need:
-            self._kept = kept = None
+        if kept is None or not keep or kept[0] != key or kept[1].session.target_cache.capacity < need:
+            self._kept = None
+            if fill == "snapshot":
+                snap_key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
+                if prefill_cache.lookup(snap_key) is None:  # another batch's caches: free them before allocating
+                    prefill_cache.clear()
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if self.keep_session else need
-            self._check_memory(ids, cfg, limits, capacity=cap)
-            context = self.max_context(cfg.spec.speculative)
-            serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=context, max_waiting=len(ids),
-                                draft_window=cfg.draft_window, seed=cfg.seed)
-            core = LLMEngine(self, serve, generation=replace(cfg, max_new_tokens=cap), slots=len(ids),
-                             capacity=cap, policy=policy, kernel_warmup=warmup)
+            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if keep else need
+            self.require_kv_memory(len(prompts), cap, cfg.spec.speculative)
+            serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=self.max_context(cfg.spec.speculative),
+                                max_waiting=len(prompts), draft_window=cfg.draft_window, seed=cfg.seed)
+            try:
+                # a kept core may later serve calls that ask more tokens: any limit its capacity holds
+                gen = replace(cfg, max_new_tokens=cap) if keep else cfg
+                core = EngineCore(self, serve, generation=gen, slots=len(prompts),
+                                  capacity=cap, policy=policy, kernel_warmup=warmup and own_policy, gang=fill,
+                                  prefill_cache=prefill_cache)
+            except torch.OutOfMemoryError:
+                raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
+                                       f"lower the batch size, the prompt length or --max-new-tokens") from None
             kept = (key, core)
-            if self.keep_session:
+            if keep:
                 self._kept = kept
         core = kept[1]
         s = core.session
         s.begin_run(cfg.seed)
-        s.policy.budget_stats(reset=True)  # a kept engine's histogram counts this call only
-        c0 = s.capture_total()
-        t0 = time.perf_counter()
-        params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-                  for m in limits]
-        outputs, timing = core.run_batch(ids, params)
-        wall = time.perf_counter() - t0
-        timing["kernel_warmup"], core.warmup_stats = core.warmup_stats, None  # this call's only
+        s.policy.budget_stats(reset=True)  # a kept core's histogram counts this call only
+        core.queue(list(zip(prompts, params, strict=True)))
+        return core
+
+    def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
+                 policy: SelectionPolicy | None = None, chat: bool = False,
+                 prefill_cache: PrefillCache | None = None, limits: list[int] | None = None,
+                 params: list[SamplingParams] | None = None) -> GenerationResult:
+        """Run a batch to completion on an engine core (`start`): each prompt's new tokens and text, and the run's
+        statistics. limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask).
+        params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's."""
+        ids = [self.encode(p, chat) for p in prompts]
+        try:
+            core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params)
+            s = core.session
+            c0 = s.capture_total()
+            t0 = time.perf_counter()
+            outputs, timing = core.run_queued()
+            wall = time.perf_counter() - t0
+        except torch.OutOfMemoryError:
+            self._kept = None
+            raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
+                                   f"lower the batch size or the context length") from None
+        warm, core.warmup_stats = core.warmup_stats, None  # this call's only
         st = s.stats
         st.capture_s = s.capture_total() - c0
         st.prefill_s = timing["prefill_s"]
@@ -305,200 +178,18 @@ class Engine:
         after_prefill = s.capture_total() - timing.get("capture_total_at_prefill", c0)
         st.decode_s = max(wall - st.prefill_s - after_prefill, 0.0)
         st.phases = s.timer.totals()
-        return s, outputs, timing
+        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, outputs, strict=False)]
+        split = dict(st.phases)
+        split["other"] = max(st.decode_s - sum(split.values()), 0.0)
+        sc = s.policy.cfg
+        used = None if sc is None else {"source": sc.source, **sc.to_json()}
+        produced = timing["produced_after_prefill"]
+        return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
+                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
+                                s.policy.budget_stats(), warm)
 
-    def release_kept_session(self) -> None:
-        """Free the kept session's KV caches and graphs (the next `generate` allocates and captures anew)."""
-        self._kept = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def identities(self) -> tuple[dict, dict | None]:
-        """(target, draft) model identities: architecture, config and tokenizer, and a weight fingerprint
-        (selection/tuned.py). The draft shares the target's tokenizer (checked when both have one)."""
-        from dustin.selection.tuned import model_identity
-
-        if self._identities is None:
-            self._identities = (model_identity(self.target, self.target_args, self.tokenizer),
-                                None if self.draft is None else model_identity(self.draft, tokenizer=self.tokenizer))
-        return self._identities
-
-    def default_sparse_config(self) -> "SparseConfig":
-        """The shipped tuned config of this pair: profiled on exactly these weights (by fingerprint), else on the
-        same models (by identity: noted once on stderr); else the built-in fallback."""
-        from dustin.parallel.tp import is_main_process
-        from dustin.selection.config import default_config
-        from dustin.selection.tuned import load_tuned, match_tuned, note_identity_match
-
-        match = match_tuned(*self.identities())
-        if match is not None:
-            if is_main_process():
-                note_identity_match(match)
-            return load_tuned(match.path, match.exact)
-        return default_config(self.target_args, self.draft.args if self.draft is not None else None)
-
-    def make_policy(self, cfg: GenerationConfig) -> SelectionPolicy:
-        """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
-        config shipped for this pair, else the built-in fallback. Configs name global heads (the target's
-        unsharded shape); under tensor parallelism the `TensorParallel` object builds the policy's TP form."""
-        from dustin.selection.config import BUILTIN, SparseConfig, default_config
-        from dustin.selection.policies import make_policy
-
-        build = make_policy if self.parallel is None else self.parallel.make_policy
-        if cfg.spec.policy == "full":
-            return build("full", None)
-        d_args = self.draft.args if self.draft is not None else None
-        if cfg.sparse_config == BUILTIN:
-            sc = default_config(self.target_args, d_args)
-        else:
-            sc = SparseConfig.load(cfg.sparse_config) if cfg.sparse_config else self.default_sparse_config()
-        rule = cfg.auto_budget
-        if rule is not None:  # indices are padded to k_max; each row's k comes from its scores every step
-            sc = sc.with_budget(rule.k_max)
-        elif cfg.budget is not None:
-            sc = sc.with_budget(cfg.budget)
-        sc.validate_for(self.target_args, d_args)
-        policy = build(cfg.spec.policy, sc)
-        if rule is not None:
-            policy.use_auto_budget(rule)
-        return policy
-
-    def decode(self, ids: list[int]) -> str | None:
-        """Text of generated ids (special tokens dropped); None without a tokenizer."""
-        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None,
-                  memory: bool = True) -> None:
-        context = self.max_context(cfg.spec.speculative)
+    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None) -> None:
         limits = limits if limits is not None else [cfg.max_new_tokens] * len(prompts)
         if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
             raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
-        check_prompts(prompts, cfg, context, self.vocab_limit, limits)
-        if memory:
-            self._check_memory(prompts, cfg, limits)
-
-    def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
-        """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
-        (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
-        elem = self.target.embed_tokens.weight.element_size()
-        per_tok = self.target.args.kv_bytes_per_token(elem)
-        if self.draft is not None and speculative:
-            per_tok += self.draft.args.kv_bytes_per_token(elem)
-        return per_tok * capacity * batch
-
-    def _check_memory(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int],
-                      capacity: int | None = None) -> None:
-        gamma = cfg.gamma if cfg.spec.speculative else 0
-        capacity = capacity or cache_capacity([len(p) for p in prompts], limits, gamma)
-        self.require_kv_memory(len(prompts), capacity, cfg.spec.speculative)
-
-    def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
-        """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
-        memory (the rest is work space: activations, logits, graph pools). True where free memory is unknown."""
-        free = _free_memory(self.device)
-        return free is None or copies * self.kv_cache_bytes(batch, capacity, speculative) <= 0.9 * free
-
-    def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
-                          advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
-        """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
-        over one shared prefill holds a session's caches and the prefill's copy of them) that would not fit in
-        90% of the free device memory; the line says how many sequences would."""
-        need = copies * self.kv_cache_bytes(batch, capacity, speculative)
-        if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
-            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and the
-            # kept session of `generate` holds its caches: give them back before refusing
-            self._kept = None
-            gc.collect()
-            torch.cuda.empty_cache()
-        if not self.kv_memory_fits(batch, capacity, speculative, copies):
-            free = _free_memory(self.device)
-            held = "" if copies == 1 else f", held {copies} times,"
-            fits = int(0.9 * free // max(need // batch, 1))
-            raise OutOfMemoryError(f"the KV caches for {batch} sequences x {capacity} positions{held} need "
-                                   f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
-                                   f"memory is free ({fits} sequences would fit): {advice}")
-
-
-def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> list[int]:
-    """Token ids of a prompt (ids pass through), wrapped in the chat template with `chat`."""
-    if not isinstance(prompt, str):
-        return list(prompt)
-    if tokenizer is None:
-        raise InputError("this model folder has no tokenizer: pass token ids instead of text")
-    if chat:
-        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
-    # verbose=False: a prompt longer than the model is `check_prompts`' one error line, not also transformers' warning
-    return tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` in the chat template, the assistant's turn opened: the template's text, then its ids
-    as apply_chat_template(tokenize=True) makes them, without transformers' length warning (above)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
-
-
-def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
-                  vocab_limit: int | None = None, limits: list[int] | None = None) -> None:
-    """No prompts, an empty prompt, ids outside the vocabulary, or a prompt that leaves no room for
-    its new tokens (`limits[i]`, default --max-new-tokens) and Γ within the model context: one InputError line
-    naming the prompt."""
-    if not prompts:
-        raise InputError("no prompts given")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise InputError(f"prompt {i} is empty")
-        if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
-            raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
-        new = cfg.max_new_tokens if limits is None else limits[i]
-        need = len(p) + new + cfg.gamma + 1
-        if need > context:
-            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {new} and "
-                             f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
-                             f"({context})")
-
-
-def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
-                     chat: bool = False, rope_scaling: str | None = None) -> tuple[object, list[list[int]] | None]:
-    """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
-    empty or over-long prompt fails in about a second instead of after both models loaded. Returns the tokenizer
-    and the prompts' token ids (chat template applied with `chat`), which the caller passes on to
-    `Engine.from_pretrained` and `Engine.generate` instead of loading and encoding again; (None, None) when the
-    folder has no tokenizer."""
-    from dustin.models.fetch import resolve_model_path
-    from dustin.models.loader import read_args
-
-    t_path = resolve_model_path(str(target), "target")
-    d_args = (read_args(resolve_model_path(str(draft), "draft"), rope_scaling)
-              if draft is not None and cfg.spec.speculative else None)
-    context = pair_context(read_args(t_path, rope_scaling), d_args)
-    tokenizer = _load_tokenizer(t_path)
-    if tokenizer is None:
-        return None, None
-    ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    check_prompts(ids, cfg, context)
-    return tokenizer, ids
-
-
-def _free_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _check_same_vocabulary(target, draft, tok_t, tok_d) -> None:
-    if tok_t is not None and tok_d is not None:
-        if tok_t.get_vocab() != tok_d.get_vocab():
-            raise TokenizerMismatchError("target and draft tokenizers differ: speculative decoding needs a draft "
-                                         "that shares the target's tokenizer (same vocabulary and token ids)")
-    elif target.args.vocab_size != draft.args.vocab_size:
-        raise TokenizerMismatchError(f"target vocabulary ({target.args.vocab_size}) and draft vocabulary "
-                                     f"({draft.args.vocab_size}) differ and no tokenizers were given to compare")
+        check_prompts(prompts, cfg, self.max_context(cfg.spec.speculative), self.vocab_limit, limits)

@@ -1,6 +1,6 @@
 """What a serving client asks for and what it gets back, per request (the engine core's public types).
 
-`LLMEngine` (engine/llm_engine.py) takes `Request`s, schedules them into KV-cache slots and returns
+`EngineCore` (engine/core.py) takes `Request`s, schedules them into KV-cache slots and returns
 `RequestOutput`s: the new tokens of every request that advanced in one `step()`.
 """
 from __future__ import annotations

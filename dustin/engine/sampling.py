@@ -266,6 +266,10 @@ class RowSampling:
         self._offsets = torch.zeros(batch, dtype=torch.long, device=dev)
         self._host_seeds = torch.Generator().manual_seed(seed)  # seeds of unseeded rows, in admission order
 
+    def reseed(self, seed: int) -> None:
+        """Restart the seeds of unseeded rows (a new offline run: its draws do not depend on earlier runs)."""
+        self._host_seeds.manual_seed(seed)
+
     def set_row(self, row: int, params: SamplingRule, seed: int | None, device=None) -> None:
         """A row's new rule and seed (in place: a captured graph reads the same tensors)."""
         self.params[row] = params

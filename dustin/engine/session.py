@@ -1,4 +1,4 @@
-"""One batched generation: prefill, then a step loop that benchmarks and evaluation can drive.
+"""The engine's batch on the device: KV-cache rows that sequences join and leave, and the speculative step.
 
 Invariant (target and draft alike): the KV cache holds every committed token of a sequence except the last
 one, `pending`, whose K/V is computed by the next forward. A speculative step:
@@ -7,7 +7,8 @@ one, `pending`, whose K/V is computed by the next forward. A speculative step:
   2. the selection policy plans the verify attention (None = full cache);
   3. the target verifies [pending, d1..dΓ] in one forward and accepts a prefix (greedy or lossless sampling);
   4. cache lengths advance by 1 + accepted; rejected rows are simply overwritten later (rollback is free).
-One host sync per step reads the accepted tokens back for stopping and output.
+One host sync per step reads the accepted tokens back for stopping and output. The loop that drives the steps is
+`EngineCore.step` (dustin/engine/core.py); this module runs none.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int
     place this arithmetic lives. Why 3Γ + 4, for a prompt of n tokens and a limit of m: a sequence still running
     has at most n + m - 2 cached positions (its newest token, `pending`, is not cached yet); its last step adds
     up to Γ + 1 (drafts accepted past the limit are dropped from the output, not from the cache); in
-    `Session.decode` the device learns of the stop one step late, so one more step adds up to Γ + 1 again: the
+    the engine loop the device learns of the stop one step late, so one more step adds up to Γ + 1 again: the
     length freezes at <= n + m + 2Γ. A frozen row still runs every step's forwards, which write Γ + 1 junk rows
     from its length on: up to position n + m + 3Γ, so n + m + 3Γ + 1 positions; + 3 spare. (The CUDA-graph
     warm-up scratch of `GraphedForward`, Γ + 1 rows at the tail, is only written at capture, when no row is
@@ -87,22 +88,21 @@ class PrefillCache:
 
 
 class Session:
-    def __init__(self, target: Transformer, draft: Transformer | None, prompts: list[list[int]],
-                 cfg: GenerationConfig, eos_ids: set[int], vocab_limit: int,
-                 policy: SelectionPolicy | None = None, reuse_prefill: "PrefillState | None" = None,
-                 random_prefill: bool = False, limits: list[int] | None = None, *,
-                 slots: int | None = None, capacity: int | None = None) -> None:
-        """limits: new tokens per sequence (default cfg.max_new_tokens each; none may exceed it).
-        slots/capacity: instead of prompts, an idle batch of `slots` rows of `capacity` positions that requests
-        join (`admit`, `prefill_chunk`) and leave (`release`) between steps: the serving engine's batch."""
+    """The device half of the engine's batch: `slots` rows of `capacity` KV positions that sequences join
+    (`admit`, then `prefill` chunks or one `prefill_gang`) and leave (`release`) between steps, and the step
+    itself (`launch` / `complete`). It holds no request queue and runs no loop: `EngineCore.step` drives it."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, eos_ids: set[int],
+                 vocab_limit: int, policy: SelectionPolicy | None = None, *, slots: int, capacity: int) -> None:
+        """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap); no row may
+        ask more than cfg.max_new_tokens new tokens."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
-        self.prompts = prompts
         self.eos_ids = eos_ids if cfg.stop_at_eos else set()
         self.V = vocab_limit
         self.policy = policy or FullSelection()
         self.device = target.embed_tokens.weight.device
-        self.B = len(prompts) if slots is None else slots
+        self.B = slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
@@ -110,18 +110,15 @@ class Session:
         self.timer = PhaseTimer(self.device)
         self.stats = SessionStats()
         self.outputs: list[list[int]] = [[] for _ in range(self.B)]
-        self.finished = [slots is not None] * self.B  # an idle slot counts as finished
-        self.limits = list(limits) if limits is not None else [cfg.max_new_tokens] * self.B
-        if len(self.limits) != self.B or not all(1 <= m <= cfg.max_new_tokens for m in self.limits):
-            raise ValueError(f"limits must hold one value in [1, {cfg.max_new_tokens}] per prompt")
-        if slots is None:
-            capacity = cache_capacity([len(p) for p in prompts], self.limits, self.gamma)
+        self.finished = [True] * self.B  # an idle slot counts as finished
+        self.limits = [cfg.max_new_tokens] * self.B
+        self.prompts: list[list[int]] = [[] for _ in range(self.B)]  # each row's prompt (StepState.prompts)
         # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend; policies whose observers and plans
         # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
         self._graphs: dict[str, StepGraph] = {}  # one per sampling mode (RowSampling.mode)
-        # host staging of `decode` / `step` (two of each: a step's output is read back while the next one runs)
+        # host staging of the steps (two of each: a step's output is read back while the next one runs)
         pinned = self.device.type == "cuda"
         self._out_stage = [torch.zeros(self.B, 3 + self.gamma, dtype=torch.long, pin_memory=pinned)
                            for _ in range(2)]
@@ -155,54 +152,83 @@ class Session:
             self.runners["draft"] = ModelRunner(draft, self.B, capacity, self.use_graphs)
         self.target_cache = self.runners["target"].cache
         self.draft_cache = self.runners["draft"].cache if self.spec.speculative else None
-        if slots is None:
-            self._prefill(reuse_prefill, random_prefill)
-        else:
-            self._idle_state()
+        self._idle_state()
 
-    # ---------------------------------------------------------------- prefill
+    # ---------------------------------------------------------------- gang prefill
     @torch.inference_mode()
-    def _prefill(self, reuse: "PrefillState | None", random_fill: bool) -> None:
-        """Run the prompts through the target (and draft), one sequence at a time; or copy the caches of an
-        earlier greedy session over the same prompts (`reuse`), so comparing methods prefills only once; or, for
-        benchmarks with random weights (`random_fill`), fill the prompt caches with noise instead of computing
-        them: decode-step cost does not depend on the values, and a 70B prefill of 16 x 32k would take minutes."""
-        t0 = time.perf_counter()
-        n_max = max(len(p) for p in self.prompts)
-        if random_fill:
+    def prefill_gang(self, fill: str = "whole", reuse: "PrefillState | None" = None) -> "PrefillState | None":
+        """Prefill the whole prompt of every admitted row at once: the prefill of a gang admission (a batch that is
+        admitted together and that nothing joins; `Scheduler`). `fill`:
+        - "whole": each prompt through the target (and the draft), one sequence at a time, with the policy's target
+          observers watching: policies with whole-batch state (quest, specattn, snapkv, oracle) build it here;
+        - "snapshot": copy the prompt caches of an earlier gang over the same prompts (`reuse`, from
+          `prefill_state`), so that methods compared side by side share one prefill; without `reuse`, as "whole";
+        - "noise": fill the prompt caches with noise instead of computing them (benchmarks with random weights:
+          a decode step's cost does not depend on the values, and a 70B prefill of 16 x 32k would take minutes).
+        "snapshot" and "noise" want every row admitted. The rows are active afterwards; their first tokens reach the
+        host with the next step, as after a chunked prefill. Returns the snapshot it copied (None: computed)."""
+        rows = sorted(self._prompt_rows)
+        if not rows or any(self._prefilled[r] for r in rows):
+            raise ValueError("prefill_gang wants admitted rows that no chunk prefilled yet")
+        if fill not in ("whole", "snapshot", "noise"):
+            raise ValueError(f"fill must be whole, snapshot or noise, got {fill!r}")
+        if fill != "whole" and rows != list(range(self.B)):
+            raise ValueError(f"a {fill} prefill wants every row admitted")
+        prompts = [self._prompt_rows[r] for r in rows]
+        n_max = max(len(p) for p in prompts)
+        self.policy.begin_gang(self)
+        if fill == "noise":
             reuse = self._random_prefill_state(n_max)
+        elif fill == "whole" or self.policy.needs_own_prefill:  # e.g. snapkv scores the prompt's own prefill
+            reuse = None
+        for row in rows:
+            if self._seeds[row] is not None:  # a seeded row's draws start at its first token
+                self.sampler.set_row(row, self.sampler.params[row], self._seeds[row], self.device)
         if reuse is not None and reuse.target_kv is not None:
             self.target_cache.k[..., :n_max, :].copy_(reuse.target_kv[0])
             self.target_cache.v[..., :n_max, :].copy_(reuse.target_kv[1])
-        first = []
         run_draft = self.draft_cache is not None and (reuse is None or reuse.draft_kv is None)
-        for b, prompt in enumerate(self.prompts if reuse is None or run_draft else ()):
+        for row, prompt in zip(rows, prompts if reuse is None or run_draft else (), strict=False):
             if reuse is None:
-                logits = self.runners["target"].prefill(b, prompt, observers=self.policy.target_observers(self))
-                first.append(self.sampler.choose_row(b, logits[:, : self.V]))
+                logits = self.runners["target"].prefill(row, prompt, observers=self.policy.target_observers(self))
+                logits = logits[:, : self.V]
+                self.pending[row:row + 1].copy_(self.sampler.choose_row(row, logits))
+                if row in self._lp_rows:
+                    self._first_logprobs(row, logits[0])
             if run_draft:
-                self.runners["draft"].prefill(b, prompt)
+                self.runners["draft"].prefill(row, prompt)
         if reuse is not None:
-            first = [reuse.first_tokens]
+            self.pending.copy_(reuse.first_tokens)
             if self.policy.observes_prefill:  # let the policy see the last prompt token's query again
-                last = torch.tensor([[p[-1]] for p in self.prompts], device=self.device)
-                L = torch.tensor([len(p) - 1 for p in self.prompts], dtype=torch.int32, device=self.device)
+                last = torch.tensor([[p[-1]] for p in prompts], device=self.device)
+                L = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32, device=self.device)
                 self._forward("target", last, L.long()[:, None], L, n_max, observers=self.policy.target_observers(self))
                 self.policy.after_verify(self, torch.zeros(self.B, dtype=torch.long, device=self.device))
             if self.draft_cache is not None and reuse.draft_kv:
                 self.draft_cache.k[..., :n_max, :].copy_(reuse.draft_kv[0])
                 self.draft_cache.v[..., :n_max, :].copy_(reuse.draft_kv[1])
-        lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.int32, device=self.device)
-        self.target_cache.lengths.copy_(lengths)
-        self.host_lengths = [len(p) for p in self.prompts]
-        self.pending = torch.cat(first)  # [B]
-        self.prev = torch.tensor([p[-1] for p in self.prompts], device=self.device)
-        self.done = torch.zeros(self.B, dtype=torch.bool, device=self.device)
-        for b, tok in enumerate(self.pending.tolist()):
-            self._commit(b, [tok])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.stats.prefill_s = time.perf_counter() - t0
+        for row in rows:
+            self._activate(row)
+        return None if fill == "noise" else reuse
+
+    def _activate(self, row: int) -> None:
+        """The row's prompt is cached and its first token chosen (in `pending`): it decodes from the next step on,
+        and its first token reaches the host with that step's output."""
+        prompt = self._prompt_rows.pop(row)
+        del self._prefilled[row]
+        self._plp_rows.pop(row, None)
+        self.prev[row] = prompt[-1]
+        self.target_cache.lengths[row] = self.host_lengths[row] = len(prompt)
+        self.done[row] = False
+        self.finished[row] = False
+        self._fresh[row] = True
+
+    def _first_logprobs(self, row: int, logits: torch.Tensor) -> None:
+        """The log-probabilities of the row's first token (under its prefill's last logits [V]), read back with the
+        row's next step."""
+        vals, ids = token_logprobs(logits, self.pending[row])
+        self._lp_first[0][row].copy_(vals)
+        self._lp_first[1][row].copy_(ids)
 
     # ---------------------------------------------------------------- slots (serving)
     def _idle_state(self) -> None:
@@ -235,6 +261,7 @@ class Session:
             raise ValueError(f"prompt {len(prompt)} + {limit} new tokens do not fit a slot of "
                              f"{self.target_cache.capacity} positions")
         self._prompt_rows[row], self._prefilled[row] = list(prompt), 0
+        self.prompts[row] = list(prompt)
         self.limits[row], self.outputs[row] = limit, []
         self._epoch[row] += 1
         self._fresh[row] = False
@@ -296,23 +323,15 @@ class Session:
             if row in self._prompt_rows and self._prefilled[row] < len(self._prompt_rows[row]):
                 self.target_cache.lengths[row] = self.host_lengths[row] = self._prefilled[row] + 1
         for i, row in done_rows:
-            prompt = self._prompt_rows.pop(row)
-            del self._prefilled[row]
+            prompt = self._prompt_rows[row]
             if self._seeds[row] is not None:
                 # a seeded row's draws start at its first token: the steps that ran while it was prefilling
                 # advanced its counter too, and how many ran depends on what else was running
                 self.sampler.set_row(row, self.sampler.params[row], self._seeds[row], self.device)
             self.pending[row:row + 1].copy_(self.sampler.choose_row(row, logits[i:i + 1]))
-            if row in self._lp_rows:  # the first token's, read back with the row's next step
-                vals, ids = token_logprobs(logits[i], self.pending[row])
-                self._lp_first[0][row].copy_(vals)
-                self._lp_first[1][row].copy_(ids)
-            self._plp_rows.pop(row, None)
-            self.prev[row] = prompt[-1]
-            self.target_cache.lengths[row] = self.host_lengths[row] = len(prompt)
-            self.done[row] = False
-            self.finished[row] = False
-            self._fresh[row] = True
+            if row in self._lp_rows:
+                self._first_logprobs(row, logits[i])
+            self._activate(row)
             for other in self._prefix_wait.pop(row, ()):
                 self._copy_prefix(row, other, len(prompt) - 1)
 
@@ -360,6 +379,7 @@ class Session:
         self.stats = SessionStats()
         self.timer = PhaseTimer(self.device)
         self.generator.manual_seed(seed)
+        self.sampler.reseed(seed)
         for r in self.runners.values():
             r.capture_s = 0.0
         for g in self._graphs.values():
@@ -370,6 +390,7 @@ class Session:
         """Free a row (finished, or aborted mid-prefill or mid-decode): it becomes idle for the next request."""
         self._prompt_rows.pop(row, None)
         self._prefilled.pop(row, None)
+        self.prompts[row] = []
         self._epoch[row] += 1
         self._fresh[row] = False
         self.finished[row] = True
@@ -402,7 +423,7 @@ class Session:
                     cache.k[layer, ..., :n_max, :].normal_(generator=self.generator)
                     cache.v[layer, ..., :n_max, :].normal_(generator=self.generator)
         first = torch.randint(0, self.V, (self.B,), device=self.device, generator=self.generator)
-        return PrefillState(self._prefill_key(), None, None if self.draft_cache is None else (), first)
+        return PrefillState(self.prefill_key, None, None if self.draft_cache is None else (), first)
 
     def prefill_state(self, keep: "PrefillState | None" = None) -> "PrefillState":
         """Snapshot of the prompt caches right after prefill (call before the first step). `keep`: the state this
@@ -412,24 +433,17 @@ class Session:
         def kv(c):
             return (None if c is None else (c.k[..., :n_max, :].clone(), c.v[..., :n_max, :].clone()))
         target = keep.target_kv if keep is not None and keep.target_kv is not None else kv(self.target_cache)
-        return PrefillState(self._prefill_key(), target, kv(self.draft_cache), self.pending.clone())
+        return PrefillState(self.prefill_key, target, kv(self.draft_cache), self.pending.clone())
 
-    def _prefill_key(self) -> tuple:
+    @property
+    def prefill_key(self) -> tuple:
+        """What a prefill snapshot is valid for: the rows' prompts and the caches' dtype."""
         return tuple(tuple(p) for p in self.prompts), self.target_cache.k.dtype
 
     # ---------------------------------------------------------------- decode
     @property
     def is_done(self) -> bool:
         return all(self.finished)
-
-    @torch.inference_mode()
-    def step(self) -> None:
-        """One target forward (vanilla) or one draft-then-verify round (speculative), then the step's one host
-        sync and its bookkeeping, before returning. On a GPU with graphs, the whole device part replays as one
-        CUDA graph (`StepGraph`)."""
-        t0, c0 = time.perf_counter(), self.capture_total()
-        self.complete(self.launch(overlapped=False))
-        self._account(t0, c0)
 
     @torch.inference_mode()
     def launch(self, overlapped: bool = True) -> int:
@@ -467,40 +481,9 @@ class Session:
         self._bookkeep(self._out_stage[slot].tolist(), self._done_stage[slot], self._live[slot],
                        self._lp_stage[slot] if self._lp_staged[slot] else None)
 
-    @torch.inference_mode()
-    def decode(self, max_steps: int | None = None) -> None:
-        """Step until every sequence stopped (or `max_steps` steps), the device one step ahead of the host:
-        step n + 1 is queued before step n's tokens are read back, so the host's bookkeeping (stopping, output,
-        the stop mask sent back) overlaps the device's next step instead of leaving the GPU idle between steps
-        (H200, 1.5B + 0.5B shapes at 16 x 32k: vanilla 5.31 -> 5.12 ms a step, now equal to its GPU busy time;
-        dustin 8.85 -> 8.32 ms).
-        The price: a sequence that stops at step n also runs step n + 1, whose tokens `_bookkeep` drops (the
-        stop mask reaches the device one step late; `cache_capacity` leaves room for that step), so a run ends
-        with one wasted step. Only graph-safe policies overlap: they keep no host-side state per step, so
-        nothing they do depends on when the host learns a sequence stopped. Every launched step is read back
-        before returning."""
-        if not (self.cfg.overlap and self.policy.graph_safe):
-            n = 0
-            while not self.is_done and (max_steps is None or n < max_steps):
-                self.step()
-                n += 1
-            return
-        t0, c0 = time.perf_counter(), self.capture_total()
-        inflight, n = None, 0
-        while True:
-            launch = not self.is_done and (max_steps is None or n < max_steps)
-            slot = self.launch(overlapped=True) if launch else None
-            n += launch
-            if inflight is not None:  # the previous step, while this one runs
-                self.complete(inflight)
-            if not launch:
-                break
-            inflight = slot
-        self._account(t0, c0)
-
     @property
     def overlappable(self) -> bool:
-        """Whether steps may be launched a step ahead of the host (`decode`, the engine loop)."""
+        """Whether steps may be launched a step ahead of the host (the engine loop)."""
         return self.cfg.overlap and self.policy.graph_safe
 
     def _launch(self, overlapped: bool) -> torch.Tensor:
@@ -526,11 +509,6 @@ class Session:
         # a step ahead, the host lengths lag the device's by up to Γ + 1: size attention by the capacity then
         max_len = self._graph_max_len if overlapped else max(self.host_lengths)
         return self._device_step(max_len, graphed_forwards=self.use_graphs)
-
-    def _account(self, t0: float, c0: float) -> None:
-        """Decode time since t0, less the one-time graph cost incurred since (c0 = `capture_total` at t0)."""
-        self.stats.capture_s = self.capture_total()
-        self.stats.decode_s += time.perf_counter() - t0 - (self.stats.capture_s - c0)
 
     def add_one_time_s(self, seconds: float) -> None:
         """Count a one-time cost of the first decode step (the engine loop's wait for background kernel compiles)
@@ -599,10 +577,12 @@ class Session:
             last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
             new_prev = torch.where(n_acc == 0, self.pending, last_draft)
         else:
+            self.policy.begin_step(self)
             timer = self.timer
             timer.start("verify")
+            observers = self.policy.target_observers(self)
             logits = self._forward("target", self.pending[:, None], L.long()[:, None], L, max_len + 1,
-                                   graphed=graphed_forwards)[:, 0, : self.V]
+                                   observers=observers, graphed=graphed_forwards)[:, 0, : self.V]
             timer.stop("verify")
             nxt, _ = self.sampler.choose(logits)
             n_acc = torch.zeros_like(nxt)
@@ -612,10 +592,9 @@ class Session:
         lp = self._step_logprobs(logits, drafts, n_acc, nxt) if self._lp_on else None
         # rows already finished stay put so they never outgrow the cache
         self.target_cache.lengths.add_(torch.where(self.done, 0, 1 + n_acc).to(torch.int32))
-        if self.spec.speculative:
-            self.policy.after_verify(self, n_acc)  # sees the advanced lengths
         self.prev.copy_(torch.where(self.done, self.prev, new_prev))
         self.pending.copy_(torch.where(self.done, self.pending, nxt))
+        self.policy.after_verify(self, n_acc)  # sees the advanced lengths and the next pending tokens
         out = torch.cat([n_acc[:, None], nxt[:, None], drafts, first[:, None]], dim=1)
         return out if lp is None else (out, *lp)
 
@@ -657,7 +636,7 @@ class Session:
         """Commit one step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch,
         first token pending) that still belong to the same request and have not stopped; then send the stop mask
         back through `stage` (a pinned buffer on a GPU, so the copy does not wait for the device's queued work).
-        A step in which every row had already stopped (the extra step of `decode`) commits nothing and is not
+        A step in which every row had already stopped (the engine loop's extra step) commits nothing and is not
         counted. lp: the step's log-probabilities (host), booked for the rows that asked."""
         active = 0
         for b, epoch, fresh in live:
@@ -702,8 +681,3 @@ class Session:
         if len(out) >= limit or (out and out[-1] in eos):
             self.finished[b] = True
         return kept
-
-    def run(self) -> "Session":
-        self.decode()
-        self.stats.phases = self.timer.totals()
-        return self

@@ -30,7 +30,7 @@ How:
    ptxas, the C compiler), mostly outside the GIL; the main thread meanwhile prefills, releasing the GIL in every
    CUDA call. No thread but the main one launches kernels. Each kernel's per-device JIT state is created on the
    main thread before the threads start (two threads creating it at once could each keep a different one).
-3. The engine loop (`LLMEngine`) waits for the prefill's kernels before its first prefill, prefills while the
+3. The engine loop (`EngineCore`) waits for the prefill's kernels before its first prefill, prefills while the
    rest compile, holds decode steps back until they are done, and waits for them before its first decode step
    (the waits are reported: `prefill_wait_s`, and `wait_s` with the one-time costs).
 
@@ -416,7 +416,7 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
     policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
-        twin = Session(engine.target, draft, [], cfg, engine.eos_ids, engine.vocab_limit, policy, slots=slots,
+        twin = Session(engine.target, draft, cfg, engine.eos_ids, engine.vocab_limit, policy, slots=slots,
                        capacity=capacity)
         twin.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also

@@ -47,6 +47,10 @@ class ARRProbe(SelectionPolicy):
     def target_observers(self, state: StepState):
         return [o for p in self.policies.values() for o in p.target_observers(state)]
 
+    def begin_gang(self, state: StepState) -> None:
+        for p in self.policies.values():
+            p.begin_gang(state)
+
     def begin_step(self, state: StepState) -> None:
         for p in self.policies.values():
             p.begin_step(state)

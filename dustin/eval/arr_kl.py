@@ -48,6 +48,15 @@ class _MeanAttention:
         self.total = probs if self.total is None else self.total + probs
 
 
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of `model` with the full cache, on the engine core (the model verifying alone)."""
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.engine import Engine
+
+    cfg = GenerationConfig(method="vanilla", max_new_tokens=n, stop_at_eos=False)
+    return Engine(model).generate([prompt], cfg).sequences[0].token_ids
+
+
 @torch.inference_mode()
 def study(model, prompt: list[int], budget: int, subsets: int, new_tokens: int, seed: int) -> dict:
     a, dev = model.args, model.embed_tokens.weight.device
@@ -57,14 +66,9 @@ def study(model, prompt: list[int], budget: int, subsets: int, new_tokens: int, 
     cache = KVCache(a.n_layers, 1, a.n_kv_heads, a.head_dim, P + T, model.embed_tokens.weight.dtype, dev)
     zero = torch.zeros(1, dtype=torch.int32, device=dev)
     ids = torch.tensor(prompt, device=dev)[None]
-    logits = model(ids, ForwardContext(cache, torch.arange(P, device=dev)[None], zero, P, rows=slice(0, 1),
-                                       fresh=True), logits_at=torch.tensor([P - 1], device=dev))
-    gen = [int(logits.argmax(-1))]
-    for t in range(1, T):  # greedy with the full cache
-        L = torch.tensor([P + t - 1], dtype=torch.int32, device=dev)
-        cache.lengths.copy_(L)
-        out = model(torch.tensor([[gen[-1]]], device=dev), ForwardContext(cache, L.long()[:, None], L, P + t))
-        gen.append(int(out[0, -1].argmax()))
+    model(ids, ForwardContext(cache, torch.arange(P, device=dev)[None], zero, P, rows=slice(0, 1), fresh=True),
+          logits_at=torch.tensor([P - 1], device=dev))  # the prompt's K/V, which the replays below attend to
+    gen = greedy(model, prompt, T)
     toks = torch.tensor([gen], device=dev)
     pos = torch.arange(P, P + T, device=dev)[None]
     L = torch.tensor([P], dtype=torch.int32, device=dev)

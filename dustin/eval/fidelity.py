@@ -104,7 +104,7 @@ def run(args) -> int:
 
             probe = ARRProbe(policies, k)
             with console.status(f"ARR at k={k}..."):
-                engine.session(prompts, cfg, policy=probe, prefill_cache=shared).run()
+                engine.generate(prompts, cfg, policy=probe, prefill_cache=shared)
             results.setdefault("arr", {})[str(k)] = probe.mean_arr()
     _print(results, Table, Console(quiet=not main))
     if args.json_out and main:

@@ -7,9 +7,9 @@ the whole span (the query that produced that token, over everything it sees). A 
 retrieved the needle (ROUGE-1 recall of the answer > 0.5) and had at least one such step; a head's score is
 its mean over the counted trials. The top heads of each layer (4, as in the paper) are that model's SRHs.
 
-Trials of one context length run as a batch (ragged prompt lengths) through the model's own forward with a
-`SpanMass` observer on every layer; each finished trial is appended to a JSONL file, so a run that stops
-resumes where it was.
+Trials of one context length run as a batch (ragged prompt lengths) on the engine core, greedy with the full
+cache, the model verifying alone, with a `NeedleMassProbe` observing every layer; each finished trial is appended
+to a JSONL file, so a run that stops resumes where it was.
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dustin.attention.context import ForwardContext
-from dustin.cache.kv_cache import KVCache
 from dustin.errors import InputError
 from dustin.profiling.observe import SpanMass
+from dustin.selection.base import SelectionPolicy, StepState
 
 TOP_HEADS = 4  # SRHs kept per layer (the paper's choice)
 RETRIEVED = 0.5  # ROUGE-1 recall of the answer above which a trial retrieved the needle
@@ -40,45 +39,59 @@ def trial_key(context: int, depth: float, needle: int) -> str:
     return f"{context}/{depth:.3f}/{needle}"
 
 
-@torch.inference_mode()
-def run_needle_batch(model, prompts, max_new_tokens: int, eos_ids: set[int], vocab_limit: int):
-    """Greedy decoding of a batch of `NeedlePrompt`s with every head's mass on the asked needle recorded.
-    Returns (mass [B, L, H] summed over the steps that generated a needle token, hits [B], generated ids)."""
+class NeedleMassProbe(SelectionPolicy):
+    """Full verification that records, at every token a row generates that is one of its needle span's tokens, each
+    (layer, query head)'s attention mass on the span: the mass of the query that chose the token (for the first
+    token, the prompt's last query, seen by the gang's prefill). Its state spans the batch (the rows' spans), so
+    the engine runs it as a gang. total [B, L, H] and hits [B] accumulate on the device."""
+
+    name = "needle-mass"
+
+    def __init__(self, n_layers: int, n_heads: int, spans: torch.Tensor, needle: torch.Tensor) -> None:
+        """spans: int [B, 2] = [start, end) per row; needle: bool [B, V], the tokens of each row's span."""
+        self.obs = SpanMass(n_layers, n_heads, spans)
+        self.needle = needle
+        self.total = torch.zeros_like(self.obs.mass)
+        self.hits = torch.zeros(spans.shape[0], dtype=torch.long, device=spans.device)
+        self._first = True
+
+    def target_observers(self, state: StepState):
+        return [self.obs]
+
+    def _count(self, state: StepState) -> None:
+        """Book the mass of the forward that chose each running row's `pending` token, if it is a needle token."""
+        rows = torch.arange(self.needle.shape[0], device=self.needle.device)
+        hit = self.needle[rows, state.pending] & ~state.done
+        self.total += self.obs.mass * hit[:, None, None]
+        self.hits += hit
+
+    def begin_step(self, state: StepState) -> None:
+        if self._first:  # the first token, chosen by the prefill
+            self._first = False
+            self._count(state)
+
+    def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
+        self._count(state)
+
+
+def run_needle_batch(engine, model, prompts, max_new_tokens: int):
+    """Greedy decoding of a batch of `NeedlePrompt`s by `model` (the pair's target or draft) on the engine core,
+    with every head's mass on the asked needle recorded (`NeedleMassProbe`). Returns (mass [B, L, H] summed over the
+    steps that generated a needle token, hits [B], generated ids)."""
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.engine import Engine
+
     a, dev = model.args, model.embed_tokens.weight.device
-    B, dtype = len(prompts), model.embed_tokens.weight.dtype
-    lengths = [p.n_tokens for p in prompts]
-    cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, max(lengths) + max_new_tokens + 1, dtype, dev)
     spans = torch.tensor([p.spans[p.asked] for p in prompts], device=dev)
-    obs = SpanMass(a.n_layers, a.n_heads, spans)
-    needle_tokens = [set(p.ids[s:e]) for p, (s, e) in zip(prompts, spans.tolist(), strict=True)]
-    total = torch.zeros(B, a.n_layers, a.n_heads, dtype=torch.float32, device=dev)
-    hits, out, done = [0] * B, [[] for _ in prompts], [False] * B
-    first = []
-    for b, p in enumerate(prompts):  # prefill one sequence at a time (its last query is observed)
-        n = p.n_tokens
-        pos = torch.arange(n, device=dev)[None]
-        ctx = ForwardContext(cache, pos, torch.zeros(1, dtype=torch.int32, device=dev), n, rows=slice(b, b + 1),
-                             fresh=True, observers=[obs])
-        logits = model(torch.tensor(p.ids, device=dev)[None], ctx, logits_at=torch.tensor([n - 1], device=dev))
-        first.append(logits[:, :vocab_limit].argmax(-1))
-    tok = torch.cat(first)
-    cache.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
-    for step in range(max_new_tokens):
-        host = tok.tolist()
-        hit = torch.tensor([not done[b] and host[b] in needle_tokens[b] for b in range(B)], device=dev)
-        total += obs.mass * hit[:, None, None]
-        for b, t in enumerate(host):
-            if not done[b]:
-                hits[b] += int(hit[b])
-                out[b].append(t)
-                done[b] = t in eos_ids
-        if all(done) or step == max_new_tokens - 1:
-            break
-        L = cache.lengths
-        ctx = ForwardContext(cache, L.long()[:, None], L, int(max(lengths)) + step + 1, observers=[obs])
-        tok = model(tok[:, None], ctx)[:, 0, :vocab_limit].argmax(-1)
-        cache.lengths.add_(1)
-    return total, hits, out
+    needle = torch.zeros(len(prompts), engine.vocab_limit, dtype=torch.bool, device=dev)
+    for b, (p, (start, end)) in enumerate(zip(prompts, spans.tolist(), strict=True)):
+        needle[b, p.ids[start:end]] = True
+    probe = NeedleMassProbe(a.n_layers, a.n_heads, spans, needle)
+    runner = engine if model is engine.target else Engine(model, None, engine.tokenizer)
+    # each step read back before the next is launched, so that `done` masks every token past a row's stop
+    cfg = GenerationConfig(method="vanilla", max_new_tokens=max_new_tokens, overlap=False)
+    out = runner.generate([p.ids for p in prompts], cfg, policy=probe)
+    return probe.total, probe.hits.tolist(), [s.token_ids for s in out.sequences]
 
 
 def run_srh(engine, role: str, out_dir: Path, contexts: list[int], depths: int, needles, haystacks: list[str],
@@ -102,7 +115,7 @@ def run_srh(engine, role: str, out_dir: Path, contexts: list[int], depths: int, 
             chunk = group[i:i + per_batch]
             prompts = [make_needle_prompt(engine.tokenizer, haystacks[n % len(haystacks)], c, [needles[n]], [d])
                        for d, n in chunk]
-            mass, hits, gen = run_needle_batch(model, prompts, max_new_tokens, engine.eos_ids, engine.vocab_limit)
+            mass, hits, gen = run_needle_batch(engine, model, prompts, max_new_tokens)
             with log.open("a") as f:
                 for b, (d, n) in enumerate(chunk):
                     text = engine.tokenizer.decode(gen[b], skip_special_tokens=True)

@@ -26,8 +26,10 @@ class StepState(Protocol):
     """What a policy may read of the batch it serves (engine/session.py's Session implements it).
     Fixed for the batch: B, gamma, device, target/draft (their .args), the caches, prompts, cfg, timer (phases
     "estimate" / "select" are the policy's own). Per step: target_cache.lengths (cached positions; inside
-    `after_verify` already advanced by this step), verify_input / verify_positions (this step's [pending,
-    drafts] and positions, set before `plan`), done (rows that stopped), finished (host copy)."""
+    `after_verify` already advanced by this step), pending (each row's newest token, not cached yet; inside
+    `after_verify` the one this step chose), verify_input / verify_positions (this step's [pending, drafts] and
+    positions, set before `plan`), done (rows that stopped), finished (host copy). A non-speculative step (vanilla)
+    calls `begin_step`, the target observers and `after_verify` too, but no `plan`."""
 
     B: int
     gamma: int
@@ -36,6 +38,7 @@ class StepState(Protocol):
     draft: Transformer | None
     target_cache: KVCache
     draft_cache: KVCache | None
+    pending: torch.Tensor
     prompts: list[list[int]]
     cfg: object
     timer: object  # start(phase) / stop(phase): engine.timing.PhaseTimer
@@ -56,7 +59,7 @@ class SelectionPolicy:
     # True if the policy's per-step work (observers, plan or per-layer plans, after_verify) makes no host syncs
     # and keeps its state in fixed-address device buffers: the whole step may then be captured as one CUDA graph
     # (`StepGraph`), forwards given one `SparsePlan` may replay as per-forward graphs (a `LayerPlanner`'s verify
-    # forward then runs eagerly), and `Session.decode` may run a step ahead of the host
+    # forward then runs eagerly), and the engine loop may run a step ahead of the host
     graph_safe = False
     # True if every piece of the policy's state is per sequence and built from that sequence's own prefill and
     # steps: a sequence can then join a running batch (serving slots, `Engine.generate`'s kept session)
@@ -68,6 +71,10 @@ class SelectionPolicy:
     def target_observers(self, state: StepState) -> list[QueryObserver]:
         return []
 
+    def begin_gang(self, state: StepState) -> None:
+        """Called before a gang's prefill (a batch admitted together, `Session.prefill_gang`): a policy with state
+        of the whole batch starts it over here (the rows now hold other sequences)."""
+
     def begin_step(self, state: StepState) -> None:
         """Called before drafting (reset per-step score buffers here)."""
 
@@ -77,7 +84,7 @@ class SelectionPolicy:
 
     def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
         """Called with the number of accepted draft tokens per sequence (device tensor), after the cache
-        lengths advanced by 1 + n_accepted for the rows still running."""
+        lengths advanced by 1 + n_accepted for the rows still running and `pending` became the step's next token."""
 
     def use_auto_budget(self, rule) -> None:
         """`--budget auto` (an AutoBudget): only Dustin's policies size k from their scores."""

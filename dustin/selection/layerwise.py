@@ -29,6 +29,9 @@ class QuestSelection(SelectionPolicy):
         self.cfg = cfg
         self.pages = None
 
+    def begin_gang(self, state: StepState) -> None:
+        self.pages = None  # built again from the new gang's prompts at its first step
+
     def plan(self, state: StepState):
         from dustin.kernels.quest import QuestPages
 

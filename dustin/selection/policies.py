@@ -161,27 +161,38 @@ POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "dustin-ancho
             "oracle", *ORACLE_RUNGS)
 
 
-def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
+def policy_class(name: str) -> type[SelectionPolicy]:
+    """The class of a verification policy by name (its class attributes say how the engine may run it:
+    `row_local`, `graph_safe`)."""
     if name == "full":
+        return FullSelection
+    if name == "streaming":
+        return StreamingSelection
+    if name in ("dustin", "dustin-t", "dustin-d"):
+        return DustinSelection
+    if name == "dustin-anchor":
+        from dustin.selection.anchors import AnchorSelection
+        return AnchorSelection
+    if name == "oracle":
+        return OracleSelection
+    if name in ORACLE_RUNGS:
+        from dustin.selection.ladder import LadderOracle
+        return LadderOracle
+    if name in ("quest", "specattn"):
+        from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
+        return QuestSelection if name == "quest" else SpecAttnSelection
+    if name == "snapkv":
+        from dustin.selection.snapkv import SnapKVSelection
+        return SnapKVSelection
+    raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
+
+
+def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
+    cls = policy_class(name)
+    if cls is FullSelection:
         return FullSelection()
     if cfg is None:
         raise ValueError(f"policy {name!r} needs a SparseConfig")
-    if name == "streaming":
-        return StreamingSelection(cfg)
-    if name in ("dustin", "dustin-t", "dustin-d"):
-        return DustinSelection(cfg, name)
-    if name == "dustin-anchor":
-        from dustin.selection.anchors import AnchorSelection
-        return AnchorSelection(cfg)
-    if name == "oracle":
-        return OracleSelection(cfg)
-    if name in ORACLE_RUNGS:
-        from dustin.selection.ladder import LadderOracle
-        return LadderOracle(cfg, name)
-    if name in ("quest", "specattn"):
-        from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
-        return QuestSelection(cfg) if name == "quest" else SpecAttnSelection(cfg)
-    if name == "snapkv":
-        from dustin.selection.snapkv import SnapKVSelection
-        return SnapKVSelection(cfg)
-    raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
+    if cls is DustinSelection or name in ORACLE_RUNGS:
+        return cls(cfg, name)
+    return cls(cfg)

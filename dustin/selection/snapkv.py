@@ -32,11 +32,11 @@ while that is < lengths[b], then 0 (padding). Prompt picks are < prompt_len_b <=
 the list is sorted and every entry is < lengths[b], as `sparse_mask` and `sparse_verify_attention` want.
 The planner is per layer (a `LayerPlanner`), so the verify forward runs eagerly (no CUDA graph), like Quest.
 
-reuse_prefill: a Session given a reused prefill copies the prompt caches and re-runs only the LAST prompt token,
-so an observer would see one query per sequence, not the window. The Engine therefore never hands a reused
-prefill to a policy with `needs_own_prefill` (this one): `Engine.session(..., prefill_cache=...)` runs snapkv's
-own full prefill (identical caches, so its own state is saved for the methods that follow), and its output
-equals a run without reuse. A Session built directly with a reused (or random) prefill raises InputError.
+A reused prefill (a "snapshot" gang, `Session.prefill_gang`) copies the prompt caches and re-runs only the LAST
+prompt token, so an observer would see one query per sequence, not the window. A policy with `needs_own_prefill`
+(this one) therefore never gets one: `Engine.generate(..., prefill_cache=...)` runs snapkv's own full prefill
+(identical caches, so its own state is saved for the methods that follow), and its output equals a run without
+reuse. A noise-filled prefill leaves it nothing to observe: it raises InputError.
 """
 from __future__ import annotations
 
@@ -131,6 +131,10 @@ class SnapKVSelection(SelectionPolicy):
         self._decoding = False
         self._plans: list[SparsePlan] = []
 
+    def begin_gang(self, state: StepState) -> None:
+        self.prefill = None  # the new gang's prompts are scored by its own prefill
+        self._decoding = False
+
     def _setup(self, state: StepState) -> SnapKVPrefillObserver:
         if self.prefill is None or self._owner() is not state:
             a = state.target.args
@@ -149,7 +153,7 @@ class SnapKVSelection(SelectionPolicy):
 
     def begin_step(self, state: StepState) -> None:
         obs = self._setup(state)
-        if not self._decoding and not all(obs.seen):
+        if not self._decoding and not all(seen or not p for seen, p in zip(obs.seen, state.prompts, strict=True)):
             raise InputError(_OWN_PREFILL)
         self._decoding = True
 

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dustin.engine.request import Logprob, RequestOutput, SamplingParams
 from dustin.engine.request import Request as EngineRequest
 from dustin.errors import DustinError, InputError
-from dustin.serve.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from dustin.serve.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from dustin.serve.detokenize import IncrementalDetokenizer, TokenText
 from dustin.serve.logprobs import chat_logprobs, completion_logprobs
 from dustin.serve.protocol import (
@@ -283,7 +283,7 @@ class _Job:
 class _Server:
     """Request handling shared by the routes; one per app."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngineCore, served_model_name: str) -> None:
         self.engine = engine
         self.model = served_model_name
         self.created = now()
@@ -307,7 +307,7 @@ class _Server:
         out = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
-                from dustin.engine.engine import encode_prompt
+                from dustin.engine.pair import encode_prompt
                 ids = encode_prompt(self.tokenizer("a text prompt needs one"), prompt)
                 if not ids:
                     raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
@@ -324,7 +324,7 @@ class _Server:
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
-        from dustin.engine.engine import encode_chat
+        from dustin.engine.pair import encode_chat
         dicts = [m.template_dict() for m in messages]
         try:
             if add_generation_prompt and not continue_final_message and not add_special_tokens:
@@ -374,7 +374,7 @@ class _Server:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
     async def start(self, groups: list[list[EngineRequest]]) -> RequestStream:
-        from dustin.engine.llm_engine import QueueFullError
+        from dustin.engine.scheduler import QueueFullError
 
         try:
             return await self.engine.generate_groups(groups)
@@ -510,7 +510,7 @@ def _num(v: Any) -> str:
         return "NaN"
 
 
-def create_app(async_engine: AsyncLLMEngine, served_model_name: str | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngineCore, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (whose thread the caller starts and shuts down)."""
     server = _Server(async_engine, served_model_name or async_engine.model_name)
     from dustin import __version__

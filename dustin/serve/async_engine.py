@@ -1,6 +1,6 @@
-"""`AsyncLLMEngine`: the thread-safe, asyncio-facing wrapper of `LLMEngine` used by the HTTP server.
+"""`AsyncEngineCore`: the thread-safe, asyncio-facing wrapper of `EngineCore` used by the HTTP server.
 
-`LLMEngine` is not thread-safe, so exactly one thread, the engine thread owned here, calls its methods. It loops:
+`EngineCore` is not thread-safe, so exactly one thread, the engine thread owned here, calls its methods. It loops:
 
     apply pending commands (add / abort) from a thread-safe queue
     -> step() while there is work (else sleep until a command arrives)
@@ -8,13 +8,13 @@
     -> refresh the stats snapshot that /metrics and /health read.
 
 Request handlers (on the event loop) only put commands on the queue and await their request's queue. The one
-exception is `LLMEngine.check_request`, which the caller runs itself so a bad request fails fast even while the
+exception is `EngineCore.check_request`, which the caller runs itself so a bad request fails fast even while the
 engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
 
 If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
 stops taking requests, and `error` keeps the message for /health (503). The process stays up.
 
-Tensor parallelism (rank 0 of `dustin serve` under torchrun; the other ranks run `LLMEngine.follow()`): the engine
+Tensor parallelism (rank 0 of `dustin serve` under torchrun; the other ranks run `EngineCore.follow()`): the engine
 thread is the only one that talks to the followers. It first makes the engine's GPU its current device
 (`bind_thread`), calls `heartbeat()` whenever it wakes up idle (so the followers' wait for the next plan never
 reaches the process group's timeout), and when it ends, whether shut down or failed, calls `stop_followers()`.
@@ -52,7 +52,7 @@ class _Stream:
 
 @dataclass
 class _Add:
-    groups: list[list[Request]]  # each one request, or the sequences of one prompt (LLMEngine.add_requests)
+    groups: list[list[Request]]  # each one request, or the sequences of one prompt (EngineCore.add_requests)
     stream: _Stream  # where all their outputs go
     future: Future = field(default_factory=Future)
 
@@ -70,7 +70,7 @@ class RequestStream:
     `next(timeout)` is the same with a timeout (None when nothing came), so a handler can poll for a client that
     went away between outputs. Closing (or leaving) a stream before it finished aborts its unfinished requests."""
 
-    def __init__(self, owner: AsyncLLMEngine, request_ids: list[str], stream: _Stream) -> None:
+    def __init__(self, owner: AsyncEngineCore, request_ids: list[str], stream: _Stream) -> None:
         self.owner, self._stream = owner, stream
         self.request_id = request_ids[0]
         self.unfinished = dict.fromkeys(request_ids)
@@ -125,15 +125,15 @@ class RequestStream:
             self.abort()
 
 
-class AsyncLLMEngine:
+class AsyncEngineCore:
     def __init__(self, engine: Any, *, idle_poll_s: float = 1.0, start: bool = True) -> None:
-        """engine: an LLMEngine (or anything with its methods). The engine thread starts at once unless
+        """engine: an EngineCore (or anything with its methods). The engine thread starts at once unless
         `start` is False (call `start()`)."""
         self.engine = engine
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.model_name = getattr(engine, "model_name", "dustin")
         self.max_context = int(engine.max_context)
-        self.vocab_limit = int(engine.engine.vocab_limit)  # token ids the engine takes: 0..vocab_limit - 1
+        self.vocab_limit = int(engine.pair.vocab_limit)  # token ids the engine takes: 0..vocab_limit - 1
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -159,7 +159,7 @@ class AsyncLLMEngine:
             return self._error
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
-        """LLMEngine.check_request (InputError), run by the caller: it reads only settings fixed at start."""
+        """EngineCore.check_request (InputError), run by the caller: it reads only settings fixed at start."""
         self.engine.check_request(prompt_ids, params, n)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
@@ -172,7 +172,7 @@ class AsyncLLMEngine:
     async def generate_groups(self, groups: list[list[Request]]) -> RequestStream:
         """`generate` for several requests at once (all or none are queued), one stream for all their outputs:
         each group is one request, or the n sequences of one prompt, each with its own parameters (seed), whose
-        prompt is prefilled once (LLMEngine.add_requests)."""
+        prompt is prefilled once (EngineCore.add_requests)."""
         err = self.error
         if err is not None:
             raise EngineDeadError(err)

@@ -1,10 +1,10 @@
-"""`dustin serve`: the OpenAI-compatible HTTP server on one `LLMEngine` (continuous batching).
+"""`dustin serve`: the OpenAI-compatible HTTP server on one `EngineCore` (continuous batching).
 
     dustin serve --device cuda --method dustin --max-slots 16 --port 8000
     torchrun --nproc-per-node 2 -m dustin serve --device cuda --method dustin --port 8000   # tensor parallel
 
 Under torchrun, rank 0 checks the port, loads its shard and serves HTTP; every other rank loads its shard and
-follows rank 0's engine steps (`LLMEngine.follow`) until rank 0's server stops and sends the stop plan; then all
+follows rank 0's engine steps (`EngineCore.follow`) until rank 0's server stops and sends the stop plan; then all
 ranks leave the process group together (dustin/cli/main.py) and exit 0.
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
-                   help=f"decoding method of every request (default {DEFAULT_METHOD}; the offline-only baselines "
-                        f"quest, snapkv, specattn, oracle and the oracle-* ladder are refused)")
+                   help=f"decoding method of every request (default {DEFAULT_METHOD}; quest, snapkv, specattn, oracle "
+                        f"and the oracle-* ladder keep whole-batch state: their requests are admitted in gangs that "
+                        f"nothing joins until all finish)")
     add_speculation_args(p)
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
@@ -82,17 +83,16 @@ def _launch(method: str) -> tuple[int, int]:
         raise InputError(f"WORLD_SIZE is {world} but {', '.join(missing)} {verb} not set: launch tensor-parallel "
                          f"serving with torchrun --nproc-per-node N -m dustin serve ...")
     from dustin.engine.config import METHODS
-    from dustin.engine.llm_engine import SERVABLE
     from dustin.parallel.tp_selection import TP_POLICIES
 
-    if method in SERVABLE and METHODS[method].policy not in TP_POLICIES:
-        tp = [m for m in SERVABLE if METHODS[m].policy in TP_POLICIES]
+    if METHODS[method].policy not in TP_POLICIES:
+        tp = [m for m in METHODS if METHODS[m].policy in TP_POLICIES]
         raise InputError(f"--method {method} has no tensor-parallel form; under torchrun serve one of {', '.join(tp)}")
     return int(os.environ["RANK"]), world
 
 
 def build_engine(args):
-    from dustin.engine.llm_engine import LLMEngine, ServeConfig
+    from dustin.engine.core import EngineCore, ServeConfig
 
     cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
                       budget_p=args.budget_p, budget_min=args.budget_min, budget_max=args.budget_max,
@@ -100,7 +100,7 @@ def build_engine(args):
                       max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                       prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
     cfg.generation(1)  # Γ and the budget are checked there: fail before the model load
-    return LLMEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
+    return EngineCore.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                      attention=args.attention, config=cfg,
                                      rope_scaling=args.rope_scaling)
 
@@ -135,10 +135,10 @@ def _serve(args, engine, world: int) -> int:
 
     from dustin.errors import DustinError
     from dustin.serve.app import create_app
-    from dustin.serve.async_engine import AsyncLLMEngine
+    from dustin.serve.async_engine import AsyncEngineCore
 
     name = args.served_model_name or engine.model_name
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncEngineCore(engine)
     app = create_app(async_engine, name)
     host = f"[{args.host}]" if ":" in args.host else args.host
     tp = f", tensor parallel over {world} ranks" if world > 1 else ""

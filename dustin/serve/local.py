@@ -15,9 +15,9 @@ class LocalServer:
         import uvicorn
 
         from dustin.serve.app import create_app
-        from dustin.serve.async_engine import AsyncLLMEngine
+        from dustin.serve.async_engine import AsyncEngineCore
 
-        self.async_engine = AsyncLLMEngine(engine)
+        self.async_engine = AsyncEngineCore(engine)
         app = create_app(self.async_engine, name)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

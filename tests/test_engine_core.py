@@ -1,4 +1,4 @@
-"""The serving engine core (engine/llm_engine.py): continuous batching over KV slots must give every request
+"""The engine core (engine/core.py): continuous batching over KV slots must give every request
 exactly the tokens an offline `Engine.generate` of that prompt alone gives (fp32, CPU), whatever else runs
 beside it, however its prompt is chunked, and however often its slot was used before."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from dustin.engine.config import GenerationConfig
+from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
-from dustin.engine.llm_engine import LLMEngine, QueueFullError, ServeConfig
 from dustin.engine.request import Request, SamplingParams
+from dustin.engine.scheduler import QueueFullError
 from dustin.errors import InputError
 
 SPARSE = dict(budget=24, draft_window=32)
@@ -42,12 +43,43 @@ def test_continuous_batching_equals_offline_generation(engine, method):
     kw = SPARSE if method in ("dustin", "dustin-t", "streaming", "dustin-anchor") else {"draft_window": 32}
     prompts = _prompts(10)
     ref = _offline(engine, prompts, method, 12, **kw)
-    llm = LLMEngine(engine, ServeConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
+    llm = EngineCore(engine, ServeConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out == ref
     st = llm.stats()
     assert st["requests_running"] == 0 and st["requests_finished"] == 10 and st["generated_tokens_total"] == 120
     assert st["prompt_tokens_total"] == sum(map(len, prompts))
+
+
+@pytest.mark.parametrize("method", ["quest", "snapkv", "oracle", "oracle-kv-d1"])
+def test_whole_batch_policies_are_served_in_gangs(engine, method):
+    """Policies whose state spans the batch are served: the waiting requests are admitted as one gang once every
+    slot is free, and a request that arrives while a gang runs waits for all of it to finish. 5 requests through 3
+    slots: the first 3 form a gang, a 4th arriving mid-way waits, then it and the 5th form the next; each request's
+    greedy tokens equal offline generation of its gang's prompts."""
+    kw = dict(budget=40, draft_window=32)
+    prompts = _prompts(5, seed=8, low=50, high=120)
+    cfg = GenerationConfig(method=method, max_new_tokens=10, stop_at_eos=False, **kw)
+    ref = [s.token_ids for s in engine.generate(prompts[:3], cfg).sequences]
+    ref += [s.token_ids for s in engine.generate(prompts[3:], cfg).sequences]
+    llm = EngineCore(engine, ServeConfig(method=method, max_slots=3, max_context=256, **kw))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i in range(3):
+        llm.add_request(Request(str(i), prompts[i], params))
+    got: dict[str, list[int]] = {}
+    steps = 0
+    while llm.has_unfinished():
+        for o in llm.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        if steps == 1:
+            for i in (3, 4):
+                llm.add_request(Request(str(i), prompts[i], params))
+        if steps == 2:  # the first gang runs: the later requests wait, no slot is taken by them
+            st = llm.stats()
+            assert st["requests_waiting"] == 2 and st["kv_slots_used"] == 3
+    assert [got[str(i)] for i in range(5)] == ref
+    assert llm.stats()["requests_finished"] == 5
 
 
 def test_requests_join_and_leave_a_running_batch(engine):
@@ -56,7 +88,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
     prompts = _prompts(6, seed=1)
     limits = [3, 17, 9, 25, 1, 12]
     ref = [_offline(engine, [p], "classic", m)[0] for p, m in zip(prompts, limits, strict=False)]
-    llm = LLMEngine(engine, ServeConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
+    llm = EngineCore(engine, ServeConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
     got: dict[str, list[int]] = {}
     finished = {}
     for i in range(2):
@@ -81,7 +113,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
 
 def test_abort_frees_the_slot(engine):
     prompts = _prompts(3, seed=2)
-    llm = LLMEngine(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
+    llm = EngineCore(engine, ServeConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
     for i, p in enumerate(prompts):
         llm.add_request(Request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     llm.step()
@@ -102,9 +134,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     requests; greedy neighbours still match their offline output."""
     prompts = _prompts(4, seed=3)
     params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
-    alone = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
+    alone = EngineCore(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
     solo = alone.generate([prompts[0]], params)[0]
-    mixed = LLMEngine(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
+    mixed = EngineCore(engine, ServeConfig(method="classic", max_slots=4, max_context=200))
     others = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True),
               SamplingParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)]
@@ -116,7 +148,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
 
 
 def test_bad_requests_and_a_full_queue(engine):
-    llm = LLMEngine(engine, ServeConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
+    llm = EngineCore(engine, ServeConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
     with pytest.raises(InputError, match="empty"):
         llm.add_request(Request("e", [], SamplingParams(temperature=0)))
     with pytest.raises(InputError, match="outside the vocabulary"):
@@ -139,7 +171,7 @@ def test_bad_requests_and_a_full_queue(engine):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"method": "quest"}, "offline-only"), ({"method": "nope"}, "unknown method"),
+    ({"method": "nope"}, "unknown method"),
     ({"max_slots": 0}, "--max-slots"), ({"prefill_chunk": 0}, "--prefill-chunk")])
 def test_config_errors(kw, match):
     with pytest.raises(InputError, match=match):
@@ -151,11 +183,11 @@ def test_slot_memory_error_names_the_flags(engine):
 
     huge = ServeConfig(method="vanilla", max_slots=10**6, max_context=256)
     with pytest.raises(OutOfMemoryError, match="--max-slots"):
-        LLMEngine(engine, huge)
+        EngineCore(engine, huge)
     torch.zeros(1)  # the failed allocation left nothing behind that breaks the next one
 
 
-def _lockstep_step(leader: LLMEngine, follower: LLMEngine):
+def _lockstep_step(leader: EngineCore, follower: EngineCore):
     """One `leader.step()` whose plan `follower` executes too, after a pickle round trip (what the broadcast to a
     tensor-parallel follower does)."""
     plan = leader._schedule()
@@ -170,7 +202,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     tokens per row (greedy, seeded and unseeded sampling), lengths and finished rows, through chunked prefill,
     requests that join late, an abort mid-prefill and one mid-decode, a one-token request and slot reuse."""
     cfg = ServeConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=40, **SPARSE)
-    leader, follower = LLMEngine(engine, cfg), LLMEngine(engine, cfg)
+    leader, follower = EngineCore(engine, cfg), EngineCore(engine, cfg)
     prompts = _prompts(8, seed=5, low=20, high=110)
     params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
@@ -215,13 +247,13 @@ def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monk
 
     booked = {"s": 0.0}
     monkeypatch.setattr(Session, "capture_total", lambda self: booked["s"])
-    step = LLMEngine.step
+    step = EngineCore.step
 
     def step_with_a_capture(self):
         booked["s"] = 5.0
         return step(self)
 
-    monkeypatch.setattr(LLMEngine, "step", step_with_a_capture)
+    monkeypatch.setattr(EngineCore, "step", step_with_a_capture)
     res = engine.generate(_prompts(3, seed=4, low=5, high=30),
                           GenerationConfig(method="classic", max_new_tokens=16, stop_at_eos=False, draft_window=32))
     assert res.capture_s == 5.0  # booked to the call, apart from both timings

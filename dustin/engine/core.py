@@ -1,9 +1,10 @@
-"""The serving engine core: requests join a running batch of KV-cache slots and leave when done.
+"""The engine core: requests join a running batch of KV-cache slots and leave when done. The server, offline
+generation (`Engine.generate`, `LLM.generate`), evaluation and the end-to-end benchmark all run on it.
 
-    engine = LLMEngine.from_pretrained("default", "default", device="cuda", config=ServeConfig(method="dustin"))
-    engine.add_request(Request("r1", prompt_ids, SamplingParams(max_tokens=64)))
-    while engine.has_unfinished():
-        for out in engine.step():          # schedule -> run -> postprocess
+    core = EngineCore.from_pretrained("default", "default", device="cuda", config=ServeConfig(method="dustin"))
+    core.add_request(Request("r1", prompt_ids, SamplingParams(max_tokens=64)))
+    while core.has_unfinished():
+        for out in core.step():          # schedule -> execute -> update
             print(out.request_id, out.new_token_ids, out.finished)
 
 Design (nano-vllm's shape, on our speculative step):
@@ -24,6 +25,10 @@ Design (nano-vllm's shape, on our speculative step):
   is prefilled as usual, and when its prefill completes the others take a copy of its prompt cache and prefill
   only the prompt's last token themselves (their numbers are those of a whole prefill of their own: K/V do not
   depend on how a prompt is cut into chunks), so the prompt is prefilled once.
+- Gang admission (`gang`, see `Scheduler`): the waiting requests are admitted together once every row is free and
+  prefilled at once; nothing joins them until they have all finished. Policies whose state spans the whole batch
+  (quest, specattn, snapkv, oracle: not `row_local`) always run this way; offline method comparisons over one
+  prefill ("snapshot", with a `PrefillCache`) and benchmarks over noise-filled caches ("noise") ask for it.
 
 Tensor parallelism (`dustin serve` under torchrun): a step is split into `_schedule()`, which returns a `StepPlan`
 (rows to release, admissions, prefill chunks of decided sizes, whether to decode: every call the step makes on the
@@ -38,31 +43,21 @@ every `heartbeat_s` seconds (see there why), and `stop_followers()` ends their `
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
-from dustin.engine.engine import Engine, check_prompts
+from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
-from dustin.engine.sampling import SamplingRule
-from dustin.engine.session import Session, cache_capacity
+from dustin.engine.scheduler import Admission, Scheduler, Sequence, StepPlan
+from dustin.engine.session import PrefillCache, Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
-
-# sparse policies whose per-sequence state is (re)built by a row's own prefill; quest, snapkv, specattn and
-# oracle build state for the whole batch at once (or run full forwards) and stay offline-only
-SERVABLE = ("vanilla", "classic", "magicdec", "streaming", "dustin", "dustin-t", "dustin-d", "dustin-anchor")
-
 
 # prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the
 # H200 measurement it comes from
 DEFAULT_PREFILL_TOKENS_GPU = 8192
-
-
-class QueueFullError(DustinError):
-    """The waiting queue is full: the server answers 429."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +88,6 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.method not in SERVABLE:
-            raise InputError(f"method {self.method!r} is offline-only (evaluation baseline); serve one of "
-                             f"{', '.join(SERVABLE)}")
         for name, low in (("max_slots", 1), ("max_context", 16), ("prefill_chunk", 1), ("prefill_tokens", 1),
                           ("max_waiting", 1)):
             v = getattr(self, name)
@@ -112,217 +104,91 @@ class ServeConfig:
                                 draft_window=self.draft_window)
 
 
-@dataclass(eq=False)
-class _Sequence:
-    request: Request
-    arrival: float
-    row: int | None = None
-    prefilled: int = 0  # prompt tokens given to prefill chunks of scheduled plans
-    emitted: int = 0  # tokens already returned by step()
-    aborted: bool = False
-    # n sequences of one prompt: the list shared by the group's members still waiting or running (the first
-    # prefills the prompt), the member whose prompt cache this one copies, the plan that completed its prefill
-    group: list[_Sequence] | None = None
-    copy_from: _Sequence | None = None
-    prefill_plan: int | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.request.prompt_ids)
-
-
-class Scheduler:
-    """Waiting requests (bounded FIFO), the rows they run in, and each step's prefill: whole chunks of
-    `chunk` tokens (a prompt is always cut at the same offsets, multiples of `chunk` from its start, whatever
-    else runs), oldest request first, at most `budget` tokens in all."""
-
-    def __init__(self, n_rows: int, max_waiting: int, chunk: int, budget: int) -> None:
-        self.waiting: deque[_Sequence] = deque()
-        self.running: dict[int, _Sequence] = {}  # row -> sequence (prefilling or decoding)
-        self.free = list(range(n_rows))
-        self.max_waiting, self.chunk, self.budget = max_waiting, chunk, budget
-        self.plans = 0  # prefill plans made (`prefill_chunks` calls)
-
-    def enqueue(self, seqs: _Sequence | list[_Sequence]) -> None:
-        """One request, or a group of sequences of one prompt (kept together: admitted at once)."""
-        seqs = [seqs] if isinstance(seqs, _Sequence) else seqs
-        if len(self.waiting) + len(seqs) > self.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting (--max-waiting "
-                                 f"{self.max_waiting}): try again later")
-        self.waiting.extend(seqs)
-
-    def admissions(self) -> list[_Sequence]:
-        """Waiting requests given a free row now (lowest rows first), in arrival order; a group only when a row is
-        free for each member (FIFO: nothing behind it goes first). A group's members after the first copy its
-        prompt cache."""
-        out = []
-        while self.waiting and self.free:
-            group = self.waiting[0].group or [self.waiting[0]]
-            if len(group) > len(self.free):
-                break
-            for seq in group:  # a group waits in one piece, its first member first
-                popped = self.waiting.popleft()
-                assert popped is seq
-                seq.row = self.free.pop(0)
-                self.running[seq.row] = seq
-                if seq is not group[0]:
-                    seq.copy_from, seq.prefilled = group[0], len(seq.request.prompt_ids) - 1
-                out.append(seq)
-        return out
-
-    def prefill_chunks(self) -> list[tuple[int, int]]:
-        """This step's prefill: (row, tokens) per chunk, oldest request first, a request's chunks in order (it may
-        have several in one step), stopping at the first chunk that does not fit the budget: no younger request
-        is prefilled ahead of an older one, and no chunk is cut. Counted as prefilled at once (the plan's
-        execution prefills exactly them). A sequence that copies another's prompt cache waits for a plan after
-        the one that completed that prefill."""
-        self.plans += 1
-        left, out = self.budget, []
-        for seq in sorted(self.running.values(), key=lambda q: q.arrival):
-            src = seq.copy_from
-            if src is not None and (src.prefill_plan is None or src.prefill_plan >= self.plans):
-                continue
-            while seq.prefilling:
-                n = min(self.chunk - seq.prefilled % self.chunk, len(seq.request.prompt_ids) - seq.prefilled)
-                if n > left:
-                    return out
-                seq.prefilled += n
-                left -= n
-                out.append((seq.row, n))
-                if not seq.prefilling:
-                    seq.prefill_plan = self.plans
-        return out
-
-    def drop(self, seq: _Sequence) -> None:
-        """An aborted sequence leaves the queue or its row. Its group's members that were to copy its prompt cache
-        before its prefill completed prefill the prompt themselves (the Session's `release` does the same)."""
-        if seq.group is not None:
-            seq.group.remove(seq)
-        if seq.row is None:
-            self.waiting.remove(seq)
-            return
-        for other in self.running.values():
-            if other.copy_from is seq and seq.prefill_plan is None:
-                other.copy_from, other.prefilled = None, 0
-        self.finish(seq.row)
-
-    def finish(self, row: int) -> _Sequence:
-        seq = self.running.pop(row)
-        self.free.append(row)
-        self.free.sort()
-        return seq
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A waiting request given an idle row: the arguments of `Session.admit`, and whether it ignores EOS."""
-
-    row: int
-    prompt_ids: tuple[int, ...]
-    limit: int
-    sampling: SamplingRule
-    seed: int | None
-    ignore_eos: bool
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    prefix_from: int | None = None  # the row whose prompt cache this one copies (n sequences of one prompt)
-
-    @classmethod
-    def of(cls, seq: _Sequence) -> Admission:
-        p = seq.request.params
-        return cls(seq.row, tuple(seq.request.prompt_ids), p.max_tokens, p.sampling, p.seed, p.ignore_eos,
-                   p.logprobs, p.prompt_logprobs, None if seq.copy_from is None else seq.copy_from.row)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Every call one engine step makes on the Session, in order: release rows (finished last step, or aborted),
-    admit requests to rows, prefill chunks of exactly the given sizes, then one decode step over all rows if
-    `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a follower that executes the same
-    plans on the same Session state makes the same calls. An empty plan does nothing (the idle heartbeat);
-    `stop` ends `LLMEngine.follow()`."""
-
-    release: tuple[int, ...] = ()
-    admit: tuple[Admission, ...] = ()
-    prefill: tuple[tuple[int, int], ...] = ()  # (row, prompt tokens)
-    decode: bool = False
-    stop: bool = False
-
-
-class LLMEngine:
+class EngineCore:
     heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
 
-    def __init__(self, engine: Engine, config: ServeConfig, *, generation: GenerationConfig | None = None,
+    def __init__(self, pair: ModelPair, config: ServeConfig, *, generation: GenerationConfig | None = None,
                  slots: int | None = None, capacity: int | None = None, policy=None,
-                 kernel_warmup: bool = True) -> None:
-        """generation/slots/capacity/policy: `Engine.generate`'s batch run on this same loop (its own decoding
-        settings, one slot per prompt, the capacity its prompts need); the server leaves them None.
+                 kernel_warmup: bool = True, gang: str | None = None,
+                 prefill_cache: PrefillCache | None = None) -> None:
+        """generation/slots/capacity/policy: an offline batch on this same loop (its own decoding settings, one
+        slot per prompt, the capacity its prompts need); the server leaves them None.
+        gang: admit the waiting requests together and prefill them this way ("whole", "snapshot" or "noise";
+        `Session.prefill_gang`); None: chunked admission, or "whole" for a policy that is not `row_local`.
+        prefill_cache: where a "snapshot" gang finds (and leaves) the prompt caches of its prompts.
         kernel_warmup: on a GPU, compile the kernels of the first prefill forward and decode step in the
-        background from now on (dustin/engine/warmup.py; planned for the policy `engine.make_policy` gives, so a
+        background from now on (dustin/engine/warmup.py; planned for the policy `pair.make_policy` gives, so a
         caller passing another policy may turn it off); the first prefill waits for its own kernels, the first
-        decode step for the rest."""
-        if engine.draft is None and METHODS[config.method].speculative:
+        decode step for the rest. Not with a gang (its prefill is not the packed one warmed up)."""
+        if pair.draft is None and METHODS[config.method].speculative:
             raise InputError(f"method {config.method!r} needs a draft model (--draft)")
-        self.engine, self.config = engine, config
-        self.tokenizer = engine.tokenizer
-        cuda = engine.device.type == "cuda"
-        context = engine.max_context(METHODS[config.method].speculative)
+        self.pair, self.config = pair, config
+        self.tokenizer = pair.tokenizer
+        cuda = pair.device.type == "cuda"
+        context = pair.max_context(METHODS[config.method].speculative)
         default_context = context if cuda else min(context, 8192)
         self.max_context = min(config.max_context or default_context, context)
         self.max_slots = slots or config.max_slots or (16 if cuda else 8)
         self.gen_cfg = generation or config.generation(self.max_context)
         gamma = self.gen_cfg.gamma if self.gen_cfg.spec.speculative else 0
         capacity = capacity or cache_capacity([0], [self.max_context], gamma)
-        need = engine.kv_cache_bytes(self.max_slots, capacity, self.gen_cfg.spec.speculative)
+        need = pair.kv_cache_bytes(self.max_slots, capacity, self.gen_cfg.spec.speculative)
         try:
-            policy = policy or engine.make_policy(self.gen_cfg)
-            self.session = Session(engine.target, engine.draft if self.gen_cfg.spec.speculative else None, [],
-                                   self.gen_cfg, engine.eos_ids, engine.vocab_limit, policy, slots=self.max_slots,
+            policy = policy or pair.make_policy(self.gen_cfg)
+            self.session = Session(pair.target, pair.draft if self.gen_cfg.spec.speculative else None,
+                                   self.gen_cfg, pair.eos_ids, pair.vocab_limit, policy, slots=self.max_slots,
                                    capacity=capacity)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
-                                   f"KV cache on {engine.device}: lower --max-slots or --max-context") from None
+                                   f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._inflight: int | None = None  # staging slot of the launched step not yet read back
         self._budget_read, self._budget_cache = -1e9, None
-        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens)
-        self._by_id: dict[str, _Sequence] = {}
+        if gang is None and not policy.row_local:
+            gang = "whole"
+        if gang not in (None, "whole", "snapshot", "noise"):
+            raise ValueError(f"gang must be whole, snapshot or noise, got {gang!r}")
+        self.prefill_cache = prefill_cache
+        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
+                                   gang=gang)
+        self._by_id: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
         self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by _collect
+        self._queued: list[str] = []  # request ids of the offline batch `queue` added
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
         self.counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0, "steps_total": 0,
                          "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
         # tensor parallelism: rank and world of the target's shards; on rank 0 the followers' state: "waiting"
         # (for the next plan), "busy" (a plan was sent and is not finished here: after an error there, the
         # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped"
-        # (`Engine.generate`'s run: every rank runs the same loop on its own, no plans are sent)
-        parallel = engine.parallel if generation is None else None
+        # (an offline batch: every rank runs the same loop on its own, no plans are sent)
+        parallel = pair.parallel if generation is None else None
         self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
         self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
         self._last_sent = time.monotonic()
         # the first prefill's and decode step's kernels, compiling in the background (GPU; None when done or off)
         self.kernel_warmup = None
         self.warmup_stats: dict | None = None  # its stats once the first decode step waited for it
-        if kernel_warmup and self.world == 1:
+        if kernel_warmup and self.world == 1 and gang is None:
             from dustin.engine.warmup import start_kernel_warmup
-            self.kernel_warmup = start_kernel_warmup(engine, self.gen_cfg, self.max_slots, capacity,
+            self.kernel_warmup = start_kernel_warmup(pair, self.gen_cfg, self.max_slots, capacity,
                                                      self.prefill_tokens, config.prefill_chunk)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
                         dtype: str | None = None, attention: str = "auto",
-                        config: ServeConfig | None = None, rope_scaling: str | None = None) -> "LLMEngine":
+                        config: ServeConfig | None = None, rope_scaling: str | None = None) -> "EngineCore":
         config = config or ServeConfig()
         spec = METHODS[config.method]
         from pathlib import Path
 
         from dustin.models.fetch import resolve_model_path
 
-        engine = Engine.from_pretrained(target, draft if spec.speculative else None, device=device, dtype=dtype,
-                                        attention=attention, rope_scaling=rope_scaling)
-        obj = cls(engine, config)
+        pair = ModelPair.from_pretrained(target, draft if spec.speculative else None, device=device, dtype=dtype,
+                                         attention=attention, rope_scaling=rope_scaling)
+        obj = cls(pair, config)
         obj.model_name = Path(resolve_model_path(str(target), "target")).name
         return obj
 
@@ -330,8 +196,8 @@ class LLMEngine:
         """Make the engine's GPU the calling thread's current CUDA device. `torch.cuda.set_device` holds per
         thread, and a new thread starts on GPU 0: the thread that runs `step()` (the server's engine thread) calls
         this first, so kernels, CUDA graphs and (tensor parallelism) NCCL's plan broadcast use the engine's GPU."""
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
+        if self.pair.device.type == "cuda":
+            torch.cuda.set_device(self.pair.device)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
@@ -344,7 +210,7 @@ class LLMEngine:
             raise InputError(f"max_tokens {params.max_tokens} exceeds the engine's context ({self.max_context})")
         cfg = self.gen_cfg
         try:
-            check_prompts([prompt_ids], cfg, self.max_context, self.engine.vocab_limit, [params.max_tokens])
+            check_prompts([prompt_ids], cfg, self.max_context, self.pair.vocab_limit, [params.max_tokens])
         except InputError as e:
             raise InputError(str(e).replace("prompt 0 ", "the prompt ").replace("--max-new-tokens", "max_tokens")
                              ) from None
@@ -364,7 +230,7 @@ class LLMEngine:
         for r in requests:
             self.check_request(r.prompt_ids, r.params, len(requests))
         now = time.perf_counter()
-        seqs = [_Sequence(r, now) for r in requests]
+        seqs = [Sequence(r, now) for r in requests]
         if len(seqs) > 1:
             for seq in seqs:
                 seq.group = seqs
@@ -377,6 +243,12 @@ class LLMEngine:
         if request_id in self._by_id:
             self._aborts.append(request_id)
 
+    def drain(self) -> None:
+        """Read back the step in flight, if any (its tokens are booked; the next `step()` returns them)."""
+        if self._inflight is not None:
+            self.session.complete(self._inflight)
+            self._inflight = None
+
     def has_unfinished(self) -> bool:
         return bool(self._by_id) or self._inflight is not None
 
@@ -384,8 +256,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> (tensor parallelism: broadcast the plan) -> execute (releases, admissions, one packed
         prefill forward, launch a decode step) -> read back the previous step while this one runs ->
-        postprocess. The device runs a step ahead of the host (as `Session.decode`): the host's work of one
-        iteration (detokenizing, HTTP, the next schedule) overlaps the device's step."""
+        postprocess. The device runs a step ahead of the host: the host's work of one iteration (detokenizing,
+        HTTP, the next schedule) overlaps the device's step."""
         if self.rank != 0:
             raise RuntimeError("under tensor parallelism only rank 0 steps; the other ranks call follow()")
         t0 = time.perf_counter()
@@ -412,13 +284,14 @@ class LLMEngine:
         sched = self.scheduler
         admit = tuple(Admission.of(seq) for seq in sched.admissions())
         prefill = tuple(sched.prefill_chunks())
+        gang = sched.gang if admit and sched.gang is not None else None
         release, self._to_release = tuple(self._to_release), []
         # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
         # reaches the host with this step's output)
         decode = any(not seq.prefilling for seq in sched.running.values())
         if decode and prefill and self.kernel_warmup is not None and self.kernel_warmup.running:
             decode = False  # the decode step's kernels are still compiling: prefill now, decode once they are ready
-        return StepPlan(release, admit, prefill, decode)
+        return StepPlan(release, admit, prefill, gang, decode)
 
     def _execute(self, plan: StepPlan) -> None:
         """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
@@ -436,6 +309,9 @@ class LLMEngine:
                 self.kernel_warmup.wait_prefill()  # the prefill forward's kernels are compiled first
             s.prefill(list(plan.prefill), pad_to=self.prefill_tokens)
             self.counters["prompt_tokens_total"] += sum(n for _, n in plan.prefill)
+        if plan.gang is not None:
+            self._prefill_gang(plan.gang)
+            self.counters["prompt_tokens_total"] += sum(len(a.prompt_ids) for a in plan.admit)
         slot = None
         if plan.decode:
             if self.kernel_warmup is not None:
@@ -448,6 +324,15 @@ class LLMEngine:
         if slot is not None and not s.overlappable:
             s.complete(slot)
             self._inflight = None
+
+    def _prefill_gang(self, fill: str) -> None:
+        """The gang's one prefill. "snapshot": the prompt caches come from `prefill_cache` when it holds this
+        gang's prompts (greedy first tokens and all), and are left there for the next gang over them otherwise."""
+        s, store = self.session, self.prefill_cache
+        reuse = store.lookup(s.prefill_key) if fill == "snapshot" and store is not None else None
+        used = s.prefill_gang(fill, reuse)
+        if fill == "snapshot" and store is not None and (used is None or used.draft_kv is None):
+            store.store(s.prefill_state(keep=used))
 
     def _finish_kernel_warmup(self) -> None:
         """Before the first decode step: wait for the background compiles (a one-time cost, reported with the
@@ -465,7 +350,7 @@ class LLMEngine:
         if self._followers != "waiting":
             raise DustinError(f"the tensor-parallel ranks no longer follow this engine ({self._followers})")
         self._followers = "busy"
-        broadcast_object(plan, device=self.engine.device)
+        broadcast_object(plan, device=self.pair.device)
         self._last_sent = time.monotonic()
         if then_execute:
             self._execute(plan)
@@ -480,7 +365,7 @@ class LLMEngine:
             raise RuntimeError("follow() is for ranks > 0 of a tensor-parallel engine")
         received = 0
         while True:
-            plan = broadcast_object(None, device=self.engine.device)
+            plan = broadcast_object(None, device=self.pair.device)
             received += 1
             if plan.stop:
                 return received
@@ -554,40 +439,44 @@ class LLMEngine:
             out.append(o)
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Offline: run prompts to completion through this loop; their new token ids."""
-        return self.run_batch(prompts, params)[0]
+    def queue(self, batch: list[tuple[list[int], SamplingParams]]) -> list[str]:
+        """Offline: add one request per (prompt ids, params), in order; their request ids (`run_queued` collects
+        their tokens)."""
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(batch))]
+        for rid, (p, rp) in zip(ids, batch, strict=True):
+            self.add_request(Request(rid, p, rp))
+        self._queued = ids
+        return ids
 
-    def run_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-                  ) -> tuple[list[list[int]], dict]:
-        """Offline: run prompts to completion through this loop (they are queued as waiting requests as room
-        allows, in order); their new token ids, and timings: `prefill_s`, the wall time until every prompt was
-        prefilled (decode steps of rows that finished their prefill earlier run meanwhile, graph captures too),
-        `produced_after_prefill`, tokens booked after that point, and `capture_total_at_prefill`, the session's
-        graph-capture seconds so far at that point."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        pending = list(zip(ids, prompts, plist, strict=False))
+    def run_queued(self) -> tuple[list[list[int]], dict]:
+        """Offline: step until the `queue`d requests (and anything else) finished; their new token ids, and timings:
+        `prefill_s`, the wall time until every prompt was prefilled (decode steps of rows that finished their
+        prefill earlier run meanwhile, graph captures too), `produced_after_prefill`, tokens booked after that
+        point, and `capture_total_at_prefill`, the session's graph-capture seconds so far at that point."""
+        ids, self._queued = self._queued, []
         results: dict[str, list[int]] = {i: [] for i in ids}
         t0 = time.perf_counter()
         timing = {"prefill_s": 0.0, "produced_after_prefill": 0}
         prefilled = False
-        while pending or self.has_unfinished():
-            while pending and len(self.scheduler.waiting) < self.scheduler.max_waiting:
-                rid, p, rp = pending.pop(0)
-                self.add_request(Request(rid, p, rp))
+        while self.has_unfinished():
             for o in self.step():
                 if o.request_id in results:
                     results[o.request_id] += o.new_token_ids
-            if not prefilled and not pending and not self.scheduler.waiting and not self.session.prefilling_rows:
+            if not prefilled and not self.scheduler.waiting and not self.session.prefilling_rows:
                 prefilled = True
-                if self.engine.device.type == "cuda":
-                    torch.cuda.synchronize(self.engine.device)
+                if self.pair.device.type == "cuda":
+                    torch.cuda.synchronize(self.pair.device)
                 timing["prefill_s"] = time.perf_counter() - t0
                 timing["produced_after_prefill"] = -self.session.stats.produced
                 timing["capture_total_at_prefill"] = self.session.capture_total()
         timing["produced_after_prefill"] += self.session.stats.produced
         return [results[i] for i in ids], timing
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline: run prompts to completion on this core (a plain loop over `step`); their new token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        self.queue(list(zip(prompts, plist, strict=True)))
+        return self.run_queued()[0]
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
