@@ -191,8 +191,10 @@ def _lockstep_step(leader: EngineCore, follower: EngineCore):
     """One `leader.step()` whose plan `follower` executes too, after a pickle round trip (what the broadcast to a
     tensor-parallel follower does)."""
     plan = leader._schedule()
-    leader._execute(plan)
-    follower._execute(pickle.loads(pickle.dumps(plan)))
+    lead = leader._execute(plan)
+    follow = follower._execute(pickle.loads(pickle.dumps(plan)))
+    assert follow == lead  # the same tokens read back in every row, sampled ones included
+    leader._update(lead)
     return leader._collect()
 
 
@@ -228,7 +230,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
             if o.finished:
                 reasons[int(o.request_id)] = o.finish_reason
         a, b = leader.session, follower.session
-        assert b.outputs == a.outputs and b.finished == a.finished and b.host_lengths == a.host_lengths
+        assert b.finished == a.finished and b.host_lengths == a.host_lengths
         assert torch.equal(b.target_cache.lengths, a.target_cache.lengths) and torch.equal(b.pending, a.pending)
         steps += 1
     assert reasons[4] == reasons[5] == "abort" and len(reasons) == len(prompts)

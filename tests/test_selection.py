@@ -73,28 +73,29 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
 
     def recording(state):
         p = plan(state)
-        # the host books a row's first token (its prefill's) with the first step: count it before that
-        plans.append(([max(len(o), 1) for o in state.outputs], state.target_cache.lengths.tolist(), p))
+        plans.append((state.target_cache.lengths.tolist(), p))
         return p
 
     policy.plan = recording
     core = engine.start(prompts, replace(cfg, overlap=False), policy=policy)  # each step read back at once
-    s = core.session
-    lens = [[1] * len(prompts)]  # the prefill's first token, booked with the first step's
+    tokens = [[] for _ in prompts]
+    lens, seen = [[1] * len(prompts)], []  # the prefill's first token, booked with the first step's
     for _ in range(n_steps):
-        core.step()  # the first also prefills
-        lens.append([len(o) for o in s.outputs])
+        seen.append([len(q) + len(t) for q, t in zip(prompts, tokens, strict=True)])  # what the next plan sees
+        for o in core.step():  # the first also prefills
+            tokens[int(o.request_id.split("-")[1])] += o.new_token_ids
+        lens.append([len(t) for t in tokens])
     grown = [[b - a for a, b in zip(x, y, strict=True)] for x, y in zip(lens, lens[1:], strict=False)]
     assert all(1 <= g <= gamma + 1 for row in grown for g in row), grown  # a round yields 1 .. Γ + 1 tokens
-    assert s.stats.steps == n_steps and lens[-1][1] < 64  # nothing truncated: every token a step made is kept
-    assert s.stats.tau == pytest.approx(sum(map(sum, grown)) / (len(prompts) * n_steps), abs=1e-12)
+    assert core.decode_stats.steps == n_steps and lens[-1][1] < 64  # nothing truncated: every token a step made is kept
+    assert core.decode_stats.tau == pytest.approx(sum(map(sum, grown)) / (len(prompts) * n_steps), abs=1e-12)
     assert len(plans) == n_steps
     if method in ("quest", "specattn"):  # per-layer planners: the set is chosen inside the forward
         return
     cf = SparseConfig.load(sparse_cfg)
-    for outs, lengths, p in plans:
-        # the cache holds every committed token but the pending one: prompt + output - 1
-        assert lengths == [len(q) + n - 1 for q, n in zip(prompts, outs, strict=True)]
+    for committed, (lengths, p) in zip(seen, plans, strict=True):
+        # the cache holds every committed token but the pending one (the first: the prefill's): prompt + output - 1
+        assert lengths == [max(n - 1, len(q)) for q, n in zip(prompts, committed, strict=True)]
         for b, L in enumerate(lengths):
             assert int(p.counts[b]) == k
             chosen = p.indices[b, :k].tolist()
@@ -161,11 +162,11 @@ def test_target_scores_use_the_last_cached_query(engine):
     prompt = _prompts([60])[0]
     core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
                                                    overlap=False), policy=policy)
-    core.step()  # the prefill and step 1, read back
+    out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session
     L = s.target_cache.lengths.clone()
     got = policy._target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
-    committed = (prompt + s.outputs[0])[: int(L)]  # cached tokens (all but the pending one)
+    committed = (prompt + out)[: int(L)]  # cached tokens (all but the pending one)
     target, a = engine.target, engine.target.args
     captured = {}
 
@@ -230,11 +231,11 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     core = engine.start([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
                                                    stop_at_eos=False, draft_kv="full", overlap=False), policy=policy)
     L0 = len(prompt)
-    core.step()  # the prefill and step 1, read back
+    out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session
     got = policy._draft_scores.scores[0, :L0]
     lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
-    ids = (prompt + s.outputs[0])[:L0] + lookahead
+    ids = (prompt + out)[:L0] + lookahead
     draft, a = engine.draft, engine.draft.args
     captured = {}
 

@@ -56,7 +56,7 @@ def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
     finally:
         engine.eos_ids = saved
     if eos is not None:
-        assert llm.session.eos_ids == set(eos)
+        assert llm.eos_ids == set(eos)
     return llm
 
 

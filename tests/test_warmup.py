@@ -45,8 +45,8 @@ PAD = 256  # tokens per packed prefill forward in these sessions
 def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
-    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, cfg, engine.eos_ids,
-                engine.vocab_limit, engine.make_policy(cfg), slots=slots, capacity=cap)
+    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, cfg, engine.vocab_limit,
+                engine.make_policy(cfg), slots=slots, capacity=cap)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):

@@ -211,16 +211,17 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     s.timer.totals()
     s.timer = type(s.timer)(s.device)  # phases of the timed steps only
     s.policy.budget_stats(reset=True)  # --budget auto: the k of the timed steps only
-    steps0, tokens0, seq_steps0 = s.stats.steps, s.stats.step_tokens, s.stats.active_seq_steps
+    st = core.decode_stats
+    steps0, tokens0, seq_steps0 = st.steps, st.step_tokens, st.active_seq_steps
     _sync(s.device)
     t0 = time.perf_counter()
     run_steps(core, a.steps)
     _sync(s.device)
     elapsed = time.perf_counter() - t0
-    tokens = s.stats.step_tokens - tokens0
-    row = {"method": method, "batch": batch, "context": context, "steps": s.stats.steps - steps0,
+    tokens = st.step_tokens - tokens0
+    row = {"method": method, "batch": batch, "context": context, "steps": st.steps - steps0,
            "ms_per_step": round(1e3 * elapsed / a.steps, 3),
-           "tau": round(tokens / max(s.stats.active_seq_steps - seq_steps0, 1), 3),
+           "tau": round(tokens / max(st.active_seq_steps - seq_steps0, 1), 3),
            "tokens_per_s": float(f"{tokens / elapsed:.5g}"),  # 5 digits: a CPU run makes ~2 tokens/s
            "accept_prob": cfg.accept_prob,
            "cuda_graphs": bool(s.use_graphs),
@@ -230,7 +231,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     if getattr(a, "copy_bw", None):  # the bytes a step must read (at the mean context of the timed steps)
         from dustin.bench.roofline import step_bytes
 
-        mean_ctx = context + s.stats.produced // (2 * batch)
+        mean_ctx = context + st.produced // (2 * batch)
         b = step_bytes(method, engine.target, engine.draft, batch, mean_ctx, a.gamma, draft_window=a.draft_window,
                        sparse_cfg=s.policy.cfg, target_args=engine.target_args)
         row["bytes_per_step"] = {"target": b.target, "draft": b.draft, "estimate": b.estimate, "total": b.total}

@@ -43,16 +43,17 @@ every `heartbeat_s` seconds (see there why), and `stop_followers()` ends their `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.logprobs import to_logprob
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.scheduler import Admission, Scheduler, Sequence, StepPlan
-from dustin.engine.session import PrefillCache, Session, cache_capacity
+from dustin.engine.session import PrefillCache, RowTokens, Session, cache_capacity
 from dustin.errors import DustinError, InputError, OutOfMemoryError
 
 # prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the
@@ -104,6 +105,26 @@ class ServeConfig:
                                 draft_window=self.draft_window)
 
 
+@dataclass
+class EngineStats:
+    """Decode statistics of a run: steps, tokens, and (offline) its wall times."""
+
+    steps: int = 0
+    active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
+    produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
+    step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
+    capture_s: float = 0.0  # that one-time capture (graph warm-up runs included)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per target forward per sequence (1.0 for vanilla)."""
+        return self.step_tokens / max(self.active_seq_steps, 1)
+
+
+
 class EngineCore:
     heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
 
@@ -136,8 +157,7 @@ class EngineCore:
         try:
             policy = policy or pair.make_policy(self.gen_cfg)
             self.session = Session(pair.target, pair.draft if self.gen_cfg.spec.speculative else None,
-                                   self.gen_cfg, pair.eos_ids, pair.vocab_limit, policy, slots=self.max_slots,
-                                   capacity=capacity)
+                                   self.gen_cfg, pair.vocab_limit, policy, slots=self.max_slots, capacity=capacity)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
@@ -156,7 +176,11 @@ class EngineCore:
         self._aborts: list[str] = []
         self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
         self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by _collect
-        self._queued: list[str] = []  # request ids of the offline batch `queue` added
+        self._queued: dict[str, list[int]] = {}  # the offline batch `queue` added: its tokens returned so far
+        self.eos_ids = set(pair.eos_ids) if self.gen_cfg.stop_at_eos else set()
+        self.decode_stats = EngineStats()
+        self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
+        self._gang_rows: set[int] = set()  # rows of the running gang that finished (released when all have)
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
         self.counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0, "steps_total": 0,
                          "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
@@ -246,8 +270,14 @@ class EngineCore:
     def drain(self) -> None:
         """Read back the step in flight, if any (its tokens are booked; the next `step()` returns them)."""
         if self._inflight is not None:
-            self.session.complete(self._inflight)
+            self._update([self.session.complete(self._inflight)])
             self._inflight = None
+
+    def begin_run(self, seed: int) -> None:
+        """Start a new offline run on this core (a kept one serves several): fresh statistics and timers, and the
+        generators reseeded, so a run's tokens and numbers do not depend on earlier runs."""
+        self.decode_stats = EngineStats()
+        self.session.begin_run(seed)
 
     def has_unfinished(self) -> bool:
         return bool(self._by_id) or self._inflight is not None
@@ -263,9 +293,10 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self._schedule()
         if self._followers is None:
-            self._execute(plan)
+            done = self._execute(plan)
         else:
-            self._send(plan, then_execute=True)
+            done = self._send(plan, then_execute=True)
+        self._update(done)
         outputs = self._collect()
         if not self._by_id and self._inflight is not None:
             # nothing left to serve: read the last launched step back now (its rows have all stopped, it books
@@ -285,25 +316,26 @@ class EngineCore:
         admit = tuple(Admission.of(seq) for seq in sched.admissions())
         prefill = tuple(sched.prefill_chunks())
         gang = sched.gang if admit and sched.gang is not None else None
+        freeze, self._to_freeze = tuple(self._to_freeze), []
         release, self._to_release = tuple(self._to_release), []
         # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
         # reaches the host with this step's output)
         decode = any(not seq.prefilling for seq in sched.running.values())
         if decode and prefill and self.kernel_warmup is not None and self.kernel_warmup.running:
             decode = False  # the decode step's kernels are still compiling: prefill now, decode once they are ready
-        return StepPlan(release, admit, prefill, gang, decode)
+        return StepPlan(freeze=freeze, release=release, admit=admit, prefill=prefill, gang=gang, decode=decode)
 
-    def _execute(self, plan: StepPlan) -> None:
+    def _execute(self, plan: StepPlan) -> list[list[RowTokens]]:
         """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
-        and read back the previous one."""
+        and read back the previous one; the tokens of the steps read back, in order."""
         s = self.session
+        for row in plan.freeze:
+            s.stop(row)
         for row in plan.release:
             s.release(row)
         for a in plan.admit:
             s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed, logprobs=a.logprobs,
                     prompt_logprobs=a.prompt_logprobs, prefix_from=a.prefix_from)
-            if a.ignore_eos:
-                s.ignore_eos_rows.add(a.row)
         if plan.prefill:
             if self.kernel_warmup is not None:
                 self.kernel_warmup.wait_prefill()  # the prefill forward's kernels are compiled first
@@ -318,12 +350,14 @@ class EngineCore:
                 self._finish_kernel_warmup()
             slot = s.launch(overlapped=s.overlappable)
             self.counters["steps_total"] += 1
+        done = []
         if self._inflight is not None:
-            s.complete(self._inflight)
+            done.append(s.complete(self._inflight))
         self._inflight = slot
         if slot is not None and not s.overlappable:
-            s.complete(slot)
+            done.append(s.complete(slot))
             self._inflight = None
+        return done
 
     def _prefill_gang(self, fill: str) -> None:
         """The gang's one prefill. "snapshot": the prompt caches come from `prefill_cache` when it holds this
@@ -342,9 +376,10 @@ class EngineCore:
         self.session.add_one_time_s(self.warmup_stats["wait_s"])
 
     # ------------------------------------------------------------------ tensor parallelism
-    def _send(self, plan: StepPlan, then_execute: bool = False) -> None:
-        """Rank 0: broadcast a plan to the followers (and execute it here). The followers' state is "busy" from
-        the broadcast until this rank finished the plan too, so an error in between leaves it "busy"."""
+    def _send(self, plan: StepPlan, then_execute: bool = False) -> list[list[RowTokens]]:
+        """Rank 0: broadcast a plan to the followers (and execute it here: the tokens read back). The followers'
+        state is "busy" from the broadcast until this rank finished the plan too, so an error in between leaves it
+        "busy"."""
         from dustin.parallel.tp import broadcast_object
 
         if self._followers != "waiting":
@@ -352,9 +387,9 @@ class EngineCore:
         self._followers = "busy"
         broadcast_object(plan, device=self.pair.device)
         self._last_sent = time.monotonic()
-        if then_execute:
-            self._execute(plan)
+        done = self._execute(plan) if then_execute else []
         self._followers = "stopped" if plan.stop else "waiting"
+        return done
 
     def follow(self) -> int:
         """Ranks > 0 of a tensor-parallel engine: receive rank 0's plans and execute them until the stop plan;
@@ -401,43 +436,88 @@ class EngineCore:
             if seq is None:
                 continue
             if seq.row is not None:
-                self._to_release.append(seq.row)
+                self._leave(seq.row)
             self.scheduler.drop(seq)
             self.counters["requests_aborted"] += 1
             out.append(RequestOutput(rid, [], True, "abort", len(seq.request.prompt_ids), seq.emitted))
         self._aborts.clear()
         return out
 
+    def _update(self, steps: list[list[RowTokens]]) -> None:
+        """Commit the tokens of the steps read back to their sequences (the stop rules: `Sequence.commit`), with
+        their log-probabilities, and count them. A step in which no row still decoded (the loop's extra step after
+        the last stop) is not counted."""
+        st, running = self.decode_stats, self.scheduler.running
+        for rows in steps:
+            active = 0
+            for r in rows:
+                seq = running.get(r.row)
+                if seq is None or seq.finished:
+                    continue
+                lp = r.logprobs
+                k = seq.request.params.logprobs
+                if r.first is not None:  # the prefill's first token, not a decode step's
+                    seq.commit([r.first], self.eos_ids)
+                    if lp is not None:
+                        seq.logprobs.append(to_logprob(*lp[0], k))
+                        lp = lp[1:]
+                    if seq.finished:
+                        continue
+                active += 1
+                st.step_tokens += len(r.tokens)
+                kept = seq.commit(r.tokens, self.eos_ids)
+                st.produced += kept
+                if lp is not None:
+                    seq.logprobs += [to_logprob(*lp[j], k) for j in range(kept)]
+            if active:
+                st.steps += 1
+                st.active_seq_steps += active
+
     def _collect(self) -> list[RequestOutput]:
+        """New tokens per request; finished requests leave the scheduler, and their rows are released by the next
+        plan (a gang's are frozen, then released together once the whole gang finished)."""
         out, self._outputs = self._outputs, []
-        s = self.session
-        for row, seq in list(self.scheduler.running.items()):
+        sched = self.scheduler
+        for row, seq in list(sched.running.items()):
             if seq.prefilling:
                 continue
-            toks = s.outputs[row]
+            toks = seq.output_ids
             new = toks[seq.emitted:]
-            done = s.finished[row]
+            done = seq.finished
             if not new and not done:
                 continue
             seq.emitted = len(toks)
             self.counters["generated_tokens_total"] += len(new)
-            reason = None
             if done:
-                eos = toks and toks[-1] in s.eos_ids and row not in s.ignore_eos_rows
-                reason = "stop" if eos else "length"
-                self._to_release.append(row)
-                self.scheduler.finish(row)
+                self._leave(row)
+                sched.finish(row)
                 if seq.group is not None:
                     seq.group.remove(seq)
                 del self._by_id[seq.request.request_id]
                 self.counters["requests_finished"] += 1
-            o = RequestOutput(seq.request.request_id, list(new), done, reason, len(seq.request.prompt_ids), len(toks))
+            o = RequestOutput(seq.request.request_id, list(new), done, seq.finish_reason,
+                              len(seq.request.prompt_ids), len(toks))
+            if o.request_id in self._queued:
+                self._queued[o.request_id] += o.new_token_ids
             if seq.request.params.logprobs is not None:
-                o.logprobs = s.token_logprobs[row][len(toks) - len(new):len(toks)]
+                o.logprobs = seq.logprobs[len(toks) - len(new):len(toks)]
             if len(toks) == len(new):  # the request's first output
-                o.prompt_logprobs = s.prompt_logprobs(row)
+                o.prompt_logprobs = self.session.prompt_logprobs(row)
             out.append(o)
         return out
+
+    def _leave(self, row: int) -> None:
+        """A sequence left its row (finished or aborted): the next plan releases the row; in a gang it freezes the
+        row instead, and the gang's rows are released together once none of its sequences runs."""
+        if self.scheduler.gang is None:
+            self._to_release.append(row)
+            return
+        self._gang_rows.add(row)
+        if all(r == row for r in self.scheduler.running):  # the gang's last sequence
+            self._to_release += sorted(self._gang_rows)
+            self._gang_rows.clear()
+        else:
+            self._to_freeze.append(row)
 
     def queue(self, batch: list[tuple[list[int], SamplingParams]]) -> list[str]:
         """Offline: add one request per (prompt ids, params), in order; their request ids (`run_queued` collects
@@ -445,32 +525,30 @@ class EngineCore:
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(batch))]
         for rid, (p, rp) in zip(ids, batch, strict=True):
             self.add_request(Request(rid, p, rp))
-        self._queued = ids
+        self._queued = {rid: [] for rid in ids}
         return ids
 
     def run_queued(self) -> tuple[list[list[int]], dict]:
-        """Offline: step until the `queue`d requests (and anything else) finished; their new token ids, and timings:
+        """Offline: step until the `queue`d requests (and anything else) finished; their new token ids (those that
+        earlier `step()` calls returned too), and timings:
         `prefill_s`, the wall time until every prompt was prefilled (decode steps of rows that finished their
         prefill earlier run meanwhile, graph captures too), `produced_after_prefill`, tokens booked after that
         point, and `capture_total_at_prefill`, the session's graph-capture seconds so far at that point."""
-        ids, self._queued = self._queued, []
-        results: dict[str, list[int]] = {i: [] for i in ids}
         t0 = time.perf_counter()
         timing = {"prefill_s": 0.0, "produced_after_prefill": 0}
         prefilled = False
         while self.has_unfinished():
-            for o in self.step():
-                if o.request_id in results:
-                    results[o.request_id] += o.new_token_ids
+            self.step()
             if not prefilled and not self.scheduler.waiting and not self.session.prefilling_rows:
                 prefilled = True
                 if self.pair.device.type == "cuda":
                     torch.cuda.synchronize(self.pair.device)
                 timing["prefill_s"] = time.perf_counter() - t0
-                timing["produced_after_prefill"] = -self.session.stats.produced
+                timing["produced_after_prefill"] = -self.decode_stats.produced
                 timing["capture_total_at_prefill"] = self.session.capture_total()
-        timing["produced_after_prefill"] += self.session.stats.produced
-        return [results[i] for i in ids], timing
+        timing["produced_after_prefill"] += self.decode_stats.produced
+        results, self._queued = self._queued, {}
+        return list(results.values()), timing
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline: run prompts to completion on this core (a plain loop over `step`); their new token ids."""
@@ -489,7 +567,7 @@ class EngineCore:
             "kv_slots_used": len(used), "kv_slots_total": self.max_slots,
             "kv_usage": sum(s.host_lengths[r] for r in used) / (self.max_slots * cap),
             "prompt_tokens_total": c["prompt_tokens_total"], "generated_tokens_total": c["generated_tokens_total"],
-            "steps_total": c["steps_total"], "tau": s.stats.tau,
+            "steps_total": c["steps_total"], "tau": self.decode_stats.tau,
             "tokens_per_s": c["generated_tokens_total"] / c["busy_s"] if c["busy_s"] > 0 else 0.0,
             "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
             "budget_k": self._budget_k(),

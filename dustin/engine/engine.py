@@ -145,7 +145,7 @@ class Engine(ModelPair):
                 self._kept = kept
         core = kept[1]
         s = core.session
-        s.begin_run(cfg.seed)
+        core.begin_run(cfg.seed)
         s.policy.budget_stats(reset=True)  # a kept core's histogram counts this call only
         core.queue(list(zip(prompts, params, strict=True)))
         return core
@@ -170,7 +170,7 @@ class Engine(ModelPair):
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
         warm, core.warmup_stats = core.warmup_stats, None  # this call's only
-        st = s.stats
+        st = core.decode_stats
         st.capture_s = s.capture_total() - c0
         st.prefill_s = timing["prefill_s"]
         # captures made while other rows still prefilled are inside prefill_s already: subtract only the later ones

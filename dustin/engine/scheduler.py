@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dustin.engine.request import Request
 from dustin.engine.sampling import SamplingRule
@@ -21,6 +21,9 @@ class Sequence:
     arrival: float
     row: int | None = None
     prefilled: int = 0  # prompt tokens given to prefill chunks of scheduled plans
+    output_ids: list[int] = field(default_factory=list)  # the tokens committed so far
+    logprobs: list = field(default_factory=list)  # their log-probabilities (when the request asked)
+    finish_reason: str | None = None  # "stop" (an EOS id), "length" (max_tokens), once it finished
     emitted: int = 0  # tokens already returned by step()
     aborted: bool = False
     # n sequences of one prompt: the list shared by the group's members still waiting or running (the first
@@ -32,6 +35,28 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, tokens: list[int], eos_ids: set[int]) -> int:
+        """Append a step's tokens, stopping at an EOS id (unless the request ignores EOS) or at max_tokens: the
+        stop rules. Returns how many were kept (tokens past a stop are dropped)."""
+        out, limit = self.output_ids, self.request.params.max_tokens
+        eos = () if self.request.params.ignore_eos else eos_ids
+        kept = 0
+        for tok in tokens:
+            if len(out) >= limit:
+                break
+            out.append(tok)
+            kept += 1
+            if tok in eos:
+                self.finish_reason = "stop"
+                return kept
+        if len(out) >= limit:
+            self.finish_reason = "length"
+        return kept
 
 
 class Scheduler:
@@ -151,13 +176,15 @@ class Admission:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Every call one engine step makes on the Session, in order: release rows (finished last step, or aborted),
-    admit requests to rows, prefill chunks of exactly the given sizes (or the gang's whole prompts), then one decode
-    step over all rows if
-    `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a follower that executes the same
-    plans on the same Session state makes the same calls. An empty plan does nothing (the idle heartbeat);
-    `stop` ends `EngineCore.follow()`."""
+    """Every call one engine step makes on the Session, in order: freeze rows (a gang's sequences that finished: their
+    rows stop decoding and keep their caches until the whole gang finished), release rows (finished last step, or
+    aborted), admit requests to rows, prefill chunks of exactly the given sizes (or the gang's whole prompts), then
+    one decode step over all rows if `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a
+    follower that executes the same plans on the same Session state makes the same calls; the stop rules are the
+    scheduler's too (`Sequence.commit`), and a finished sequence's row stops decoding when a plan releases (or
+    freezes) it. An empty plan does nothing (the idle heartbeat); `stop` ends `EngineCore.follow()`."""
 
+    freeze: tuple[int, ...] = ()  # rows whose sequence stopped, kept until their gang finished
     release: tuple[int, ...] = ()
     admit: tuple[Admission, ...] = ()
     prefill: tuple[tuple[int, int], ...] = ()  # (row, prompt tokens)

@@ -13,13 +13,13 @@ One host sync per step reads the accepted tokens back for stopping and output. T
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
-from dustin.engine.logprobs import HostLogprobs, head_logprobs, to_logprob, token_logprobs
+from dustin.engine.logprobs import HostLogprobs, head_logprobs, token_logprobs
 from dustin.engine.model_runner import ModelRunner
 from dustin.engine.request import MAX_LOGPROBS, Logprob
 from dustin.engine.sampling import RowSampling, SamplingRule, accept_controlled
@@ -29,20 +29,15 @@ from dustin.selection.base import FullSelection, SelectionPolicy
 
 
 @dataclass
-class SessionStats:
-    steps: int = 0
-    active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
-    produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
-    step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
-    prefill_s: float = 0.0
-    decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
-    capture_s: float = 0.0  # that one-time capture (graph warm-up runs included)
-    phases: dict[str, float] = field(default_factory=dict)
+class RowTokens:
+    """What one step gave a row: the first token (chosen by the row's prefill, read back with its first step) or
+    None, then the accepted drafts and the next token; with the row's log-probabilities when it asked for them:
+    (values [1 + N], token ids [N]) per token, the first token's first."""
 
-    @property
-    def tau(self) -> float:
-        """Mean tokens produced per target forward per sequence (1.0 for vanilla)."""
-        return self.step_tokens / max(self.active_seq_steps, 1)
+    row: int
+    first: int | None
+    tokens: list[int]
+    logprobs: list[tuple[list[float], list[int]]] | None = None
 
 
 def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int:
@@ -92,13 +87,12 @@ class Session:
     (`admit`, then `prefill` chunks or one `prefill_gang`) and leave (`release`) between steps, and the step
     itself (`launch` / `complete`). It holds no request queue and runs no loop: `EngineCore.step` drives it."""
 
-    def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, eos_ids: set[int],
-                 vocab_limit: int, policy: SelectionPolicy | None = None, *, slots: int, capacity: int) -> None:
+    def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, vocab_limit: int,
+                 policy: SelectionPolicy | None = None, *, slots: int, capacity: int) -> None:
         """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap); no row may
         ask more than cfg.max_new_tokens new tokens."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
-        self.eos_ids = eos_ids if cfg.stop_at_eos else set()
         self.V = vocab_limit
         self.policy = policy or FullSelection()
         self.device = target.embed_tokens.weight.device
@@ -106,12 +100,9 @@ class Session:
         self.gamma = cfg.gamma if self.spec.speculative else 0
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
-        self.ignore_eos_rows: set[int] = set()  # rows that generate to their limit (a serving request's choice)
         self.timer = PhaseTimer(self.device)
-        self.stats = SessionStats()
-        self.outputs: list[list[int]] = [[] for _ in range(self.B)]
-        self.finished = [True] * self.B  # an idle slot counts as finished
-        self.limits = [cfg.max_new_tokens] * self.B
+        # rows that do not decode: idle or still prefilling (a row whose sequence stopped decodes until released)
+        self.finished = [True] * self.B
         self.prompts: list[list[int]] = [[] for _ in range(self.B)]  # each row's prompt (StepState.prompts)
         # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend; policies whose observers and plans
         # are graph-safe: fixed-address buffers, one index set for all layers)
@@ -122,7 +113,6 @@ class Session:
         pinned = self.device.type == "cuda"
         self._out_stage = [torch.zeros(self.B, 3 + self.gamma, dtype=torch.long, pin_memory=pinned)
                            for _ in range(2)]
-        self._done_stage = [torch.zeros(self.B, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
         self._ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         # per row: an epoch (bumped when a row changes hands, so a step launched before that is not booked to
         # the new request) and whether its first token (chosen by its prefill) is still to be read back: it
@@ -130,12 +120,11 @@ class Session:
         self._epoch = [0] * self.B
         self._fresh = [False] * self.B
         self._live: list[list[tuple[int, int, bool]]] = [[], []]  # rows each staged step was launched for
-        # log-probabilities (slots only; dustin/engine/logprobs.py): rows that asked, with their top-N, for generated
-        # and for prompt tokens; the generated ones per row (beside `outputs`), the prompt's per row. A step
-        # computes them (for every row) only while some row asks: a step graph of its own per sampling mode
+        # log-probabilities (dustin/engine/logprobs.py): rows that asked, with their top-N, for generated and for
+        # prompt tokens; the prompt's per row (the generated ones go back with each step's tokens). A step computes
+        # them (for every row) only while some row asks: a step graph of its own per sampling mode
         self._lp_rows: dict[int, int] = {}
         self._plp_rows: dict[int, int] = {}
-        self.token_logprobs: list[list[Logprob]] = [[] for _ in range(self.B)]
         self._prompt_lp: dict[int, HostLogprobs] = {}
         self._lp_on = False  # whether the step being launched computes them
         self._lp_first: tuple[torch.Tensor, torch.Tensor] | None = None  # a row's first token's, from its prefill
@@ -262,12 +251,10 @@ class Session:
                              f"{self.target_cache.capacity} positions")
         self._prompt_rows[row], self._prefilled[row] = list(prompt), 0
         self.prompts[row] = list(prompt)
-        self.limits[row], self.outputs[row] = limit, []
         self._epoch[row] += 1
         self._fresh[row] = False
         self.sampler.set_row(row, params or self.cfg.sampling, seed, self.device)
         self._seeds[row] = seed
-        self.token_logprobs[row] = []
         for want, rows in ((logprobs, self._lp_rows), (prompt_logprobs, self._plp_rows)):
             rows.pop(row, None)
             if want is not None:
@@ -373,10 +360,8 @@ class Session:
         return None if host is None else [None, *host.rows()]
 
     def begin_run(self, seed: int) -> None:
-        """Start a new generation on a kept slot session (`Engine.generate` reuses one across calls, graphs
-        and all): fresh statistics and timers, and the generator reseeded, so a call's result and numbers do
-        not depend on earlier calls."""
-        self.stats = SessionStats()
+        """Start a new offline run on a kept batch (`Engine.generate` reuses one across calls, graphs and all):
+        fresh timers, and the generators reseeded, so a call's result and numbers do not depend on earlier calls."""
         self.timer = PhaseTimer(self.device)
         self.generator.manual_seed(seed)
         self.sampler.reseed(seed)
@@ -398,7 +383,6 @@ class Session:
         self.target_cache.lengths[row] = 1
         self.host_lengths[row] = 1
         self.sampler.set_row(row, self.cfg.sampling, None, self.device)
-        self.ignore_eos_rows.discard(row)
         for d in (self._lp_rows, self._plp_rows, self._prompt_lp):
             d.pop(row, None)
         # a row released before its prefill completed leaves the rows waiting for its prompt cache to prefill
@@ -441,10 +425,6 @@ class Session:
         return tuple(tuple(p) for p in self.prompts), self.target_cache.k.dtype
 
     # ---------------------------------------------------------------- decode
-    @property
-    def is_done(self) -> bool:
-        return all(self.finished)
-
     @torch.inference_mode()
     def launch(self, overlapped: bool = True) -> int:
         """Queue one step's device work and the copy of its output to pinned host memory; returns the staging
@@ -474,12 +454,13 @@ class Session:
         return slot
 
     @torch.inference_mode()
-    def complete(self, slot: int) -> None:
-        """Wait for the step staged in `slot` (the step's one host sync) and book its tokens."""
+    def complete(self, slot: int) -> list[RowTokens]:
+        """Wait for the step staged in `slot` (the step's one host sync); the tokens it made for the rows it was
+        launched for that still hold the same sequence and still decode."""
         if self._ready[slot] is not None:
             self._ready[slot].synchronize()
-        self._bookkeep(self._out_stage[slot].tolist(), self._done_stage[slot], self._live[slot],
-                       self._lp_stage[slot] if self._lp_staged[slot] else None)
+        return self._read_back(self._out_stage[slot].tolist(), self._live[slot],
+                               self._lp_stage[slot] if self._lp_staged[slot] else None)
 
     @property
     def overlappable(self) -> bool:
@@ -631,53 +612,27 @@ class Session:
         greedy choices and acceptance are argmaxes, the same on either dtype)."""
         return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=False, **kw)
 
-    def _bookkeep(self, host: list[list[int]], stage: torch.Tensor, live: list[tuple[int, int, bool]],
-                  lp: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Commit one step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch,
-        first token pending) that still belong to the same request and have not stopped; then send the stop mask
-        back through `stage` (a pinned buffer on a GPU, so the copy does not wait for the device's queued work).
-        A step in which every row had already stopped (the engine loop's extra step) commits nothing and is not
-        counted. lp: the step's log-probabilities (host), booked for the rows that asked."""
-        active = 0
+    def _read_back(self, host: list[list[int]], live: list[tuple[int, int, bool]],
+                   lp: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[RowTokens]:
+        """One step's tokens read back to the host, for the rows it was launched for (`live`: row, epoch, first
+        token pending) that still belong to the same sequence and still decode. lp: the step's log-probabilities
+        (host), returned for the rows that asked."""
+        out = []
         for b, epoch, fresh in live:
             if epoch != self._epoch[b] or self.finished[b]:
                 continue
             row = host[b]
-            k = self._lp_rows.get(b) if lp is not None else None
-            if k is not None:
-                vals, ids = lp[0][b].tolist(), lp[1][b].tolist()
-            if fresh:  # the prefill's first token, not a decode step's
-                self._commit(b, [row[-1]])
-                if k is not None:
-                    self.token_logprobs[b].append(to_logprob(vals[0], ids[0], k))
-                if self.finished[b]:
-                    continue
-            active += 1
             n_acc, nxt, drafts = row[0], row[1], row[2:-1]
             new = drafts[:n_acc] + [nxt]
             self.host_lengths[b] += len(new)
-            self.stats.step_tokens += len(new)
-            kept = self._commit(b, new)
-            self.stats.produced += kept
-            if k is not None:
-                self.token_logprobs[b] += [to_logprob(vals[1 + j], ids[1 + j], k) for j in range(kept)]
-        if active:
-            self.stats.steps += 1
-            self.stats.active_seq_steps += active
-        stage.copy_(torch.tensor(self.finished, dtype=torch.bool))
-        self.done.copy_(stage, non_blocking=True)
+            logprobs = None
+            if lp is not None and b in self._lp_rows:
+                vals, ids = lp[0][b].tolist(), lp[1][b].tolist()
+                logprobs = list(zip(vals, ids, strict=True))[(0 if fresh else 1):1 + len(new)]
+            out.append(RowTokens(b, row[-1] if fresh else None, new, logprobs))
+        return out
 
-    def _commit(self, b: int, new: list[int]) -> int:
-        """Append new tokens to sequence b, stopping at EOS or the token limit; returns tokens kept."""
-        out, kept, limit = self.outputs[b], 0, self.limits[b]
-        eos = () if b in self.ignore_eos_rows else self.eos_ids
-        for tok in new:
-            if len(out) >= limit:
-                break
-            out.append(tok)
-            kept += 1
-            if tok in eos:
-                break
-        if len(out) >= limit or (out and out[-1] in eos):
-            self.finished[b] = True
-        return kept
+    def stop(self, row: int) -> None:
+        """The row's sequence stopped: the row stops decoding (its cache length freezes) until it is released."""
+        self.finished[row] = True
+        self.done[row] = True

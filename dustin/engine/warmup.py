@@ -416,7 +416,7 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
     policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
-        twin = Session(engine.target, draft, cfg, engine.eos_ids, engine.vocab_limit, policy, slots=slots,
+        twin = Session(engine.target, draft, cfg, engine.vocab_limit, policy, slots=slots,
                        capacity=capacity)
         twin.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
