@@ -17,6 +17,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
+from dustin.engine.kv_manager import KVManager
 from dustin.engine.session import Session
 from dustin.engine.warmup import Launch, plan_first_step, record_launches, start_kernel_warmup
 
@@ -45,8 +46,9 @@ PAD = 256  # tokens per packed prefill forward in these sessions
 def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
-    s = Session(engine.target, engine.draft if cfg.spec.speculative else None, cfg, engine.vocab_limit,
-                engine.make_policy(cfg), slots=slots, capacity=cap)
+    draft = engine.draft if cfg.spec.speculative else None
+    kv = KVManager({"target": engine.target} | ({} if draft is None else {"draft": draft}), slots, cap)
+    s = Session(engine.target, draft, cfg, engine.vocab_limit, engine.make_policy(cfg), kv=kv)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):

@@ -49,6 +49,7 @@ import torch
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.kv_manager import KVManager
 from dustin.engine.logprobs import to_logprob
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
@@ -156,8 +157,10 @@ class EngineCore:
         need = pair.kv_cache_bytes(self.max_slots, capacity, self.gen_cfg.spec.speculative)
         try:
             policy = policy or pair.make_policy(self.gen_cfg)
-            self.session = Session(pair.target, pair.draft if self.gen_cfg.spec.speculative else None,
-                                   self.gen_cfg, pair.vocab_limit, policy, slots=self.max_slots, capacity=capacity)
+            draft = pair.draft if self.gen_cfg.spec.speculative else None
+            models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
+            self.kv = KVManager(models, self.max_slots, capacity)
+            self.session = Session(pair.target, draft, self.gen_cfg, pair.vocab_limit, policy, kv=self.kv)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None

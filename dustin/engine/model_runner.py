@@ -25,12 +25,11 @@ from dustin.models.transformer import Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, batch: int, capacity: int, use_graphs: bool) -> None:
-        a = model.args
-        w = model.embed_tokens.weight
-        self.model, self.batch, self.use_graphs = model, batch, use_graphs
-        self.cache = KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, w.dtype, w.device)
-        self.device = w.device
+    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool) -> None:
+        """cache: the model's KV cache rows, given by the batch's `KVManager` (one row per slot)."""
+        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        self.batch = cache.batch_size
+        self.device = model.embed_tokens.weight.device
         self._graphs: dict[tuple, GraphedForward] = {}
         self.capture_s = 0.0  # time spent capturing (warm-up runs included)
 

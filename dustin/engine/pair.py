@@ -14,6 +14,7 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
+from dustin.engine.kv_manager import kv_bytes
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.args import pair_context
 from dustin.models.loader import load_model
@@ -198,11 +199,8 @@ class ModelPair:
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
         """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
         (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
-        elem = self.target.embed_tokens.weight.element_size()
-        per_tok = self.target.args.kv_bytes_per_token(elem)
-        if self.draft is not None and speculative:
-            per_tok += self.draft.args.kv_bytes_per_token(elem)
-        return per_tok * capacity * batch
+        args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
+        return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
 
     def release_cached(self) -> None:
         """Drop what is kept across calls to free device memory (nothing here; `Engine` keeps an engine core)."""

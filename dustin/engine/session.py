@@ -19,6 +19,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
+from dustin.engine.kv_manager import KVManager
 from dustin.engine.logprobs import HostLogprobs, head_logprobs, token_logprobs
 from dustin.engine.model_runner import ModelRunner
 from dustin.engine.request import MAX_LOGPROBS, Logprob
@@ -88,15 +89,17 @@ class Session:
     itself (`launch` / `complete`). It holds no request queue and runs no loop: `EngineCore.step` drives it."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, vocab_limit: int,
-                 policy: SelectionPolicy | None = None, *, slots: int, capacity: int) -> None:
+                 policy: SelectionPolicy | None = None, *, kv: KVManager) -> None:
         """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap); no row may
-        ask more than cfg.max_new_tokens new tokens."""
+        ask more than cfg.max_new_tokens new tokens. kv: the batch's caches (a row per slot): "target", and "draft"
+        when `draft` drafts."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.V = vocab_limit
         self.policy = policy or FullSelection()
         self.device = target.embed_tokens.weight.device
-        self.B = slots
+        self.kv = kv
+        self.B = kv.slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
@@ -136,9 +139,9 @@ class Session:
         self._slot = 0
         self._graph_warm: set[str] = set()  # modes whose eager first step ran
         self._warmup_s = 0.0
-        self.runners = {"target": ModelRunner(target, self.B, capacity, self.use_graphs)}
+        self.runners = {"target": ModelRunner(target, kv.caches["target"], self.use_graphs)}
         if self.spec.speculative:
-            self.runners["draft"] = ModelRunner(draft, self.B, capacity, self.use_graphs)
+            self.runners["draft"] = ModelRunner(draft, kv.caches["draft"], self.use_graphs)
         self.target_cache = self.runners["target"].cache
         self.draft_cache = self.runners["draft"].cache if self.spec.speculative else None
         self._idle_state()
@@ -174,8 +177,7 @@ class Session:
             if self._seeds[row] is not None:  # a seeded row's draws start at its first token
                 self.sampler.set_row(row, self.sampler.params[row], self._seeds[row], self.device)
         if reuse is not None and reuse.target_kv is not None:
-            self.target_cache.k[..., :n_max, :].copy_(reuse.target_kv[0])
-            self.target_cache.v[..., :n_max, :].copy_(reuse.target_kv[1])
+            self.kv.restore("target", reuse.target_kv)
         run_draft = self.draft_cache is not None and (reuse is None or reuse.draft_kv is None)
         for row, prompt in zip(rows, prompts if reuse is None or run_draft else (), strict=False):
             if reuse is None:
@@ -194,8 +196,7 @@ class Session:
                 self._forward("target", last, L.long()[:, None], L, n_max, observers=self.policy.target_observers(self))
                 self.policy.after_verify(self, torch.zeros(self.B, dtype=torch.long, device=self.device))
             if self.draft_cache is not None and reuse.draft_kv:
-                self.draft_cache.k[..., :n_max, :].copy_(reuse.draft_kv[0])
-                self.draft_cache.v[..., :n_max, :].copy_(reuse.draft_kv[1])
+                self.kv.restore("draft", reuse.draft_kv)
         for row in rows:
             self._activate(row)
         return None if fill == "noise" else reuse
@@ -343,10 +344,7 @@ class Session:
     def _copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Row `dst` (admitted with `prefix_from=src`) takes `src`'s cache of its first n prompt tokens and prefills
         the rest itself; the prompt's log-probabilities are `src`'s too."""
-        for runner in self.runners.values():
-            c = runner.cache
-            c.k[:, dst, :, :n].copy_(c.k[:, src, :, :n])
-            c.v[:, dst, :, :n].copy_(c.v[:, src, :, :n])
+        self.kv.copy_prefix(src, dst, n)
         self._prefilled[dst] = n
         self.target_cache.lengths[dst] = self.host_lengths[dst] = n + 1
         if dst in self._prompt_lp and src in self._prompt_lp:
@@ -401,11 +399,7 @@ class Session:
         return [b for b in range(self.B) if not self.finished[b]]
 
     def _random_prefill_state(self, n_max: int) -> "PrefillState":
-        for cache in (self.target_cache, self.draft_cache):
-            if cache is not None:
-                for layer in range(cache.k.shape[0]):  # per layer: no temporary of the whole cache's size
-                    cache.k[layer, ..., :n_max, :].normal_(generator=self.generator)
-                    cache.v[layer, ..., :n_max, :].normal_(generator=self.generator)
+        self.kv.fill_noise(n_max, self.generator)
         first = torch.randint(0, self.V, (self.B,), device=self.device, generator=self.generator)
         return PrefillState(self.prefill_key, None, None if self.draft_cache is None else (), first)
 
@@ -414,10 +408,10 @@ class Session:
         session started from; its target caches are shared, not copied again (a speculative session after a
         vanilla one adds only the draft's: at 20 x 64k the second copy of the target's would be 37 GB)."""
         n_max = max(len(p) for p in self.prompts)
-        def kv(c):
-            return (None if c is None else (c.k[..., :n_max, :].clone(), c.v[..., :n_max, :].clone()))
-        target = keep.target_kv if keep is not None and keep.target_kv is not None else kv(self.target_cache)
-        return PrefillState(self.prefill_key, target, kv(self.draft_cache), self.pending.clone())
+        shared = keep is not None and keep.target_kv is not None
+        target = keep.target_kv if shared else self.kv.snapshot("target", n_max)
+        draft = self.kv.snapshot("draft", n_max) if "draft" in self.kv.caches else None
+        return PrefillState(self.prefill_key, target, draft, self.pending.clone())
 
     @property
     def prefill_key(self) -> tuple:

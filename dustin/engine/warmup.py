@@ -409,6 +409,7 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
     makes is local to this call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from dustin.engine.kv_manager import KVManager
     from dustin.engine.session import Session
     from dustin.engine.timing import NullTimer
 
@@ -416,8 +417,8 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
     policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
-        twin = Session(engine.target, draft, cfg, engine.vocab_limit, policy, slots=slots,
-                       capacity=capacity)
+        models = {"target": engine.target} | ({} if draft is None else {"draft": draft})
+        twin = Session(engine.target, draft, cfg, engine.vocab_limit, policy, kv=KVManager(models, slots, capacity))
         twin.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
     # gives the policy's observers the state the first step reads (e.g. S_target's last query)
