@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dustin.attention.backend import AttentionBackend  # noqa: E402
-from dustin.engine.config import GenerationConfig  # noqa: E402
+from dustin.engine.config import ExecutionOptions, GenerationConfig  # noqa: E402
 from dustin.engine.engine import Engine  # noqa: E402
 from dustin.models.loader import load_model  # noqa: E402
 from tests.exactness import first_divergence  # noqa: E402
@@ -41,14 +41,15 @@ def main() -> int:
             top = torch.topk(eng.target(torch.tensor([ids], device="cuda"), ctx)[0, -1], 2).values
         return round(float(top[0] - top[1]), 4)
 
-    def run(**kw):
+    def run(graphs=True, **kw):
         kw.setdefault("stop_at_eos", False)
-        return eng.generate(prompts, GenerationConfig(max_new_tokens=64, **kw))
+        options = ExecutionOptions(cuda_graphs=graphs)
+        return eng.generate(prompts, GenerationConfig(max_new_tokens=64, options=options, **kw))
 
     van = run(method="vanilla")
-    van_eager = run(method="vanilla", cuda_graphs=False)
+    van_eager = run(method="vanilla", graphs=False)
     for name, res in [("vanilla-eager", van_eager), ("classic", run(method="classic", gamma=4)),
-                      ("classic-eager", run(method="classic", gamma=4, cuda_graphs=False)),
+                      ("classic-eager", run(method="classic", gamma=4, graphs=False)),
                       ("magicdec", run(method="magicdec", gamma=4, draft_window=256)),
                       # sparse verification with k above every length selects everything: classic's output
                       ("dustin-k4096", run(method="dustin", gamma=4, budget=4096, draft_kv="full")),
@@ -63,7 +64,7 @@ def main() -> int:
     # sparse policies under CUDA graphs (graph-safe observers, static index plan) must equal their eager runs
     for method in ("dustin", "dustin-t", "dustin-d", "streaming"):
         kw = dict(method=method, gamma=4, budget=128)
-        g, e = run(**kw), run(cuda_graphs=False, **kw)
+        g, e = run(**kw), run(graphs=False, **kw)
         report[f"{method}-k128 graphs vs eager"] = {
             "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences, strict=True)],
             "tokens_per_s_graphs": round(g.tokens_per_s, 1), "tokens_per_s_eager": round(e.tokens_per_s, 1)}

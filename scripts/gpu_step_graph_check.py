@@ -3,7 +3,7 @@
 Run on a GPU machine: PYTHONPATH=. python3 scripts/gpu_step_graph_check.py
 
 Tiny random Qwen2 pair in fp32 on the GPU (Triton backend): for every graph-safe method, greedy and sampled, the
-whole-step CUDA graph (`GenerationConfig.step_graph`, the default) must give exactly the tokens of one graph per
+whole-step CUDA graph (`ExecutionOptions.step_graph`, the default) must give exactly the tokens of one graph per
 forward (same kernels, same sizes) and of eager forwards, and the overlapped engine loop (a step ahead)
 those of the step-by-step one; acceptance control likewise; the serving engine
 (slot mode, step graph) must equal offline generation. fp32 so that equality is exact, not near-tie-limited.
@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dustin.engine.config import GenerationConfig  # noqa: E402
+from dustin.engine.config import ExecutionOptions, GenerationConfig  # noqa: E402
 from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
@@ -28,9 +29,10 @@ def main() -> int:
     eng, prompts, (target, draft) = gpu_check_pair(torch.float32)
     report, ok = {}, True
 
-    def run(**kw):
+    def run(options=None, **kw):
         kw.setdefault("stop_at_eos", False)
-        return eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
+        options = replace(options or ExecutionOptions(), accept_prob=kw.pop("accept_prob", None))
+        return eng.generate(prompts, GenerationConfig(max_new_tokens=48, options=options, **kw))
 
     cases = {"vanilla": dict(method="vanilla"), "classic": dict(method="classic"),
              "magicdec": dict(method="magicdec", draft_window=256),
@@ -44,9 +46,9 @@ def main() -> int:
     cases = {k: v for k, v in cases.items() if only is None or k in only}
     for name, kw in cases.items():
         step = run(**kw)
-        fwd = run(step_graph=False, **kw)
-        eager = run(cuda_graphs=False, **kw)
-        stepwise = run(overlap=False, **kw)  # each step read back before the next is queued
+        fwd = run(ExecutionOptions(step_graph=False), **kw)
+        eager = run(ExecutionOptions(cuda_graphs=False), **kw)
+        stepwise = run(ExecutionOptions(overlap=False), **kw)  # each step read back before the next is queued
         same_stepwise = [a.token_ids == b.token_ids for a, b in zip(step.sequences, stepwise.sequences, strict=True)]
         ok &= all(same_stepwise)
         same_fwd = [a.token_ids == b.token_ids for a, b in zip(step.sequences, fwd.sequences, strict=True)]
@@ -72,7 +74,8 @@ def main() -> int:
     for method in ("vanilla", "dustin"):
         kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
         a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
-        b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, cuda_graphs=False, **kw))
+        eager = ExecutionOptions(cuda_graphs=False)
+        b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, options=eager, **kw))
         same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences, strict=True)]
         ok &= all(same)
         report[f"fused-vs-plain-ops-{method}"] = same

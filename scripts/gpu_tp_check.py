@@ -35,14 +35,15 @@ def _prompts():
 
 
 def _generate(folder: Path) -> dict:
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
 
     eng = Engine.from_pretrained(folder / "t", folder / "d", device="cuda", dtype="fp32", attention="triton")
     out = {}
     for name, kw in RUNS.items():
         for graphs in (True, False):
-            cfg = GenerationConfig(max_new_tokens=48, stop_at_eos=False, cuda_graphs=graphs, **kw)
+            cfg = GenerationConfig(max_new_tokens=48, stop_at_eos=False, options=ExecutionOptions(cuda_graphs=graphs),
+                                   **kw)
             key = f"{name}{'' if graphs else ' (eager)'}"
             out[key] = [s.token_ids for s in eng.generate(_prompts(), cfg).sequences]
     return out

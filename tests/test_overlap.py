@@ -3,10 +3,12 @@ step n + 1, whose tokens must be dropped. Its output must equal the one-step-at-
 method, greedy and sampled, with sequences stopping at different steps (limits and EOS)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dustin.engine.config import GenerationConfig
+from dustin.engine.config import ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.models.loader import load_model
 
@@ -49,9 +51,9 @@ def test_overlapped_decode_equals_step_by_step(engine, method, kw):
     limits = [13, 3, 9, 16]  # rows stop at different steps; row 1 after one or two steps
     base = GenerationConfig(method=method, max_new_tokens=16, **kw)
     # an EOS the first row emits mid-way, so that one row stops early by EOS rather than by its limit
-    probe, _ = _run(engine, prompts, GenerationConfig(**{**base.__dict__, "overlap": False}), limits, set())
+    probe, _ = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), limits, set())
     eos = {probe[0][len(probe[0]) // 2]}
-    want, ref = _run(engine, prompts, GenerationConfig(**{**base.__dict__, "overlap": False}), limits, eos)
+    want, ref = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), limits, eos)
     got, core = _run(engine, prompts, base, limits, eos)
     assert core.session.policy.graph_safe  # so the engine loop really ran one step ahead
     assert got == want
@@ -69,7 +71,7 @@ def test_engine_steps_overlapped_equal_steps_read_back_at_once(engine):
     leave; more steps continue from there, and running to the end gives the same tokens."""
     prompts = _prompts([40, 12, 33], seed=1)
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=60, stop_at_eos=False)
-    ref = engine.start(prompts, GenerationConfig(**{**cfg.__dict__, "overlap": False}))
+    ref = engine.start(prompts, replace(cfg, options=ExecutionOptions(overlap=False)))
     for _ in range(7):
         ref.step()
     core = engine.start(prompts, cfg)
@@ -103,7 +105,8 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
     for overlap in (False, True):
         # a gang: the stopped row is frozen, not released, until the other one finished
         core = e.start(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=40, budget=24,
-                                                 stop_at_eos=False, overlap=overlap), limits=limits, fill="whole")
+                                                 stop_at_eos=False, options=ExecutionOptions(overlap=overlap)),
+                       limits=limits, fill="whole")
         out = core.run_queued()[0]
         assert [len(o) for o in out] == limits
         assert int(core.session.target_cache.lengths[0]) <= 60 + 12 + 2 * 4  # frozen at n + m + 2Γ at most

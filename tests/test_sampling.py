@@ -131,9 +131,10 @@ def test_accept_controlled_hits_the_requested_tau_and_keeps_the_target_token():
 
 
 def test_accept_prob_config_validation():
+    from dustin.engine.config import ExecutionOptions
     from dustin.errors import InputError
 
     with pytest.raises(InputError, match="accept-prob"):
-        GenerationConfig(method="dustin", accept_prob=1.5)
+        GenerationConfig(method="dustin", options=ExecutionOptions(accept_prob=1.5))
     with pytest.raises(InputError, match="speculative"):
-        GenerationConfig(method="vanilla", accept_prob=0.5)
+        GenerationConfig(method="vanilla", options=ExecutionOptions(accept_prob=0.5))

@@ -9,7 +9,7 @@ import torch
 
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
-from dustin.engine.config import GenerationConfig
+from dustin.engine.config import ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.session import PrefillCache
 from dustin.errors import InputError
@@ -77,7 +77,8 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
         return p
 
     policy.plan = recording
-    core = engine.start(prompts, replace(cfg, overlap=False), policy=policy)  # each step read back at once
+    stepwise = replace(cfg, options=ExecutionOptions(overlap=False))  # each step read back at once
+    core = engine.start(prompts, stepwise, policy=policy)
     tokens = [[] for _ in prompts]
     lens, seen = [[1] * len(prompts)], []  # the prefill's first token, booked with the first step's
     for _ in range(n_steps):
@@ -161,7 +162,7 @@ def test_target_scores_use_the_last_cached_query(engine):
     policy = DustinSelection(cfg, "dustin-t")
     prompt = _prompts([60])[0]
     core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
-                                                   overlap=False), policy=policy)
+                                                   options=ExecutionOptions(overlap=False)), policy=policy)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session
     L = s.target_cache.lengths.clone()
@@ -229,7 +230,8 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     prompt = _prompts([50], seed=2)[0]
     gamma = 3
     core = engine.start([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
-                                                   stop_at_eos=False, draft_kv="full", overlap=False), policy=policy)
+                                                   stop_at_eos=False, draft_kv="full",
+                                                   options=ExecutionOptions(overlap=False)), policy=policy)
     L0 = len(prompt)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session

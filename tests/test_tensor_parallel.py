@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dustin.engine.config import GenerationConfig
+from dustin.engine.config import ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
@@ -29,7 +29,8 @@ RUNS = {  # name -> GenerationConfig kwargs
     "dustin-t": {"method": "dustin-t", "gamma": 3, "draft_window": 12, "budget": 24},
     "sampled": {"method": "classic", "gamma": 3, "temperature": 0.8, "seed": 5},
     # acceptance-controlled benchmark mode: the random accept decisions must be identical on every rank
-    "controlled": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26, "accept_prob": 0.6},
+    "controlled": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26,
+                   "options": ExecutionOptions(accept_prob=0.6)},
 }
 
 

@@ -7,7 +7,7 @@ Random weights (default): model pairs of real shapes, single GPU or tensor-paral
 
 Random weights cannot agree with a draft, so acceptance is *controlled*: every draft token is accepted with
 probability p (`--accept-prob`, or `--tau` solved for p; default τ = 2.2 at Γ = 4 as in the paper), through
-`GenerationConfig.accept_prob`. Everything else of each method runs for real: Γ draft forwards (full or streaming
+`ExecutionOptions.accept_prob`. Everything else of each method runs for real: Γ draft forwards (full or streaming
 draft cache), score estimation on the configured heads, selection, the sparse or full verify forward, all_reduces.
 Results are labelled "acceptance-controlled". The prompt caches are filled with noise (a "noise" gang,
 `Session.prefill_gang`) instead of running a prefill, which does not change a decode step's cost.
@@ -142,15 +142,17 @@ def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "
 def _config(method: str, a, steps: int, accept_prob: float | None = None):
     """The GenerationConfig of one benchmark session with room for `steps` steps (EOS ignored: every sequence
     decodes every step)."""
-    from dustin.engine.config import METHODS, GenerationConfig
+    from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
     from dustin.flags import budget_settings
 
     sparse = METHODS[method].policy != "full"
     return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (a.gamma + 1) + 1,
-                            stop_at_eos=False, cuda_graphs=not a.no_graphs, draft_window=a.draft_window,
-                            step_graph=not getattr(a, "no_step_graph", False),
-                            overlap=not getattr(a, "no_overlap", False),
-                            sparse_config=a.config if sparse else None, accept_prob=accept_prob,
+                            stop_at_eos=False, draft_window=a.draft_window,
+                            options=ExecutionOptions(cuda_graphs=not a.no_graphs,
+                                                     step_graph=not getattr(a, "no_step_graph", False),
+                                                     overlap=not getattr(a, "no_overlap", False),
+                                                     accept_prob=accept_prob),
+                            sparse_config=a.config if sparse else None,
                             **budget_settings(a, sparse))
 
 
@@ -223,7 +225,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
            "ms_per_step": round(1e3 * elapsed / a.steps, 3),
            "tau": round(tokens / max(st.active_seq_steps - seq_steps0, 1), 3),
            "tokens_per_s": float(f"{tokens / elapsed:.5g}"),  # 5 digits: a CPU run makes ~2 tokens/s
-           "accept_prob": cfg.accept_prob,
+           "accept_prob": cfg.options.accept_prob,
            "cuda_graphs": bool(s.use_graphs),
            "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()},
            "warmup_s": round(warmup_s, 3), "capture_s": round(s.capture_total(), 3),

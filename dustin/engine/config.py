@@ -41,6 +41,27 @@ METHODS: dict[str, MethodSpec] = {
 DRAFT_KV_MODES = ("full", "streaming")
 
 
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How a batch executes: switches for benchmarks and debugging, all on the fast path by default. None changes
+    a greedy token but `accept_prob`, which replaces verification (benchmarks with random weights)."""
+
+    cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
+    # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
+    # verify, acceptance, cache bookkeeping) as ONE graph; False: one graph per forward, Python in between
+    step_graph: bool = True
+    # decode with the device one step ahead of the host (`EngineCore.step`): the host's stopping and output work
+    # overlaps the next step; a sequence that stops runs one extra step whose tokens are dropped
+    overlap: bool = True
+    # benchmarks with random weights only: accept each draft token with this probability instead of checking it
+    # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
+    accept_prob: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.accept_prob is not None and not 0.0 <= self.accept_prob <= 1.0:
+            raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
+
+
 @dataclass
 class GenerationConfig:
     method: str = DEFAULT_METHOD
@@ -54,13 +75,6 @@ class GenerationConfig:
     draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_window - 4) recent positions
     draft_window: int = DRAFT_WINDOW  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
     stop_at_eos: bool = True
-    cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
-    # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
-    # verify, acceptance, cache bookkeeping) as ONE graph; False: one graph per forward, Python in between
-    step_graph: bool = True
-    # decode with the device one step ahead of the host (`EngineCore.step`): the host's stopping and output work
-    # overlaps the next step; a sequence that stops runs one extra step whose tokens are dropped
-    overlap: bool = True
     # sparse verification: k positions per sequence (None: the config's, 512), or "auto": per sequence and step,
     # the fewest positions holding budget_p of the estimated attention mass, in [budget_min, budget_max]
     # (dustin/selection/adaptive.py)
@@ -69,9 +83,7 @@ class GenerationConfig:
     budget_min: int = AUTO_MIN
     budget_max: int = AUTO_MAX
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
-    # benchmarks with random weights only: accept each draft token with this probability instead of checking it
-    # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
-    accept_prob: float | None = None
+    options: ExecutionOptions = ExecutionOptions()  # benchmark and debugging switches
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -99,11 +111,8 @@ class GenerationConfig:
                                  f"{self.method!r}")
         elif self.budget is not None and (not isinstance(self.budget, int) or self.budget < 21):
             raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), or auto; got {self.budget!r}")
-        if self.accept_prob is not None:
-            if not 0.0 <= self.accept_prob <= 1.0:
-                raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
-            if not self.spec.speculative:
-                raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
+        if self.options.accept_prob is not None and not self.spec.speculative:
+            raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_window:
             raise InputError(f"streaming draft needs 0 <= sinks ({self.draft_sinks}) < --draft-window "
                              f"({self.draft_window})")

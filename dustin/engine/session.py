@@ -109,7 +109,7 @@ class Session:
         self.prompts: list[list[int]] = [[] for _ in range(self.B)]  # each row's prompt (StepState.prompts)
         # CUDA graphs for the fixed-shape step forwards (GPU + Triton backend; policies whose observers and plans
         # are graph-safe: fixed-address buffers, one index set for all layers)
-        self.use_graphs = (self.device.type == "cuda" and cfg.cuda_graphs and target.backend.name == "triton"
+        self.use_graphs = (self.device.type == "cuda" and cfg.options.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
         self._graphs: dict[str, StepGraph] = {}  # one per sampling mode (RowSampling.mode)
         # host staging of the steps (two of each: a step's output is read back while the next one runs)
@@ -459,7 +459,7 @@ class Session:
     @property
     def overlappable(self) -> bool:
         """Whether steps may be launched a step ahead of the host (the engine loop)."""
-        return self.cfg.overlap and self.policy.graph_safe
+        return self.cfg.options.overlap and self.policy.graph_safe
 
     def _launch(self, overlapped: bool) -> torch.Tensor:
         """Queue one step's device work; returns its [B, 3 + Γ] output (not yet read back)."""
@@ -501,10 +501,10 @@ class Session:
         per-row rules read from device tensors) takes its own code path, so each gets its own graph, captured
         at the second step in that mode; the first runs the same code eagerly, which compiles every Triton kernel
         and creates every lazily built buffer, so capture needs no warm-up runs of its own."""
-        if not (self.use_graphs and self.cfg.step_graph):
+        if not (self.use_graphs and self.cfg.options.step_graph):
             return False
         # the batch's torch generator is drawn from inside the step (uniform sampling, acceptance control)
-        draws = (self.sampler.uniform and not self.sampler.greedy) or self.cfg.accept_prob is not None
+        draws = (self.sampler.uniform and not self.sampler.greedy) or self.cfg.options.accept_prob is not None
         return not draws or StepGraph.can_register_generators()
 
     @property
@@ -545,8 +545,8 @@ class Session:
                                    observers=self.policy.target_observers(self), graphed=graphed_forwards)
             logits = logits[..., : self.V]
             timer.stop(phase)
-            if self.cfg.accept_prob is not None:
-                n_acc, nxt = accept_controlled(drafts, logits, self.cfg.accept_prob, self.generator)
+            if self.cfg.options.accept_prob is not None:
+                n_acc, nxt = accept_controlled(drafts, logits, self.cfg.options.accept_prob, self.generator)
             else:
                 n_acc, nxt = self.sampler.accept(drafts, draft_probs, logits)
             last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)

@@ -78,7 +78,7 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
     """Greedy decoding of a batch of `NeedlePrompt`s by `model` (the pair's target or draft) on the engine core,
     with every head's mass on the asked needle recorded (`NeedleMassProbe`). Returns (mass [B, L, H] summed over the
     steps that generated a needle token, hits [B], generated ids)."""
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
 
     a, dev = model.args, model.embed_tokens.weight.device
@@ -89,7 +89,7 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
     probe = NeedleMassProbe(a.n_layers, a.n_heads, spans, needle)
     runner = engine if model is engine.target else Engine(model, None, engine.tokenizer)
     # each step read back before the next is launched, so that `done` masks every token past a row's stop
-    cfg = GenerationConfig(method="vanilla", max_new_tokens=max_new_tokens, overlap=False)
+    cfg = GenerationConfig(method="vanilla", max_new_tokens=max_new_tokens, options=ExecutionOptions(overlap=False))
     out = runner.generate([p.ids for p in prompts], cfg, policy=probe)
     return probe.total, probe.hits.tolist(), [s.token_ids for s in out.sequences]
 
