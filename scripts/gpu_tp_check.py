@@ -6,7 +6,7 @@
 
 fp32 weights (so all_reduce's different summation order cannot flip a bf16 near-tie), Triton attention, for
 vanilla / classic / magicdec / dustin / dustin-t / streaming, each with CUDA graphs (which then capture NCCL
-all_reduces) and eager. The CPU tests (tests/test_tensor_parallel.py) check the same with gloo; this adds NCCL
+all_reduces) and eager. The CPU tests (tests/parallel/test_tensor_parallel.py) check the same with gloo; this adds NCCL
 and graph capture.
 """
 from __future__ import annotations

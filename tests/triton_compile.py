@@ -9,7 +9,7 @@ without them the loads are not pipelined through shared memory, and 12 score hea
 shared memory here while the H200 asked for 450560 B (and crashed). Each launch records the kernel's name,
 its shared memory (`metadata.shared`, what the driver checks against the device's limit at launch) and
 its constexprs. The wrappers around the kernels run unchanged on CPU tensors, so each kernel is compiled with
-exactly the specialization the engine asks for. Used by tests/test_kernels_compile.py in a subprocess with
+exactly the specialization the engine asks for. Used by tests/kernels/test_kernels_compile.py in a subprocess with
 the interpreter off.
 
 `compile_all_kernels` compiles with Programmatic Dependent Launch on, as an H100/H200 launches the step's kernels

@@ -5,7 +5,7 @@ table (between `<!-- results-table:start -->` and `<!-- results-table:end -->`) 
     python3 -m dustin.cli.docs            # rewrite docs/cli.md, README's table and the plot
     python3 -m dustin.cli.docs --check    # exit 1, naming the file, when either text is not what this writes
 
-tests/test_docs.py runs the check on both texts. Each results row names the JSON it is read from; a figure
+tests/cli/test_docs.py runs the check on both texts. Each results row names the JSON it is read from; a figure
 measured again is a new JSON, one path changed here and the command rerun.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def cli_markdown() -> str:
 
     root = build_parser()  # without argv: every subcommand gets its flags
     lines = ["# Command-line reference", "",
-             "Generated from the command line's own parsers by `python3 -m dustin.cli.docs` (tests/test_docs.py "
+             "Generated from the command line's own parsers by `python3 -m dustin.cli.docs` (tests/cli/test_docs.py "
              "fails when this page differs from what it writes). `dustin <command> --help` prints the same flags. "
              "Errors caused by input print one line, `dustin: error: ...`, and exit non-zero.", ""]
     index: list[str] = []

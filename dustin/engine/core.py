@@ -228,13 +228,16 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
-        """Empty prompt, ids outside the vocabulary, prompt + max_tokens past the slot, or more sequences (n) than
-        slots: one InputError."""
+        """Empty prompt, ids outside the vocabulary, prompt + max_tokens past the slot, more sequences (n) than
+        slots, or prompt log-probabilities from a gang's prefill: one InputError."""
         if n > self.max_slots:
             raise InputError(f"n = {n} sequences need {n} KV-cache slots; this engine has {self.max_slots} "
                              f"(--max-slots)")
         if params.max_tokens > self.max_context:
             raise InputError(f"max_tokens {params.max_tokens} exceeds the engine's context ({self.max_context})")
+        if params.prompt_logprobs is not None and self.scheduler.gang is not None:
+            raise InputError(f"prompt log-probabilities (echo) are not computed by method {self.config.method!r}: its "
+                             f"requests are prefilled together as a gang, one sequence at a time")
         cfg = self.gen_cfg
         try:
             check_prompts([prompt_ids], cfg, self.max_context, self.pair.vocab_limit, [params.max_tokens])

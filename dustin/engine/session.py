@@ -513,6 +513,11 @@ class Session:
         every step); Γ + 1 below it, the most any of the step's forwards adds."""
         return self.target_cache.capacity - self.gamma - 1
 
+    def dry_step(self) -> None:
+        """The device part of one step, eagerly, at the captured graph's sizes; nothing is read back or booked. The
+        warm-up runs it on a twin under FakeTensorMode to learn the step's kernel launches (dustin/engine/warmup.py)."""
+        self._device_step(self._graph_max_len, graphed_forwards=False)
+
     def _capture_step(self) -> torch.Tensor:
         """The device step as captured: no phase timers (a graph replays as one unit, timed as "step_graph")."""
         self.timer, timer = NullTimer(), self.timer

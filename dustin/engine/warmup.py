@@ -21,7 +21,7 @@ How:
    forward is planned too. Nothing runs on the device; the real session and policy are not touched, attributes
    the dry run set on the models' modules are restored, and fake tensors it left in global dict caches (e.g. a
    per-device buffer made on first use) are removed, since a real launch would read their address, 0
-   (`_sweep_fakes`; one left anywhere else raises `FakeTensorLeak`).
+   (`sweep_fakes`; one left anywhere else raises `FakeTensorLeak`).
 2. Compile (`KernelWarmup`). Threads hand each planned launch, the prefill's first, to the kernel's
    `run(..., warmup=True)`: Triton binds and specializes the arguments exactly as for a launch, compiles the
    kernel (or loads it from its on-disk cache, ~/.triton/cache or $TRITON_CACHE_DIR) and stores it in the JIT's
@@ -35,7 +35,7 @@ How:
    (the waits are reported: `prefill_wait_s`, and `wait_s` with the one-time costs).
 
 On the CPU (Triton's interpreter, or no Triton) nothing is compiled: `start_kernel_warmup` returns None. The
-plan itself runs on the CPU too, which is how tests/test_warmup.py checks it against the launches of a real
+plan itself runs on the CPU too, which is how tests/engine/test_warmup.py checks it against the launches of a real
 prefill and first step. The background warm-up is on by default (`DUSTIN_KERNEL_WARMUP=0` turns it off). Measured
 on one H200 (2026-12-02, scripts/gpu_first_step_compile.py at commit ecedb80, random weights of the default pair's
 shapes, 16 x 16k random prompts, 8 new tokens, each case a fresh process with an empty Triton cache): dustin's
@@ -47,18 +47,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import inspect
 import os
 import threading
 import time
-import types
 import warnings
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from dustin.engine.hooks import intercept_launches, sweep_fakes, track_fakes
 
 _SPEC_INT32 = (-(2 ** 31), 2 ** 31 - 1)
 
@@ -210,61 +209,14 @@ class _Recorder:
             self.launches.append(launch)
 
 
-_local = threading.local()
-_patch_lock = threading.Lock()
-_patched: dict[type, Any] = {}
-_patch_users = 0
-
-
-def _kernel_classes() -> list[type]:
-    from triton.runtime.jit import JITFunction
-
-    classes = [JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        classes.append(InterpretedFunction)
-    except ImportError:  # pragma: no cover - every Triton we support has the interpreter
-        pass
-    return classes
-
-
-def _recording_run(original):
-    def run(self, *args, grid, warmup, **kwargs):
-        rec = getattr(_local, "recorder", None)
-        if rec is None or warmup:  # other threads, and compiles, pass straight through
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        rec.add(self, args, kwargs)
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs) if rec.execute else None
-
-    run.__wrapped__ = original
-    return run
-
-
 @contextlib.contextmanager
 def record_launches(execute: bool = False):
     """Within the block, this thread's Triton kernel launches are recorded (`Launch`, one per distinct
     specialization, in order) and, unless `execute`, not run. Yields the list. Other threads' launches are not
-    affected (the hook is installed for the block's duration and looks at the calling thread)."""
-    global _patch_users
+    affected (dustin/engine/hooks.py `intercept_launches`)."""
     rec = _Recorder(execute)
-    with _patch_lock:
-        if _patch_users == 0:
-            for cls in _kernel_classes():
-                _patched[cls] = cls.run
-                cls.run = _recording_run(cls.run)
-        _patch_users += 1
-    outer, _local.recorder = getattr(_local, "recorder", None), rec
-    try:
+    with intercept_launches(rec.add, execute):
         yield rec.launches
-    finally:
-        _local.recorder = outer
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                for cls, original in _patched.items():
-                    cls.run = original
-                _patched.clear()
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -291,66 +243,6 @@ def _restore_modules(state) -> None:
         for k, v in attrs.items():
             if now.get(k) is not v and k not in _MODULE_DICTS:
                 now[k] = v
-
-
-@contextlib.contextmanager
-def _track_fakes():
-    """Within the block, a weak reference to every fake tensor created (yields the list)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    refs: list[weakref.ref] = []
-    original = FakeTensor.__dict__["__new__"]
-
-    def new(cls, *args, **kwargs):
-        t = original.__func__(cls, *args, **kwargs)
-        refs.append(weakref.ref(t))
-        return t
-
-    FakeTensor.__new__ = staticmethod(new)
-    try:
-        yield refs
-    finally:
-        FakeTensor.__new__ = original
-
-
-def _sweep_fakes(refs: list[weakref.ref]) -> tuple[list[str], list[str]]:
-    """Fake tensors of a finished dry run that are still referenced were stored by the code it ran somewhere that
-    outlives it: a global cache (e.g. a per-device buffer made on first use). A real launch would later read that
-    fake tensor's address (0). Dict entries holding one are deleted (the code makes a real one on its next use);
-    returns (where entries were deleted, where fake tensors are still held)."""
-    gc.collect()
-    removed: list[str] = []
-    for ref in refs:
-        if ref() is not None:
-            _drop_from_dicts(ref(), removed)
-    if not removed and all(ref() is None for ref in refs):
-        return removed, []
-    gc.collect()
-    left = [_holders(ref()) for ref in refs if ref() is not None]
-    return removed, left
-
-
-def _drop_from_dicts(t, removed: list[str]) -> None:
-    for holder in gc.get_referrers(t):
-        if isinstance(holder, dict):
-            for key in [k for k, v in holder.items() if v is t]:
-                del holder[key]
-                removed.append(f"{_owner(holder)}[{key!r}]")
-
-
-def _holders(t) -> str:
-    return ", ".join(sorted({type(h).__name__ for h in gc.get_referrers(t) if not isinstance(h, types.FrameType)}))
-
-
-def _owner(d: dict) -> str:
-    """What holds dict d, for messages: "Class.attr" or "module.attr" (else "a dict")."""
-    for o in gc.get_referrers(d):
-        if isinstance(o, dict):
-            key = next((k for k, v in o.items() if v is d), None)
-            for oo in gc.get_referrers(o):
-                if isinstance(oo, (type, types.ModuleType)) and oo.__dict__.get(key) is d:
-                    return f"{getattr(oo, '__qualname__', oo.__name__)}.{key}"
-    return "a dict"
 
 
 class FakeTensorLeak(RuntimeError):
@@ -385,7 +277,7 @@ def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int 
     error, t0 = None, time.perf_counter()
     prefill: list[Launch] = []
     step: list[Launch] = []
-    with _track_fakes() as fakes:
+    with track_fakes() as fakes:
         try:
             prefill, step = _dry_run(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
         except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
@@ -394,7 +286,7 @@ def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int 
             _restore_modules(state)
             state = None
     t1 = time.perf_counter()
-    removed, left = _sweep_fakes(fakes)  # the dry run's frame is gone: what holds a fake tensor now outlives it
+    removed, left = sweep_fakes(fakes)  # the dry run's frame is gone: what holds a fake tensor now outlives it
     if left:
         raise FakeTensorLeak(f"the warm-up's dry run left fake tensors held by {'; '.join(left)} (removed from "
                              f"dict caches: {removed or 'none'})")
@@ -433,7 +325,7 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
             for name, runner in twin.runners.items():
                 runner.forward_packed(packed[name], observers if name == "target" else ())
         with record_launches(execute=False) as launched:
-            twin._device_step(twin._graph_max_len, graphed_forwards=False)
+            twin.dry_step()
     seen = {x.key for x in prefill}
     return prefill, [x for x in launched if x.key not in seen]
 

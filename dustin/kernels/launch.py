@@ -16,7 +16,7 @@ How: every kernel launched in the step takes a `PDL: tl.constexpr` and calls `pd
 statement, before any load, store or atomic (of scalars, of pointers read from memory, of counters too), and is
 launched with `launch_pdl=pdl`:
 - `gdc_wait()` blocks until the predecessor grid has completed and its writes are visible. Nothing of the kernel
-  touches memory before it (tests/test_kernels_compile.py checks the PTX), so correctness never depends on PDL:
+  touches memory before it (tests/kernels/test_kernels_compile.py checks the PTX), so correctness never depends on PDL:
   the kernel reads and writes exactly what plain stream order would give it, only its launch is earlier.
 - `gdc_launch_dependents()` then lets the successor be scheduled. Its programs may take SM slots while this
   kernel still runs; that is safe because every successor waits first, and it cannot starve this kernel: the

@@ -66,7 +66,7 @@ from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 # Heads (and rows: heads x queries) per launch entry at most: 4 slots x (128 keys + 16 rows) x D 128 x 2 B
-# = 147456 B of K and Q tiles (+ 8192) fits sm_90's 232448 B; tests/test_kernels_compile.py asserts it.
+# = 147456 B of K and Q tiles (+ 8192) fits sm_90's 232448 B; tests/kernels/test_kernels_compile.py asserts it.
 _MAX_GROUP_HEADS = 4
 _MAX_GROUP_ROWS = 64
 

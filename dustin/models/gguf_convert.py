@@ -15,7 +15,7 @@ model: it builds a numpy memmap view per vocabulary string), the same parse agai
   * fp32 -> bf16 rounding (nearest even, as torch does) and the NaN/inf check are plain numpy;
   * while the workers run, this process imports transformers, writes config.json and builds the tokenizer.
 Every output file is byte-identical to the serial converter's (sha256 of all six files, both default models;
-tests/test_fetch.py compares workers=1 with workers=2). The folder is still written under a temporary name
+tests/models/test_fetch.py compares workers=1 with workers=2). The folder is still written under a temporary name
 and renamed into place; a failing, killed or interrupted worker stops the others and the folder is removed.
 
 Measured 2026-12-01 on a 2-core CPU (no GPU, shared with other jobs, so wall times vary by ~20%):
@@ -653,7 +653,7 @@ def _qwen2_tokenizer(fields: dict):
     metadata: that pass makes a numpy view per vocabulary string and took 3.5 of the 4.9 s the tokenizer cost
     per model (2-core CPU), on the conversion's critical path. For both default GGUFs, tokenizer.json,
     tokenizer_config.json and chat_template.jinja came out byte-identical to the loader's under transformers 5.24
-    (and the same under 5.17, whose loader differs: `_tokenizer_from_gguf`); tests/test_fetch.py checks the files
+    (and the same under 5.17, whose loader differs: `_tokenizer_from_gguf`); tests/models/test_fetch.py checks the files
     against the GGUF's fields and the encodings against the loader's.
     """
     from tokenizers import AddedToken

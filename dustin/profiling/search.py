@@ -46,7 +46,7 @@ class ARRObjective:
         return self.t[name][:, list(layers)].float().sum(1)
 
     def select(self, t_layers, d_layers, k: int, m: int):
-        # the torch path: the same sets as the engine's kernels (tests/test_selection.py), without compiling a
+        # the torch path: the same sets as the engine's kernels (tests/selection/test_selection.py), without compiling a
         # kernel for every (k, m) that phases 2-3 try
         return select_dustin(self.rows("hist", t_layers), self.rows("draft", d_layers), self.L, k=k, m=m,
                              sinks=self.sinks, window=self.window, impl="torch")

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 try:
     import httpx
-except ImportError:  # as in tests/test_serve.py
+except ImportError:  # as in tests/api/test_serve.py
     import httpx2 as httpx
 
 import openai
@@ -34,7 +34,7 @@ from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-tp"
 SERVE = {"method": "dustin", "budget": 24, "draft_window": 32, "max_context": 256, "max_slots": 4, "prefill_chunk": 32}
 PROMPT_LENGTHS = [40, 75, 23, 60]  # most longer than the budget: sparse verification drops positions

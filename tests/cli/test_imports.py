@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dustin"
 
 KNOWN_CLI_IMPORTERS: frozenset[str] = frozenset()  # none: only dustin/cli and dustin/__main__ import it

@@ -420,7 +420,7 @@ def test_ignored_fields_are_the_documented_ones():
 
     from dustin.serve.protocol import IGNORED_FIELDS
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     section = text.split("### Fields accepted and ignored\n", 1)[1].split("\n#", 1)[0]
     listed = re.findall(r"^- `(\w+)`: \S", section, re.MULTILINE)
     assert listed == list(IGNORED_FIELDS)
@@ -707,7 +707,7 @@ def test_lm_eval_local_completions_runs_both_request_kinds(text_live, text_pair,
 
     from tests.tiny_models import hf_model
 
-    here = Path(__file__).resolve().parent / "data" / "lm_eval"
+    here = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
     monkeypatch.chdir(here)  # the task files name their data relative to this folder
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
     url = text_live.url + "/v1/completions"

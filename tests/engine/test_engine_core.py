@@ -80,6 +80,8 @@ def test_whole_batch_policies_are_served_in_gangs(engine, method):
             assert st["requests_waiting"] == 2 and st["kv_slots_used"] == 3
     assert [got[str(i)] for i in range(5)] == ref
     assert llm.stats()["requests_finished"] == 5
+    with pytest.raises(InputError, match="prompt log-probabilities"):  # a gang's prefill computes none
+        llm.add_request(Request("echo", prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=0)))
 
 
 def test_requests_join_and_leave_a_running_batch(engine):

@@ -271,22 +271,22 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
     must not run then: a real launch would read the fake tensor's address, 0)."""
     from dustin.engine.warmup import FakeTensorLeak
 
-    original = Session._device_step
+    original = Session.dry_step
 
-    def caching_step(self, *args, **kwargs):
+    def caching_step(self):
         _Cache.by_device.setdefault(str(self.device), torch.zeros(4, device=self.device))
-        return original(self, *args, **kwargs)
+        return original(self)
 
-    monkeypatch.setattr(Session, "_device_step", caching_step)
+    monkeypatch.setattr(Session, "dry_step", caching_step)
     _Cache.by_device.clear()
     plan = _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
 
-    def holding_step(self, *args, **kwargs):
+    def holding_step(self):
         _Cache.held.append(torch.zeros(4, device=self.device))
-        return original(self, *args, **kwargs)
+        return original(self)
 
-    monkeypatch.setattr(Session, "_device_step", holding_step)
+    monkeypatch.setattr(Session, "dry_step", holding_step)
     with pytest.raises(FakeTensorLeak, match="held by list"):
         _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     _Cache.held.clear()

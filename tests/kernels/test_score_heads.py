@@ -1,6 +1,6 @@
 """Score estimation over ANY head set: layers of many heads (all 12 target / 14 draft heads of the Qwen2.5
 pair) are tiled into groups of a few heads, each launched as one more layer entry, because one launch
-over all of them ran out of shared memory on the H200 (tests/test_kernels_compile.py checks the budget).
+over all of them ran out of shared memory on the H200 (tests/kernels/test_kernels_compile.py checks the budget).
 Checked against the PyTorch reference under the CPU interpreter at small, odd shapes."""
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dustin import LLM, RequestResult, SamplingParams
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from dustin.kernels import launch
 from tests.triton_compile import pdl_order
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_verify_attention_split_kernel",
            "_verify_attention_combine_kernel", "_sparse_verify_split_kernel", "_sparse_verify_combine_kernel",
            "_score_pass1_kernel", "_score_pass2_kernel", "_mask_scores_kernel",
