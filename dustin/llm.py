@@ -21,7 +21,7 @@ from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine, GenerationResult
 from dustin.engine.pair import check_prompts
-from dustin.engine.request import SamplingParams
+from dustin.engine.request import Logprob, SamplingParams
 from dustin.errors import InputError
 
 Prompt = str | Sequence[int]
@@ -51,13 +51,18 @@ class Metrics:
 class RequestResult:
     """One prompt's result: its token ids, the generated ids and text (None when the model folder has no
     tokenizer; special tokens are dropped from the text, not from `token_ids`), why it ended ("stop": it emitted an
-    EOS id; "length": it reached max_tokens, or it ignores EOS) and its batch's `Metrics`."""
+    EOS id; "length": it reached max_tokens, or it ignores EOS), its batch's `Metrics`, and the log-probabilities
+    its SamplingParams asked for: `logprobs`, one `Logprob` per generated token (of the target's distribution before
+    temperature, at the verify forward: under sparse verification, the sparse-verified target's), and
+    `prompt_logprobs`, one per prompt token (None for the first; from the dense prefill)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
     metrics: Metrics
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class LLM:
@@ -135,9 +140,9 @@ class LLM:
         out = self.engine.generate(ids, cfg, params=plist)
         metrics = Metrics.of(out)
         results = []
-        for p, seq, rp in zip(ids, out.sequences, plist, strict=True):
-            stop = bool(seq.token_ids) and not rp.ignore_eos and seq.token_ids[-1] in self.engine.eos_ids
-            results.append(RequestResult(p, seq.token_ids, seq.text, "stop" if stop else "length", metrics))
+        for p, seq in zip(ids, out.sequences, strict=True):
+            results.append(RequestResult(p, seq.token_ids, seq.text, seq.finish_reason, metrics, seq.logprobs,
+                                         seq.prompt_logprobs))
         return results
 
     def _context(self) -> int:
@@ -160,9 +165,4 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     for i, p in enumerate(plist):
         if not isinstance(p, SamplingParams):
             raise InputError(f"params[{i}] is a {type(p).__name__}, not a SamplingParams")
-    for p in plist:
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(p, name) is not None:  # never a silent drop: LLM.generate returns no log-probabilities yet
-                raise InputError(f"LLM.generate does not return {name}; ask `dustin serve` (OpenAI's logprobs / "
-                                 f"echo) or drive EngineCore with Request(..., SamplingParams({name}=...))")
     return plist

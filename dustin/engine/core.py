@@ -179,7 +179,8 @@ class EngineCore:
         self._aborts: list[str] = []
         self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
         self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by _collect
-        self._queued: dict[str, list[int]] = {}  # the offline batch `queue` added: its tokens returned so far
+        # the offline batch `queue` added: each request's outputs so far, accumulated into one (all its tokens)
+        self._queued: dict[str, RequestOutput] = {}
         self.eos_ids = set(pair.eos_ids) if self.gen_cfg.stop_at_eos else set()
         self.decode_stats = EngineStats()
         self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
@@ -503,12 +504,12 @@ class EngineCore:
                 self.counters["requests_finished"] += 1
             o = RequestOutput(seq.request.request_id, list(new), done, seq.finish_reason,
                               len(seq.request.prompt_ids), len(toks))
-            if o.request_id in self._queued:
-                self._queued[o.request_id] += o.new_token_ids
             if seq.request.params.logprobs is not None:
                 o.logprobs = seq.logprobs[len(toks) - len(new):len(toks)]
             if len(toks) == len(new):  # the request's first output
                 o.prompt_logprobs = self.session.prompt_logprobs(row)
+            if o.request_id in self._queued:
+                _accumulate(self._queued[o.request_id], o)
             out.append(o)
         return out
 
@@ -531,12 +532,14 @@ class EngineCore:
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(batch))]
         for rid, (p, rp) in zip(ids, batch, strict=True):
             self.add_request(Request(rid, p, rp))
-        self._queued = {rid: [] for rid in ids}
+        self._queued = {rid: RequestOutput(rid, [], False, prompt_tokens=len(p)) for rid, (p, _) in zip(ids, batch,
+                                                                                                        strict=True)}
         return ids
 
-    def run_queued(self) -> tuple[list[list[int]], dict]:
-        """Offline: step until the `queue`d requests (and anything else) finished; their new token ids (those that
-        earlier `step()` calls returned too), and timings:
+    def run_queued(self) -> tuple[list[RequestOutput], dict]:
+        """Offline: step until the `queue`d requests (and anything else) finished; each one's whole output (all its
+        tokens, those that earlier `step()` calls returned too, with its finish reason and, when it asked, its
+        log-probabilities), and timings:
         `prefill_s`, the wall time until every prompt was prefilled (decode steps of rows that finished their
         prefill earlier run meanwhile, graph captures too), `produced_after_prefill`, tokens booked after that
         point, and `capture_total_at_prefill`, the session's graph-capture seconds so far at that point."""
@@ -560,7 +563,7 @@ class EngineCore:
         """Offline: run prompts to completion on this core (a plain loop over `step`); their new token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         self.queue(list(zip(prompts, plist, strict=True)))
-        return self.run_queued()[0]
+        return [o.new_token_ids for o in self.run_queued()[0]]
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
@@ -589,3 +592,13 @@ class EngineCore:
             self._budget_read = now
             self._budget_cache = self.session.policy.budget_stats()
         return self._budget_cache
+
+
+def _accumulate(total: RequestOutput, o: RequestOutput) -> None:
+    """Add one step's output of a request to its whole output so far."""
+    total.new_token_ids += o.new_token_ids
+    total.finished, total.finish_reason, total.completion_tokens = o.finished, o.finish_reason, o.completion_tokens
+    if o.logprobs is not None:
+        total.logprobs = (total.logprobs or []) + o.logprobs
+    if o.prompt_logprobs is not None:
+        total.prompt_logprobs = o.prompt_logprobs

@@ -19,7 +19,7 @@ import torch
 from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.pair import ModelPair, check_prompts
-from dustin.engine.request import SamplingParams
+from dustin.engine.request import Logprob, SamplingParams
 from dustin.engine.session import PrefillCache, cache_capacity
 from dustin.errors import InputError, OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
@@ -33,6 +33,9 @@ class SequenceResult:
     prompt_len: int
     token_ids: list[int]
     text: str | None
+    finish_reason: str | None = None  # "stop" (an EOS id) or "length" (its token limit)
+    logprobs: list[Logprob] | None = None  # of token_ids, when its SamplingParams asked (`params`)
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token (None for the first), when asked
 
 
 @dataclass
@@ -178,7 +181,8 @@ class Engine(ModelPair):
         after_prefill = s.capture_total() - timing.get("capture_total_at_prefill", c0)
         st.decode_s = max(wall - st.prefill_s - after_prefill, 0.0)
         st.phases = s.timer.totals()
-        seqs = [SequenceResult(len(p), out, self.decode(out)) for p, out in zip(ids, outputs, strict=False)]
+        seqs = [SequenceResult(len(p), o.new_token_ids, self.decode(o.new_token_ids), o.finish_reason, o.logprobs,
+                               o.prompt_logprobs) for p, o in zip(ids, outputs, strict=True)]
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
         sc = s.policy.cfg

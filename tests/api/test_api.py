@@ -175,9 +175,36 @@ def test_bad_inputs(llm):
         llm.generate([[5] * 4000], SamplingParams(temperature=0, max_tokens=200))
     with pytest.raises(InputError, match="max_tokens must be an integer >= 1"):
         SamplingParams(temperature=0, max_tokens=0)
-    for name in ("logprobs", "prompt_logprobs"):  # refused, not dropped
-        with pytest.raises(InputError, match=f"LLM.generate does not return {name}"):
-            llm.generate(prompts[:1], SamplingParams(temperature=0, **{name: 2}))
+
+
+def test_logprobs_are_those_the_engine_core_serves(llm):
+    """`logprobs` / `prompt_logprobs` in SamplingParams: each generated token's and each prompt token's (None for the
+    first), with the asked number of most likely tokens, equal to what the engine core serves for the same request;
+    a prompt that did not ask gets none."""
+    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.request import Request
+
+    prompts = _prompts([9, 17], seed=6)
+    asked = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts, [asked, plain])
+    assert out[1].logprobs is None and out[1].prompt_logprobs is None
+    r = out[0]
+    assert len(r.logprobs) == 6 and all(len(lp.top) == 2 for lp in r.logprobs)
+    assert len(r.prompt_logprobs) == 9 and r.prompt_logprobs[0] is None
+    assert all(len(lp.top) == 1 for lp in r.prompt_logprobs[1:])
+    core = EngineCore(llm.engine, ServeConfig(method="classic", gamma=3, max_slots=2))
+    core.add_request(Request("a", prompts[0], asked))
+    served, lps, plps = [], [], None
+    while core.has_unfinished():
+        for o in core.step():
+            served += o.new_token_ids
+            lps += o.logprobs or []
+            plps = o.prompt_logprobs or plps
+    assert served == r.token_ids
+    assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in r.logprobs], abs=1e-5)
+    assert [[t for t, _ in x.top] for x in lps] == [[t for t, _ in x.top] for x in r.logprobs]
+    assert [x.logprob for x in plps[1:]] == pytest.approx([x.logprob for x in r.prompt_logprobs[1:]], abs=1e-5)
 
 
 def test_import_dustin_is_cheap():

@@ -59,7 +59,7 @@ def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, metho
     prompts = _prompts([70, 5, 133, 41], 12)
     cfg = GenerationConfig(method=method, max_new_tokens=24, stop_at_eos=False, **kw)
     got = fresh.generate(prompts, cfg)
-    want = fresh.start(prompts, cfg, fill="whole").run_queued()[0]
+    want = [o.new_token_ids for o in fresh.start(prompts, cfg, fill="whole").run_queued()[0]]
     assert [s.token_ids for s in got.sequences] == want
 
 

@@ -472,7 +472,7 @@ def test_dustin_d_served_equals_offline_generation(engine):
     prompts = _prompts(6, seed=7, low=5, high=110)
     cfg = GenerationConfig(method="dustin-d", max_new_tokens=12, stop_at_eos=False, **SPARSE)
     ref = [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
-    assert engine.start(prompts, cfg, fill="whole").run_queued()[0] == ref
+    assert [o.new_token_ids for o in engine.start(prompts, cfg, fill="whole").run_queued()[0]] == ref
     llm = _llm(engine, method="dustin-d", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=80,
                **SPARSE)
     assert llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == ref
