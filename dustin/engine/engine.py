@@ -20,7 +20,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore, ServeConfig
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Logprob, SamplingParams
-from dustin.engine.session import PrefillCache, cache_capacity
+from dustin.engine.session import PrefillCache, cache_capacity, prefill_key
 from dustin.errors import InputError, OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
 
@@ -124,7 +124,7 @@ class Engine(ModelPair):
         if kept is None or not keep or kept[0] != key or kept[1].session.target_cache.capacity < need:
             self._kept = None
             if fill == "snapshot":
-                snap_key = (tuple(tuple(p) for p in prompts), self.target.embed_tokens.weight.dtype)
+                snap_key = prefill_key(prompts, self.target.embed_tokens.weight.dtype)
                 if prefill_cache.lookup(snap_key) is None:  # another batch's caches: free them before allocating
                     prefill_cache.clear()
             gc.collect()

@@ -54,6 +54,11 @@ def cache_capacity(prompt_lens: list[int], limits: list[int], gamma: int) -> int
     return max(n + m for n, m in zip(prompt_lens, limits, strict=False)) + 3 * gamma + 4
 
 
+def prefill_key(prompts: list[list[int]], dtype: torch.dtype) -> tuple:
+    """What a prefill snapshot is valid for: the rows' prompts and the caches' dtype."""
+    return tuple(tuple(p) for p in prompts), dtype
+
+
 @dataclass
 class PrefillState:
     """Prompt K/V of target (and draft) and the first token, reusable by a later greedy session."""
@@ -415,8 +420,7 @@ class Session:
 
     @property
     def prefill_key(self) -> tuple:
-        """What a prefill snapshot is valid for: the rows' prompts and the caches' dtype."""
-        return tuple(tuple(p) for p in self.prompts), self.target_cache.k.dtype
+        return prefill_key(self.prompts, self.target_cache.k.dtype)
 
     # ---------------------------------------------------------------- decode
     @torch.inference_mode()
