@@ -7,6 +7,8 @@ DEFAULT_METHOD = "dustin"
 
 # draft tokens per speculative step (Γ), and the positions a streaming draft attends (4 sinks + the most recent)
 GAMMA = 4
+# --gamma auto: the largest Γ a sequence may take (each picks its own per step, dustin/engine/gamma.py)
+GAMMA_AUTO_MAX = 6
 DRAFT_WINDOW = 512
 
 # --budget auto: the attention mass to cover, the smallest and the largest k

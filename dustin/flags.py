@@ -137,10 +137,16 @@ SPARSE_CONFIG_HELP = ("sparse verification config JSON (score heads, m), or 'bui
                       "(default: the tuned config shipped for this pair, else builtin)")
 
 
-def add_speculation_args(p: argparse.ArgumentParser):
-    """--gamma and --draft-window: how the draft speculates (every speculative command, same defaults)."""
+def add_speculation_args(p: argparse.ArgumentParser, auto: bool = False):
+    """--gamma and --draft-window: how the draft speculates (every speculative command, same defaults). auto: --gamma
+    may also be auto (the commands that run the engine core: each sequence picks its Γ per step)."""
     g = p.add_argument_group("speculation")
-    g.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per step (Γ)")
+    if auto:
+        g.add_argument("--gamma", type=int_or_auto, default=GAMMA,
+                       help="draft tokens per step (Γ), or auto: each sequence picks its own Γ per step from step "
+                            "costs measured at start and its own acceptance (docs/choosing.md)")
+    else:
+        g.add_argument("--gamma", type=int, default=GAMMA, help="draft tokens per step (Γ)")
     g.add_argument("--draft-window", type=int, default=DRAFT_WINDOW,
                    help="positions a streaming draft attends: 4 sinks + the most recent (magicdec, dustin, ...)")
     return g
@@ -148,8 +154,8 @@ def add_speculation_args(p: argparse.ArgumentParser):
 
 
 
-def _budget(text: str) -> int | str:
-    """--budget: an integer k, or auto."""
+def int_or_auto(text: str) -> int | str:
+    """--gamma, --budget: an integer, or auto."""
     if text == "auto":
         return text
     try:
@@ -171,7 +177,7 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: 
     flags: sparse verification, declared once."""
     g = p.add_argument_group("sparse verification")
     if sweep is None:
-        g.add_argument("--budget", type=_budget, default=None,
+        g.add_argument("--budget", type=int_or_auto, default=None,
                        help="KV positions per sequence the target verifies against (k; default: the config's, 512), "
                             "or auto: per sequence and step, the fewest positions holding --budget-p of the "
                             "estimated attention mass (dustin methods)")

@@ -80,7 +80,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tau", type=float, default=None,
                    help=f"target tokens per step for the acceptance control (random weights; default {DEFAULT_TAU})")
     p.add_argument("--accept-prob", type=float, default=None, help="per-token acceptance (overrides --tau)")
-    add_speculation_args(p)
+    add_speculation_args(p, auto=True)
     add_sparse_args(p)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph capture, Triton compiles)")
     p.add_argument("--steps", type=int, default=12, help="timed steps")
@@ -146,7 +146,7 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
     from dustin.flags import budget_settings
 
     sparse = METHODS[method].policy != "full"
-    return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (a.gamma + 1) + 1,
+    return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (gamma_max(a) + 1) + 1,
                             stop_at_eos=False, draft_window=a.draft_window,
                             options=ExecutionOptions(cuda_graphs=not a.no_graphs,
                                                      step_graph=not getattr(a, "no_step_graph", False),
@@ -156,13 +156,20 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
                             **budget_settings(a, sparse))
 
 
+def gamma_max(a) -> int:
+    """The largest Γ a step may take: --gamma, or under --gamma auto the largest any sequence picks."""
+    from dustin.defaults import GAMMA_AUTO_MAX
+
+    return GAMMA_AUTO_MAX if a.gamma == "auto" else a.gamma
+
+
 def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
     """An acceptance-controlled engine core of `method` over noise-filled caches of `batch` x `context`, with room
     for `steps` steps, and its config."""
     from dustin.engine.sampling import accept_prob_for_tau
 
     tau = a.tau if a.tau is not None else DEFAULT_TAU
-    p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(tau, a.gamma)
+    p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(tau, gamma_max(a))
     cfg = _config(method, a, steps, None if method == "vanilla" else p)
     prompts = [[1] * context for _ in range(batch)]  # only the lengths matter: the caches are filled with noise
     return engine.start(prompts, cfg, fill="noise"), cfg
@@ -214,7 +221,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     s.timer = type(s.timer)(s.device)  # phases of the timed steps only
     s.policy.budget_stats(reset=True)  # --budget auto: the k of the timed steps only
     st = core.decode_stats
-    steps0, tokens0, seq_steps0 = st.steps, st.step_tokens, st.active_seq_steps
+    steps0, tokens0, seq_steps0, gammas0 = st.steps, st.step_tokens, st.active_seq_steps, dict(st.gammas)
     _sync(s.device)
     t0 = time.perf_counter()
     run_steps(core, a.steps)
@@ -230,7 +237,10 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
            "phases_ms_per_step": {k: round(1e3 * v / a.steps, 3) for k, v in s.timer.totals().items()},
            "warmup_s": round(warmup_s, 3), "capture_s": round(s.capture_total(), 3),
            "prefill_s": round(prefill_s, 3), "budget_k": s.policy.budget_stats()}
-    if getattr(a, "copy_bw", None):  # the bytes a step must read (at the mean context of the timed steps)
+    if core.gamma_rule is not None:  # --gamma auto: sequence steps of each Γ in the timed steps
+        row["gamma_steps"] = {g: n - gammas0.get(g, 0) for g, n in sorted(st.gammas.items()) if n > gammas0.get(g, 0)}
+    # the bytes a step must read (at the mean context of the timed steps; not under --gamma auto, whose steps differ)
+    if getattr(a, "copy_bw", None) and core.gamma_rule is None:
         from dustin.bench.roofline import step_bytes
 
         mean_ctx = context + st.produced // (2 * batch)
@@ -293,7 +303,8 @@ def _fits(engine, batch: int, context: int, a) -> bool:
         return True
     from dustin.engine.session import cache_capacity
 
-    cap = cache_capacity([context], [(a.warmup + a.steps) * (a.gamma + 1) + 1], a.gamma)  # as `_config` asks
+    g = gamma_max(a)
+    cap = cache_capacity([context], [(a.warmup + a.steps) * (g + 1) + 1], g)  # as `_config` asks
     return engine.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
 
 
@@ -328,7 +339,7 @@ def _plan(a) -> dict:
         if a.accept_prob is None:
             from dustin.engine.sampling import accept_prob_for_tau
             try:
-                accept_prob_for_tau(a.tau if a.tau is not None else DEFAULT_TAU, a.gamma)
+                accept_prob_for_tau(a.tau if a.tau is not None else DEFAULT_TAU, gamma_max(a))
             except ValueError as e:
                 raise InputError(f"--tau: {e}") from None
         elif not 0.0 <= a.accept_prob <= 1.0:
@@ -368,7 +379,8 @@ def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
     # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`
-    room = limit - ((a.warmup + a.steps + PROFILED_STEPS) * (a.gamma + 1) + 1) - a.gamma - 1
+    g = gamma_max(a)
+    room = limit - ((a.warmup + a.steps + PROFILED_STEPS) * (g + 1) + 1) - g - 1
     if room < 1:
         raise InputError(f"--warmup {a.warmup} + --steps {a.steps} decode past the model context ({limit})")
     return {"target": t_path.name, "draft": d_path.name if d_path else None, "limit": limit, "room": room,

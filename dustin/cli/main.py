@@ -29,7 +29,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--draft-kv", choices=["full", "streaming"], default=None, help="override the method's draft cache")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    add_speculation_args(p)
+    add_speculation_args(p, auto=True)
     add_sparse_args(p)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA, GAMMA_AUTO_MAX
 from dustin.errors import InputError
 from dustin.selection.config import ORACLE_RUNGS
 
@@ -65,7 +65,11 @@ class ExecutionOptions:
 @dataclass
 class GenerationConfig:
     method: str = DEFAULT_METHOD
-    gamma: int = GAMMA
+    # draft tokens per step (Γ), or "auto": each sequence picks its own Γ in [0 or 1, GAMMA_AUTO_MAX] per step from
+    # measured step costs and its own acceptance (dustin/engine/gamma.py); gamma then holds that largest Γ and
+    # gamma_auto is True
+    gamma: int | str = GAMMA
+    gamma_auto: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -88,6 +92,10 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.gamma == "auto":
+            self.gamma, self.gamma_auto = GAMMA_AUTO_MAX, True
+        if not isinstance(self.gamma, int):
+            raise InputError(f"--gamma must be an integer or auto, got {self.gamma!r}")
         if self.gamma < 1:
             raise InputError(f"--gamma must be >= 1 (draft tokens per step), got {self.gamma}")
         if self.gamma > 15:

@@ -49,6 +49,7 @@ import torch
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.gamma import GammaRule, RowGamma, StepCosts, measure_step_costs
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.logprobs import to_logprob
 from dustin.engine.pair import ModelPair, check_prompts
@@ -68,7 +69,7 @@ class ServeConfig:
     CPU, where the slots' caches live in host memory); max_slots None: 16 on a GPU, 8 on a CPU."""
 
     method: str = DEFAULT_METHOD
-    gamma: int = GAMMA
+    gamma: int | str = GAMMA  # or "auto" (GenerationConfig.gamma)
     budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
     budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k
     budget_min: int = AUTO_MIN
@@ -114,6 +115,7 @@ class EngineStats:
     active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
     produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
     step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
+    gammas: dict[int, int] = field(default_factory=dict)  # --gamma auto: Γ -> sequence steps launched with it
     prefill_s: float = 0.0
     decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
     capture_s: float = 0.0  # that one-time capture (graph warm-up runs included)
@@ -132,12 +134,13 @@ class EngineCore:
     def __init__(self, pair: ModelPair, config: ServeConfig, *, generation: GenerationConfig | None = None,
                  slots: int | None = None, capacity: int | None = None, policy=None,
                  kernel_warmup: bool = True, gang: str | None = None,
-                 prefill_cache: PrefillCache | None = None) -> None:
+                 prefill_cache: PrefillCache | None = None, step_costs: StepCosts | None = None) -> None:
         """generation/slots/capacity/policy: an offline batch on this same loop (its own decoding settings, one
         slot per prompt, the capacity its prompts need); the server leaves them None.
         gang: admit the waiting requests together and prefill them this way ("whole", "snapshot" or "noise";
         `Session.prefill_gang`); None: chunked admission, or "whole" for a policy that is not `row_local`.
         prefill_cache: where a "snapshot" gang finds (and leaves) the prompt caches of its prompts.
+        step_costs: --gamma auto's cost model (None: measured now, `measure_step_costs`).
         kernel_warmup: on a GPU, compile the kernels of the first prefill forward and decode step in the
         background from now on (dustin/engine/warmup.py; planned for the policy `pair.make_policy` gives, so a
         caller passing another policy may turn it off); the first prefill waits for its own kernels, the first
@@ -164,6 +167,12 @@ class EngineCore:
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
+        self.gamma_rule: GammaRule | None = None  # --gamma auto: each sequence's Γ per step
+        if self.gen_cfg.gamma_auto and self.gen_cfg.spec.speculative:
+            if pair.parallel is not None and pair.parallel.world > 1:
+                raise InputError("--gamma auto does not run under tensor parallelism yet: give --gamma an integer")
+            costs = step_costs or measure_step_costs(self.session)
+            self.gamma_rule = GammaRule(costs, self.gen_cfg.gamma, self.session.min_gamma)
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._inflight: int | None = None  # staging slot of the launched step not yet read back
@@ -330,7 +339,22 @@ class EngineCore:
         decode = any(not seq.prefilling for seq in sched.running.values())
         if decode and prefill and self.kernel_warmup is not None and self.kernel_warmup.running:
             decode = False  # the decode step's kernels are still compiling: prefill now, decode once they are ready
-        return StepPlan(freeze=freeze, release=release, admit=admit, prefill=prefill, gang=gang, decode=decode)
+        gammas = self._gammas() if decode and self.gamma_rule is not None else ()
+        return StepPlan(freeze=freeze, release=release, admit=admit, prefill=prefill, gang=gang, decode=decode,
+                        gammas=gammas)
+
+    def _gammas(self) -> tuple[tuple[int, int], ...]:
+        """--gamma auto: the Γ of each sequence the step decodes, from its own history (`RowGamma`)."""
+        out, counts = [], self.decode_stats.gammas
+        for row, seq in self.scheduler.running.items():
+            if seq.prefilling or seq.finished:
+                continue
+            if seq.gamma is None:
+                seq.gamma = RowGamma(len(seq.request.prompt_ids))
+            g = seq.gamma.next_gamma(self.gamma_rule)
+            counts[g] = counts.get(g, 0) + 1
+            out.append((row, g))
+        return tuple(out)
 
     def _execute(self, plan: StepPlan) -> list[list[RowTokens]]:
         """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
@@ -352,12 +376,17 @@ class EngineCore:
             self._prefill_gang(plan.gang)
             self.counters["prompt_tokens_total"] += sum(len(a.prompt_ids) for a in plan.admit)
         slot = None
+        done = []
         if plan.decode:
             if self.kernel_warmup is not None:
                 self._finish_kernel_warmup()
+            for row, g in plan.gammas:
+                s.set_gamma(row, g)
+            if self._inflight is not None and s.catch_up_pending:  # it feeds the tokens of every earlier step
+                done.append(s.complete(self._inflight))
+                self._inflight = None
             slot = s.launch(overlapped=s.overlappable)
             self.counters["steps_total"] += 1
-        done = []
         if self._inflight is not None:
             done.append(s.complete(self._inflight))
         self._inflight = slot
@@ -470,6 +499,8 @@ class EngineCore:
                         lp = lp[1:]
                     if seq.finished:
                         continue
+                if seq.gamma is not None:
+                    seq.gamma.observe(len(r.tokens) - 1)
                 active += 1
                 st.step_tokens += len(r.tokens)
                 kept = seq.commit(r.tokens, self.eos_ids)

@@ -140,35 +140,44 @@ def choose(logits: torch.Tensor, p: SamplingRule, generator: torch.Generator | N
     return sample(probs, generator), probs
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor):
+def _within(limit: torch.Tensor | None, G: int, device) -> torch.Tensor | bool:
+    """[B, G] whether draft slot i is within each row's Γ (`limit` [B], None: every slot)."""
+    return True if limit is None else torch.arange(G, device=device)[None, :] < limit[:, None]
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor, limit: torch.Tensor | None = None):
     """draft [B, G], target_logits [B, G+1, V] -> (n_accepted [B], next token [B]).
 
     A draft token is accepted while it equals the target's argmax; the next token is the target's own
-    choice at the first mismatch (or the bonus token after the last draft token)."""
+    choice at the first mismatch (or the bonus token after the last draft token). limit [B]: each row's own Γ
+    (<= G): its drafts past it are not looked at, so its result is that of a step of Γ = limit[b]."""
     target_choice = argmax(target_logits)  # [B, G+1]
-    match = (draft == target_choice[:, :-1]).int()
+    match = ((draft == target_choice[:, :-1]) & _within(limit, draft.shape[1], draft.device)).int()
     n_acc = match.cumprod(dim=1).sum(dim=1)
     next_tok = target_choice.gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_tok
 
 
-def _verify(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, u: torch.Tensor):
+def _verify(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, u: torch.Tensor,
+            limit: torch.Tensor | None = None):
     """The acceptance test of speculative sampling with uniforms u [B, G]: (n_accepted [B], the weights [B, V] to
-    draw the next token from: the residual max(0, p - q) at the first rejected slot, p itself after the last draft
-    token or where the residual has no mass)."""
+    draw the next token from: the residual max(0, p - q) at the first rejected slot, p itself after the row's last
+    draft token (its `limit`, default G) or where the residual has no mass)."""
     B, G = draft.shape
     p_x = target_probs[:, :G].gather(2, draft[..., None]).squeeze(2)
     q_x = draft_probs.gather(2, draft[..., None]).squeeze(2)
-    n_acc = (u * q_x <= p_x).int().cumprod(dim=1).sum(dim=1)  # u < p/q without dividing by a possibly tiny q
+    # u < p/q without dividing by a possibly tiny q
+    n_acc = ((u * q_x <= p_x) & _within(limit, G, draft.device)).int().cumprod(dim=1).sum(dim=1)
     rows = torch.arange(B, device=draft.device)
     p_at = target_probs[rows, n_acc]  # [B, V]: target distribution at the first rejected slot (or bonus)
-    q_at = draft_probs[rows, n_acc.clamp_max(G - 1)] * (n_acc < G)[:, None]  # none after the last draft token
+    last = G if limit is None else limit
+    q_at = draft_probs[rows, n_acc.clamp_max(G - 1)] * (n_acc < last)[:, None]  # none after the last draft token
     residual = (p_at - q_at).clamp_min(0)
     return n_acc, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
 
 
 def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor,
-                       p: SamplingRule, generator: torch.Generator | None):
+                       p: SamplingRule, generator: torch.Generator | None, limit: torch.Tensor | None = None):
     """Lossless speculative sampling (Leviathan et al. / Chen et al.).
 
     Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from
@@ -177,7 +186,7 @@ def accept_speculative(draft: torch.Tensor, draft_probs: torch.Tensor, target_lo
     B, G = draft.shape
     target_probs = probabilities(target_logits, p)  # [B, G+1, V]
     u = torch.rand(B, G, device=draft.device, generator=generator)
-    n_acc, weights = _verify(draft, draft_probs, target_probs, u)
+    n_acc, weights = _verify(draft, draft_probs, target_probs, u, limit)
     return n_acc, sample(weights, generator)
 
 
@@ -197,14 +206,14 @@ def accept_prob_for_tau(tau: float, gamma: int) -> float:
 
 
 def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_prob: float,
-                      generator: torch.Generator | None):
+                      generator: torch.Generator | None, limit: torch.Tensor | None = None):
     """Acceptance-controlled verification, for benchmarks with random weights only: draft token i is accepted
     with probability `accept_prob`, independently, until the first rejection (so E[tokens per step] =
     (1 - p^(Γ+1)) / (1 - p)). The next token is the target's argmax at the first rejected slot, as in greedy
     verification: every computation of the real method still runs, only the accept decision is replaced."""
     B, G = draft.shape
     u = torch.rand(B, G, device=draft.device, generator=generator)
-    n_acc = (u < accept_prob).int().cumprod(dim=1).sum(dim=1)
+    n_acc = ((u < accept_prob) & _within(limit, G, draft.device)).int().cumprod(dim=1).sum(dim=1)
     next_tok = argmax(target_logits).gather(1, n_acc[:, None]).squeeze(1)
     return n_acc, next_tok
 
@@ -308,6 +317,12 @@ class RowSampling:
         self._offsets.add_(n)
         return u
 
+    def skip(self, n: int) -> None:
+        """Advance every row's counter by n draws (in place): a step takes the same number of draws per row
+        whatever its Γ (`Session`), so a seeded row's numbers do not depend on the Γ of the rows beside it."""
+        if n:
+            self._offsets.add_(n)
+
     def _distributions(self, x: torch.Tensor) -> torch.Tensor:
         """Per-row probabilities of fp32 logits x [B, ..., V] after each row's temperature, top-k and top-p (the
         rules of `probabilities`); a greedy row's are those of a near-zero temperature (its token is the argmax)."""
@@ -344,17 +359,23 @@ class RowSampling:
         probs = self._probabilities(logits)
         return self._sample(probs), probs  # a greedy row's one-hot draws its argmax
 
-    def accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor):
-        """Greedy rows: the greedy rule; sampled rows: lossless speculative sampling with their own params."""
+    def accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+               limit: torch.Tensor | None = None, stride: int = 0):
+        """Greedy rows: the greedy rule; sampled rows: lossless speculative sampling with their own params.
+        limit [B]: each row's own Γ (None: all G drafts); stride: draws each row's acceptance test takes whatever
+        G is (at least G; the next token's draw follows them)."""
         if self.uniform:
             if self.default.greedy:
-                return accept_greedy(drafts, target_logits)
-            return accept_speculative(drafts, draft_probs, target_logits, self.default, self.generator)
+                return accept_greedy(drafts, target_logits, limit)
+            return accept_speculative(drafts, draft_probs, target_logits, self.default, self.generator, limit)
         if self.greedy:
-            return accept_greedy(drafts, target_logits)
+            return accept_greedy(drafts, target_logits, limit)
         x = target_logits.float()  # cast once, for the argmax and the distributions
-        n_g, next_g = accept_greedy(drafts, x)
-        n_s, weights = _verify(drafts, draft_probs, self._distributions(x), self._noise(drafts.shape[1]))
+        G = drafts.shape[1]
+        n_g, next_g = accept_greedy(drafts, x, limit)
+        u = self._noise(G)
+        self.skip(max(stride - G, 0))
+        n_s, weights = _verify(drafts, draft_probs, self._distributions(x), u, limit)
         next_s = self._sample(weights)
         return torch.where(self._greedy, n_g, n_s), torch.where(self._greedy, next_g, next_s)
 

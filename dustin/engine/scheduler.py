@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dustin.engine.gamma import RowGamma
 from dustin.engine.request import Request
 from dustin.engine.sampling import SamplingRule
 from dustin.errors import DustinError
@@ -31,6 +32,7 @@ class Sequence:
     group: list[Sequence] | None = None
     copy_from: Sequence | None = None
     prefill_plan: int | None = None
+    gamma: RowGamma | None = None  # --gamma auto: its Γ history (dustin/engine/gamma.py)
 
     @property
     def prefilling(self) -> bool:
@@ -190,4 +192,5 @@ class StepPlan:
     prefill: tuple[tuple[int, int], ...] = ()  # (row, prompt tokens)
     gang: str | None = None  # a gang admission: prefill every admitted row at once this way (`Session.prefill_gang`)
     decode: bool = False
+    gammas: tuple[tuple[int, int], ...] = ()  # (row, Γ) for the decode step (--gamma auto), set before it
     stop: bool = False

@@ -2,13 +2,26 @@
 
 Invariant (target and draft alike): the KV cache holds every committed token of a sequence except the last
 one, `pending`, whose K/V is computed by the next forward. A speculative step:
-  1. draft Γ tokens: the first draft forward re-reads [prev, pending] (two tokens, so the draft cache is
+  1. draft G tokens: the first draft forward re-reads [prev, pending] (two tokens, so the draft cache is
      right whether or not the previous step accepted all drafts), then one token per forward;
   2. the selection policy plans the verify attention (None = full cache);
-  3. the target verifies [pending, d1..dΓ] in one forward and accepts a prefix (greedy or lossless sampling);
+  3. the target verifies [pending, d1..dG] in one forward and accepts a prefix (greedy or lossless sampling);
   4. cache lengths advance by 1 + accepted; rejected rows are simply overwritten later (rollback is free).
 One host sync per step reads the accepted tokens back for stopping and output. The loop that drives the steps is
 `EngineCore.step` (dustin/engine/core.py); this module runs none.
+
+Γ per row (`set_gamma`, `--gamma auto`): each row has its own Γ_r in [0, Γ] (Γ = cfg.gamma, what the caches are
+sized for). A step runs G = the largest Γ_r of its rows draft forwards (each of the same shape whatever G is), then
+one verify forward of Γ + 1 tokens whatever G is (padding past G): so no forward's shape, and no row's numbers,
+depend on the G its neighbours chose. A row whose Γ_r < G accepts at most Γ_r drafts, its next token is the
+target's at slot Γ_r when it accepted them all, the policy's draft scores leave its lookahead queries past Γ_r out
+(`StepState.row_gamma`), and its sampling counter advances by the same number of draws whatever G is: its tokens
+are those of a step of Γ_r, whichever rows run beside it. Each G has its own step graph. Γ_r = 0 (a plain step:
+no draft forward for the row's sake, its token the target's at slot 0) is for policies that verify against the
+full cache (`SelectionPolicy.full_verify`), whose tokens do not depend on the drafts; a step of G = 0 runs no
+draft forward, so the draft's cache falls behind by one token per such step, and the next step of G > 0 first
+writes the missing positions with one packed draft-only prefill (`catch_up_pending`: it needs every earlier step
+read back, since it feeds the tokens those steps chose).
 """
 from __future__ import annotations
 
@@ -106,6 +119,14 @@ class Session:
         self.kv = kv
         self.B = kv.slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
+        # each row's own Γ (host, and the device copy the step reads: `set_gamma`); the draft positions each
+        # row's cache lacks after steps that ran no draft forward (G = 0), and each row's tokens so far (prompt,
+        # then every token read back: what the draft's catch-up feeds)
+        self._row_gamma = [self.gamma] * self.B
+        self.row_gamma = torch.full((self.B,), self.gamma, dtype=torch.long, device=self.device)
+        self._draft_lag = [0] * self.B
+        self._tokens: list[list[int]] = [[] for _ in range(self.B)]
+        self._unread = 0  # steps launched and not yet read back
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
         self.timer = PhaseTimer(self.device)
@@ -116,11 +137,12 @@ class Session:
         # are graph-safe: fixed-address buffers, one index set for all layers)
         self.use_graphs = (self.device.type == "cuda" and cfg.options.cuda_graphs and target.backend.name == "triton"
                            and self.policy.graph_safe)
-        self._graphs: dict[str, StepGraph] = {}  # one per sampling mode (RowSampling.mode)
+        self._graphs: dict[tuple[str, int], StepGraph] = {}  # one per (sampling mode (RowSampling.mode), G)
         # host staging of the steps (two of each: a step's output is read back while the next one runs)
         pinned = self.device.type == "cuda"
         self._out_stage = [torch.zeros(self.B, 3 + self.gamma, dtype=torch.long, pin_memory=pinned)
                            for _ in range(2)]
+        self._staged_gamma = [0, 0]  # the G of the step staged in each slot
         self._ready = [torch.cuda.Event() if pinned else None for _ in range(2)]
         # per row: an epoch (bumped when a row changes hands, so a step launched before that is not booked to
         # the new request) and whether its first token (chosen by its prefill) is still to be read back: it
@@ -142,7 +164,7 @@ class Session:
         self._prefix_wait: dict[int, list[int]] = {}
         self._seeds: list[int | None] = [None] * self.B  # each row's request seed
         self._slot = 0
-        self._graph_warm: set[str] = set()  # modes whose eager first step ran
+        self._graph_warm: set[tuple[str, int]] = set()  # (mode, G) whose eager first step ran
         self._warmup_s = 0.0
         self.runners = {"target": ModelRunner(target, kv.caches["target"], self.use_graphs)}
         if self.spec.speculative:
@@ -217,6 +239,8 @@ class Session:
         self.done[row] = False
         self.finished[row] = False
         self._fresh[row] = True
+        self._tokens[row] = list(prompt)
+        self._draft_lag[row] = 0  # the prefill wrote the draft's cache of the whole prompt
 
     def _first_logprobs(self, row: int, logits: torch.Tensor) -> None:
         """The log-probabilities of the row's first token (under its prefill's last logits [V]), read back with the
@@ -386,6 +410,10 @@ class Session:
         self.target_cache.lengths[row] = 1
         self.host_lengths[row] = 1
         self.sampler.set_row(row, self.cfg.sampling, None, self.device)
+        self._tokens[row] = []
+        self._draft_lag[row] = 0
+        if self._row_gamma[row] != self.gamma:
+            self.set_gamma(row, self.gamma)
         for d in (self._lp_rows, self._plp_rows, self._prompt_lp):
             d.pop(row, None)
         # a row released before its prefill completed leaves the rows waiting for its prompt cache to prefill
@@ -423,33 +451,95 @@ class Session:
         return prefill_key(self.prompts, self.target_cache.k.dtype)
 
     # ---------------------------------------------------------------- decode
+    @property
+    def min_gamma(self) -> int:
+        """The smallest Γ a row may take: 0 (plain decode steps) when the policy verifies against the full cache,
+        else 1 (a sparse method's token depends on its drafts: its selection reads their lookahead)."""
+        return 0 if self.policy.full_verify else 1
+
+    def set_gamma(self, row: int, gamma: int) -> None:
+        """The row's own Γ from its next step on (in [min_gamma, cfg.gamma]; see the module's docstring)."""
+        if not self.spec.speculative:
+            raise ValueError("a method without a draft has no Γ")
+        if not self.min_gamma <= gamma <= self.gamma:
+            raise ValueError(f"Γ of row {row} must be in [{self.min_gamma}, {self.gamma}], got {gamma}")
+        if gamma != self._row_gamma[row]:
+            self._row_gamma[row] = gamma
+            self.row_gamma[row] = gamma  # in place, queued behind any step in flight (a graph reads this tensor)
+
+    def row_gamma_of(self, row: int) -> int:
+        return self._row_gamma[row]
+
+    @property
+    def step_gamma(self) -> int:
+        """G of the next step: the largest Γ of the rows that decode (cfg.gamma when none does)."""
+        if not self.spec.speculative:
+            return 0
+        return max((self._row_gamma[b] for b in self.active_rows), default=self.gamma)
+
+    @property
+    def catch_up_pending(self) -> bool:
+        """Whether the next step first writes draft positions that steps of G = 0 skipped: it then needs every
+        launched step read back (`complete`) before `launch`."""
+        return self.step_gamma > 0 and any(self._draft_lag[b] for b in self.active_rows)
+
     @torch.inference_mode()
     def launch(self, overlapped: bool = True) -> int:
         """Queue one step's device work and the copy of its output to pinned host memory; returns the staging
         slot to `complete` later. The rows the step runs for (and their epochs) are recorded now, so that its
         tokens are booked to the requests that held the rows at launch, whatever was released or admitted since.
         overlapped: the host may be a step behind the device (attention is then sized by the capacity)."""
+        G = self.step_gamma
+        live = [(b, self._epoch[b], self._fresh[b]) for b in range(self.B) if not self.finished[b]]
+        if G > 0 and any(self._draft_lag[b] for b, _, _ in live):
+            self._catch_up_draft([b for b, _, _ in live if self._draft_lag[b]])
         self._lp_on = bool(self._lp_rows)
-        out = self._launch(overlapped)
+        out = self._launch(overlapped, G)
         slot, self._slot = self._slot, self._slot ^ 1
         self._lp_staged[slot] = self._lp_on
         if self._lp_on:
             out, vals, ids = out
-            if self._lp_stage[slot] is None:
+            stage = self._lp_stage[slot]
+            if stage is None or stage[0].shape != vals.shape:
                 pinned = self.device.type == "cuda"
                 self._lp_stage[slot] = (torch.empty(vals.shape, dtype=vals.dtype, pin_memory=pinned),
                                         torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pinned))
             self._lp_stage[slot][0].copy_(vals, non_blocking=True)
             self._lp_stage[slot][1].copy_(ids, non_blocking=True)
-        self._out_stage[slot].copy_(out, non_blocking=True)
+        self._staged(slot, G).copy_(out, non_blocking=True)
+        self._staged_gamma[slot] = G
         if self._ready[slot] is not None:
             self._ready[slot].record()
-        live = [(b, self._epoch[b], self._fresh[b]) for b in range(self.B) if not self.finished[b]]
         for b, _, fresh in live:
             if fresh:
                 self._fresh[b] = False  # the first token rides on this step's output
+            if G == 0 and self.spec.speculative:
+                self._draft_lag[b] += 1  # no draft forward wrote this step's first position
         self._live[slot] = live
+        self._unread += 1
         return slot
+
+    def _staged(self, slot: int, G: int) -> torch.Tensor:
+        """The pinned host buffer of a step of G drafts' output [B, 3 + G]: the front of the slot's buffer, contiguous
+        (a copy from the device into a strided view of pinned memory would not be asynchronous)."""
+        return self._out_stage[slot].view(-1)[:self.B * (3 + G)].view(self.B, 3 + G)
+
+    def _catch_up_draft(self, rows: list[int]) -> None:
+        """Write the draft cache positions that steps of G = 0 skipped, for `rows`, in one packed draft-only
+        prefill: a row that ran g such steps lacks positions L - 1 - g .. L - 2 (the step re-reads L - 1 and L,
+        [prev, pending], itself)."""
+        if self._unread:
+            raise RuntimeError("the draft's catch-up needs every launched step read back (complete) first")
+        chunks = []
+        for b in rows:
+            L, g = self.host_lengths[b], self._draft_lag[b]
+            if len(self._tokens[b]) != L + 1:
+                raise RuntimeError(f"row {b}: {len(self._tokens[b])} tokens known for a cache of {L}")
+            chunks.append((b, L - 1 - g, self._tokens[b][L - 1 - g:L - 1]))
+            self._draft_lag[b] = 0
+        self.timer.start("draft")
+        self.runners["draft"].prefill_packed(chunks, 0, len(chunks))
+        self.timer.stop("draft")
 
     @torch.inference_mode()
     def complete(self, slot: int) -> list[RowTokens]:
@@ -457,7 +547,9 @@ class Session:
         launched for that still hold the same sequence and still decode."""
         if self._ready[slot] is not None:
             self._ready[slot].synchronize()
-        return self._read_back(self._out_stage[slot].tolist(), self._live[slot],
+        self._unread -= 1
+        G = self._staged_gamma[slot]
+        return self._read_back(self._staged(slot, G).tolist(), self._live[slot],
                                self._lp_stage[slot] if self._lp_staged[slot] else None)
 
     @property
@@ -465,13 +557,13 @@ class Session:
         """Whether steps may be launched a step ahead of the host (the engine loop)."""
         return self.cfg.options.overlap and self.policy.graph_safe
 
-    def _launch(self, overlapped: bool) -> torch.Tensor:
-        """Queue one step's device work; returns its [B, 3 + Γ] output (not yet read back)."""
+    def _launch(self, overlapped: bool, G: int) -> torch.Tensor:
+        """Queue one step of G drafts' device work; returns its [B, 3 + G] output (not yet read back)."""
         if self._step_graph_eligible():
-            mode = self.sampler.mode + ("+logprobs" if self._lp_on else "")
+            mode = (self.sampler.mode + ("+logprobs" if self._lp_on else ""), G)
             graph = self._graphs.get(mode)
             if graph is None and mode in self._graph_warm:
-                graph = self._graphs[mode] = StepGraph(self._capture_step, generators=[self.generator])
+                graph = self._graphs[mode] = StepGraph(lambda: self._capture_step(G), generators=[self.generator])
             if graph is not None:
                 self.timer.start("step_graph")
                 out = graph.replay()
@@ -480,14 +572,14 @@ class Session:
             # the eager run before capture, with the captured step's sizes: it compiles every kernel, a
             # one-time cost counted like capture (its tokens count)
             t0 = time.perf_counter()
-            out = self._device_step(self._graph_max_len, graphed_forwards=False)
+            out = self._device_step(self._graph_max_len, graphed_forwards=False, G=G)
             torch.cuda.synchronize(self.device)
             self._graph_warm.add(mode)
             self._warmup_s += time.perf_counter() - t0
             return out
         # a step ahead, the host lengths lag the device's by up to Γ + 1: size attention by the capacity then
         max_len = self._graph_max_len if overlapped else max(self.host_lengths)
-        return self._device_step(max_len, graphed_forwards=self.use_graphs)
+        return self._device_step(max_len, graphed_forwards=self.use_graphs, G=G)
 
     def add_one_time_s(self, seconds: float) -> None:
         """Count a one-time cost of the first decode step (the engine loop's wait for background kernel compiles)
@@ -502,9 +594,9 @@ class Session:
     def _step_graph_eligible(self) -> bool:
         """Whether this step replays as one CUDA graph (`StepGraph`): graphs on and a graph-safe policy. Each
         sampling mode (`RowSampling.mode`: one rule for the batch, all-greedy rows with their own settings, or
-        per-row rules read from device tensors) takes its own code path, so each gets its own graph, captured
-        at the second step in that mode; the first runs the same code eagerly, which compiles every Triton kernel
-        and creates every lazily built buffer, so capture needs no warm-up runs of its own."""
+        per-row rules read from device tensors) and each G takes its own code path, so each gets its own graph,
+        captured at the second step in that mode and G; the first runs the same code eagerly, which compiles every
+        Triton kernel and creates every lazily built buffer, so capture needs no warm-up runs of its own."""
         if not (self.use_graphs and self.cfg.options.step_graph):
             return False
         # the batch's torch generator is drawn from inside the step (uniform sampling, acceptance control)
@@ -517,49 +609,96 @@ class Session:
         every step); Γ + 1 below it, the most any of the step's forwards adds."""
         return self.target_cache.capacity - self.gamma - 1
 
-    def dry_step(self) -> None:
-        """The device part of one step, eagerly, at the captured graph's sizes; nothing is read back or booked. The
-        warm-up runs it on a twin under FakeTensorMode to learn the step's kernel launches (dustin/engine/warmup.py)."""
-        self._device_step(self._graph_max_len, graphed_forwards=False)
+    def dry_step(self, gamma: int | None = None) -> None:
+        """The device part of one step of G = gamma (default cfg.gamma), eagerly, at the captured graph's sizes;
+        nothing is read back or booked. The warm-up runs it on a twin under FakeTensorMode to learn the step's
+        kernel launches (dustin/engine/warmup.py)."""
+        self._device_step(self._graph_max_len, graphed_forwards=False, G=self.gamma if gamma is None else gamma)
 
-    def _capture_step(self) -> torch.Tensor:
+    def time_steps(self, gamma: int, context: int, repeats: int = 3) -> float:
+        """Median seconds of a step of G = gamma with every row at `context` cached positions, run as serving
+        runs it (its step graph on a GPU, captured here and kept); for the cost model of `--gamma auto`. Wants
+        every row idle, and leaves them so (the rows ride along as stopped rows, so nothing advances)."""
+        if any(not f for f in self.finished) or self._prompt_rows:
+            raise RuntimeError("time_steps wants every row idle")
+        if not 1 <= context <= self._graph_max_len:
+            raise ValueError(f"context must be in [1, {self._graph_max_len}], got {context}")
+        self.target_cache.lengths.fill_(context)
+        self.host_lengths = [context] * self.B
+        self._lp_on = False
+        times = []
+        try:
+            with torch.inference_mode():
+                for i in range(repeats + 2):  # the first runs compile (and capture the graph)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    self._launch(True, gamma)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+        finally:  # idle again, in place: the graphs captured here read these very tensors
+            self.target_cache.lengths.fill_(1)
+            self.host_lengths = [1] * self.B
+            for t in (self.pending, self.prev):
+                t.zero_()
+            self.done.fill_(True)
+        return sorted(times)[len(times) // 2]
+
+    def _capture_step(self, G: int) -> torch.Tensor:
         """The device step as captured: no phase timers (a graph replays as one unit, timed as "step_graph")."""
         self.timer, timer = NullTimer(), self.timer
         try:
-            return self._device_step(self._graph_max_len, graphed_forwards=False)
+            return self._device_step(self._graph_max_len, graphed_forwards=False, G=G)
         finally:
             self.timer = timer
 
-    def _device_step(self, max_len: int, graphed_forwards: bool) -> torch.Tensor:
-        """The device part of a step: no host sync, and every piece of state it changes (cache lengths,
-        `pending`, `prev`, policy buffers) is updated in place, so it can be captured once and replayed.
-        Returns [B, 3 + Γ] = (accepted count, next token, drafts, pending at the step's start) per row; while
-        `_lp_on`, also the log-probabilities of the row's first token (its prefill's) and of the token chosen at
-        each verify position (`_step_logprobs`)."""
+    def _device_step(self, max_len: int, graphed_forwards: bool, G: int) -> torch.Tensor:
+        """The device part of a step of G drafts (G <= cfg.gamma; 0: a plain decode step): no host sync, and every
+        piece of state it changes (cache lengths, `pending`, `prev`, policy buffers) is updated in place, so it can
+        be captured once and replayed. Returns [B, 3 + G] = (accepted count, next token, pending at the step's
+        start, drafts) per row; while `_lp_on`, also the log-probabilities of the row's first token (its
+        prefill's) and of the token chosen at each verify position (`_step_logprobs`)."""
         L = self.target_cache.lengths
         first = self.pending.clone()  # a row's first token (chosen by its prefill) reaches the host with this step
         if self.spec.speculative:
+            gmax = self.gamma
             self.policy.begin_step(self)
             timer = self.timer
-            timer.start("draft")
-            drafts, draft_probs = self._draft(L, max_len, graphed_forwards)
-            timer.stop("draft")
-            inp = torch.cat([self.pending[:, None], drafts], dim=1)
-            pos = L.long()[:, None] + torch.arange(self.gamma + 1, device=self.device)
+            if G > 0:
+                timer.start("draft")
+                drafts, draft_probs = self._draft(L, max_len, graphed_forwards, G)
+                timer.stop("draft")
+            else:  # a plain step: no draft forward (the draft's cache lags; `_catch_up_draft`)
+                drafts, draft_probs = self.pending[:, None][:, :0], None
+            # the verify forward always takes Γ + 1 tokens (those past G are padding, never accepted): its shapes,
+            # and so each row's numbers, do not depend on the G its neighbours chose
+            pad = self.pending[:, None].expand(-1, gmax - G)
+            inp = torch.cat([self.pending[:, None], drafts, pad], dim=1)
+            pos = L.long()[:, None] + torch.arange(gmax + 1, device=self.device)
             self.verify_input, self.verify_positions = inp, pos  # what the policy may look at
             plan = self.policy.plan(self)  # times its own phases ("estimate", "select") with self.timer
             phase = "verify" if plan is None else "sparse_verify"
             timer.start(phase)
-            logits = self._forward("target", inp, pos, L, max_len + self.gamma + 1, sparse=plan,
+            logits = self._forward("target", inp, pos, L, max_len + gmax + 1, sparse=plan,
                                    observers=self.policy.target_observers(self), graphed=graphed_forwards)
-            logits = logits[..., : self.V]
+            logits = logits[:, :G + 1, : self.V]
             timer.stop(phase)
-            if self.cfg.options.accept_prob is not None:
-                n_acc, nxt = accept_controlled(drafts, logits, self.cfg.options.accept_prob, self.generator)
+            limit = self.row_gamma.clamp_max(G)  # rows whose Γ is below G stop at it
+            if G == 0:
+                self.sampler.skip(2 * gmax)  # the draws a step of G > 0 takes before the next token's
+                nxt, _ = self.sampler.choose(logits[:, 0])
+                n_acc = torch.zeros_like(nxt)
+            elif self.cfg.options.accept_prob is not None:
+                n_acc, nxt = accept_controlled(drafts, logits, self.cfg.options.accept_prob, self.generator, limit)
             else:
-                n_acc, nxt = self.sampler.accept(drafts, draft_probs, logits)
-            last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
-            new_prev = torch.where(n_acc == 0, self.pending, last_draft)
+                n_acc, nxt = self.sampler.accept(drafts, draft_probs, logits, limit, stride=gmax)
+            if G == 0:
+                new_prev = self.pending
+            else:
+                last_draft = drafts.gather(1, (n_acc - 1).clamp_min(0)[:, None]).squeeze(1)
+                new_prev = torch.where(n_acc == 0, self.pending, last_draft)
         else:
             self.policy.begin_step(self)
             timer = self.timer
@@ -579,7 +718,7 @@ class Session:
         self.prev.copy_(torch.where(self.done, self.prev, new_prev))
         self.pending.copy_(torch.where(self.done, self.pending, nxt))
         self.policy.after_verify(self, n_acc)  # sees the advanced lengths and the next pending tokens
-        out = torch.cat([n_acc[:, None], nxt[:, None], drafts, first[:, None]], dim=1)
+        out = torch.cat([n_acc[:, None], nxt[:, None], first[:, None], drafts], dim=1)
         return out if lp is None else (out, *lp)
 
     def _step_logprobs(self, logits: torch.Tensor, drafts: torch.Tensor, n_acc: torch.Tensor, nxt: torch.Tensor):
@@ -591,8 +730,9 @@ class Session:
         return (torch.cat([self._lp_first[0][:, None], vals], dim=1),
                 torch.cat([self._lp_first[1][:, None], ids], dim=1))
 
-    def _draft(self, L: torch.Tensor, max_len: int, graphed: bool):
-        """Γ sequential draft forwards; returns drafts [B, Γ] and their distributions (None when greedy)."""
+    def _draft(self, L: torch.Tensor, max_len: int, graphed: bool, G: int):
+        """G sequential draft forwards; returns drafts [B, G] and their distributions (None when greedy). Each row's
+        sampling counter advances by cfg.gamma draws whatever G is."""
         cfg = self.cfg
         sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
         observers = self.policy.draft_observers(self)
@@ -600,13 +740,14 @@ class Session:
         pos = L.long()[:, None] + torch.arange(-1, 1, device=self.device)
         lengths = L - 1
         tokens, probs = [], []
-        for i in range(self.gamma):
+        for i in range(G):
             logits = self._forward("draft", inp, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
                                    observers=observers, graphed=graphed)[:, -1, : self.V]
             tok, p = self.sampler.choose(logits)
             tokens.append(tok)
             probs.append(p)
             inp, pos, lengths = tok[:, None], pos[:, -1:] + 1, L + i + 1
+        self.sampler.skip(self.gamma - G)
         drafts = torch.stack(tokens, dim=1)
         return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
 
@@ -625,14 +766,15 @@ class Session:
             if epoch != self._epoch[b] or self.finished[b]:
                 continue
             row = host[b]
-            n_acc, nxt, drafts = row[0], row[1], row[2:-1]
+            n_acc, nxt, drafts = row[0], row[1], row[3:]
             new = drafts[:n_acc] + [nxt]
             self.host_lengths[b] += len(new)
+            self._tokens[b] += ([row[2]] if fresh else []) + new
             logprobs = None
             if lp is not None and b in self._lp_rows:
                 vals, ids = lp[0][b].tolist(), lp[1][b].tolist()
                 logprobs = list(zip(vals, ids, strict=True))[(0 if fresh else 1):1 + len(new)]
-            out.append(RowTokens(b, row[-1] if fresh else None, new, logprobs))
+            out.append(RowTokens(b, row[2] if fresh else None, new, logprobs))
         return out
 
     def stop(self, row: int) -> None:

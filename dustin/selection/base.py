@@ -28,11 +28,14 @@ class StepState(Protocol):
     "estimate" / "select" are the policy's own). Per step: target_cache.lengths (cached positions; inside
     `after_verify` already advanced by this step), pending (each row's newest token, not cached yet; inside
     `after_verify` the one this step chose), verify_input / verify_positions (this step's [pending, drafts] and
-    positions, set before `plan`), done (rows that stopped), finished (host copy). A non-speculative step (vanilla)
-    calls `begin_step`, the target observers and `after_verify` too, but no `plan`."""
+    positions, set before `plan`: G + 1 columns, G <= gamma), row_gamma (each row's own Γ, long [B]: a row's
+    drafts past it, and the draft forwards' lookahead queries past it, are not its own and must not count for
+    it), done (rows that stopped), finished (host copy). A non-speculative step (vanilla, or G = 0) calls
+    `begin_step`, the target observers and `after_verify` too, but no `plan`."""
 
     B: int
     gamma: int
+    row_gamma: torch.Tensor
     device: torch.device
     target: Transformer
     draft: Transformer | None
@@ -64,6 +67,9 @@ class SelectionPolicy:
     # True if every piece of the policy's state is per sequence and built from that sequence's own prefill and
     # steps: a sequence can then join a running batch (serving slots, `Engine.generate`'s kept session)
     row_local = False
+    # True if the policy verifies against the whole cache: a row's tokens then do not depend on its drafts, so it
+    # may also take plain decode steps (Γ = 0, `--gamma auto`)
+    full_verify = False
 
     def draft_observers(self, state: StepState) -> list[QueryObserver]:
         return []
@@ -101,4 +107,4 @@ class SelectionPolicy:
 class FullSelection(SelectionPolicy):
     """Classic verification over the whole cache: lossless."""
 
-    graph_safe = row_local = True
+    graph_safe = row_local = full_verify = True

@@ -93,11 +93,15 @@ class DraftLookaheadScores:
     """Collects, per configured draft layer, the lookahead query of each draft forward; `compute` then scores
     all Γ of them in one pass over the draft cache (causal: the query at position p sees keys j <= p).
 
-    CUDA-graph safe: draft forward t (t = 0 .. Γ-1 within a step) reads the token at position base + t, where
+    CUDA-graph safe: draft forward t (t = 0 .. G-1 within a step) reads the token at position base + t, where
     base is the sequence's cache length at the start of the step (`begin_step`), so each call scatters its query
     into slot (position - base) of a fixed buffer [B, Hs, Γ, D]. A replayed graph repeats that write with the
     step's real positions; nothing is appended on the host. Warm-up and capture write junk slots (clamped into
-    range) that the real forwards of the step overwrite before `compute` reads them."""
+    range) that the real forwards of the step overwrite before `compute` reads them.
+
+    Γ per row: `begin_step` marks every slot unwritten (position -1: a query that sees no key adds nothing), and
+    `compute` leaves out each row's slots at or past its own Γ (`row_gamma`), so a row's scores are those of a
+    step of its own Γ whatever G the step runs."""
 
     def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device,
                  gamma: int) -> None:
@@ -107,14 +111,19 @@ class DraftLookaheadScores:
         self.scores = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
         self._base = torch.zeros(batch, dtype=torch.long, device=device)
         self._pos_buf = torch.zeros(batch, gamma, dtype=torch.long, device=device)  # [B, Γ], same on every layer
+        self._slot = torch.arange(gamma, device=device)[None, :]
+        self._row_gamma: torch.Tensor | None = None  # each row's Γ (`begin_step`), None: every slot
         # [B, NL, Hs_max, Γ, D], allocated at the first call (zero heads pad layers with fewer heads): the one
         # multi-layer estimate reads it as is; _q_buf[layer] is that layer's [B, Hs_layer, Γ, D] view
         self._q_all: torch.Tensor | None = None
         self._q_buf: dict[int, torch.Tensor] = {}
 
-    def begin_step(self, lengths: torch.Tensor) -> None:
-        """Before the step's first draft forward: lengths [B] = the position of its first lookahead query."""
+    def begin_step(self, lengths: torch.Tensor, row_gamma: torch.Tensor | None = None) -> None:
+        """Before the step's first draft forward: lengths [B] = the position of its first lookahead query;
+        row_gamma [B]: each row's own Γ (a tensor the caller updates in place; None: all Γ slots count)."""
         self._base.copy_(lengths)
+        self._pos_buf.fill_(-1)
+        self._row_gamma = row_gamma
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
         if ctx.prompt:
@@ -140,6 +149,8 @@ class DraftLookaheadScores:
             self.scores.zero_()
             return {} if per_layer else self.scores
         pos = self._pos_buf
+        if self._row_gamma is not None:
+            pos = torch.where(self._slot < self._row_gamma[:, None], pos, -1)
         full = None if per_layer or not _kernel_ok(self._q_all) else \
             self._sets.full_cache(k_caches, k_all, self._q_buf)
         if full is not None:
@@ -152,7 +163,7 @@ class DraftLookaheadScores:
         rows = {}
         for i, (layer, q) in enumerate(self._q_buf.items()):
             out = torch.empty_like(self.scores) if per_layer else self.scores
-            accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos[:, -1] + 1).to(torch.int32), pos,
+            accumulate_scores(q, k_caches[layer], self.kv_heads[layer], (pos.amax(1) + 1).to(torch.int32), pos,
                               out, context, accumulate=not per_layer and i > 0)
             rows[layer] = out
         return rows if per_layer else self.scores
@@ -229,7 +240,7 @@ class DraftLookahead:
 
     def begin_step(self, state) -> None:
         if self._draft_scores is not None:
-            self._draft_scores.begin_step(state.target_cache.lengths)
+            self._draft_scores.begin_step(state.target_cache.lengths, state.row_gamma)
 
     def _estimate_draft(self, state, lengths: torch.Tensor) -> torch.Tensor:
         caches = {layer: state.draft_cache.k[layer] for layer in self._draft_scores.layers}

@@ -79,7 +79,7 @@ class SpecAttnSelection(SelectionPolicy):
 
     def begin_step(self, state: StepState) -> None:
         self.draft_observers(state)
-        self.scores.begin_step(state.target_cache.lengths)
+        self.scores.begin_step(state.target_cache.lengths, state.row_gamma)
 
     def plan(self, state: StepState):
         from dustin.kernels.selection import select_dustin

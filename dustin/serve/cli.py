@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"decoding method of every request (default {DEFAULT_METHOD}; quest, snapkv, specattn, oracle "
                         f"and the oracle-* ladder keep whole-batch state: their requests are admitted in gangs that "
                         f"nothing joins until all finish)")
-    add_speculation_args(p)
+    add_speculation_args(p, auto=True)
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", type=int, default=None,

@@ -186,6 +186,22 @@ def test_bench_e2e_reports_the_k_of_an_auto_budget(tiny_pair, tmp_path):
     assert k["samples"] == 2 * 3 and 21 <= k["p50"] <= 64  # 2 sequences x 3 timed steps
 
 
+def test_bench_e2e_reports_the_gammas_of_gamma_auto(tiny_pair, tmp_path):
+    """--gamma auto: each speculative row carries how many sequence steps of its timed steps took each Γ (the
+    warm-up's not counted), and no byte roofline (its steps differ in what they read)."""
+    target, draft = tiny_pair
+    out = tmp_path / "gamma_auto.json"
+    code = main(["bench", "e2e", "--device", "cpu", "--pairs", f"{target}:{draft}", "--contexts", "96",
+                 "--batches", "2", "--steps", "3", "--warmup", "2", "--gamma", "auto", "--tau", "3.0", "--methods",
+                 "vanilla,magicdec", "--draft-window", "32", "--json-out", str(out)])
+    assert code == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    steps = rows["magicdec"]["gamma_steps"]
+    assert sum(steps.values()) == 2 * 3 and all(0 <= int(g) <= 6 for g in steps)
+    assert "gamma_steps" not in rows["vanilla"] and "pct_of_byte_roofline" in rows["vanilla"]
+    assert "pct_of_byte_roofline" not in rows["magicdec"]
+
+
 def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys):
     """quest and specattn (graph-safe now: their steps replay as one CUDA graph on a GPU) have speed rows, with
     their estimation bytes counted (page statistics; every draft layer's keys)."""

@@ -205,3 +205,32 @@ def test_draft_estimator_slots_survive_graph_warmup_writes():
     fresh = run(DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma), junk=False)
     torch.testing.assert_close(run(est, junk=False), fresh)
     assert not torch.allclose(fresh, clean)
+
+
+@pytest.mark.parametrize("forwards", [3, 4])
+def test_draft_estimator_counts_each_rows_own_gamma(forwards):
+    """Γ per row (`--gamma auto`): a step of G = `forwards` draft forwards over rows of Γ 1 and 3 gives each row the
+    S_draft of a step of its own Γ (its later lookahead queries left out), through the one-launch estimate and the
+    per-tensor fallback alike."""
+    gen = torch.Generator().manual_seed(36)
+    B, Hq, Hkv, D, cap, gamma = 2, 8, 2, 32, 160, 4
+    cache = torch.randn(4, B, Hkv, cap, D, generator=gen)
+    L = torch.tensor([100, 37], dtype=torch.int32)
+    views = {sh.layer: cache[sh.layer] for sh in DRAFT_HEADS}
+    queries = [torch.randn(B, Hq, 1, D, generator=gen) for _ in range(gamma)]
+
+    def run(row_gamma, n, k_caches):
+        est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma)
+        est.begin_step(L.long(), row_gamma)
+        for t in range(n):
+            for sh in DRAFT_HEADS:
+                est(sh.layer, queries[t], views[sh.layer], _ctx((L.long() + t)[:, None]))
+        return est.compute(k_caches, L).clone()
+
+    row_gamma = torch.tensor([1, 3])
+    for k_caches in (views, {layer: v.clone() for layer, v in views.items()}):
+        got = run(row_gamma, forwards, k_caches)
+        torch.testing.assert_close(got[0], run(None, 1, k_caches)[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got[1], run(None, 3, k_caches)[1], atol=1e-6, rtol=1e-5)
+        if forwards > 3:  # the later query would have counted
+            assert not torch.allclose(got[1], run(None, forwards, k_caches)[1])
