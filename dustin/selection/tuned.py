@@ -78,7 +78,10 @@ class TunedMatch(NamedTuple):
 
 
 @functools.cache
-def _shipped() -> tuple[tuple[dict, dict, str, Path], ...]:
+def shipped() -> tuple[tuple[dict, dict, str, Path], ...]:
+    """(target identity, draft identity, profiled_on, path) of every config in CONFIG_DIR that records its two
+    models: what `match_tuned` looks through. Read once per process; `shipped.cache_clear()` forgets it (after
+    CONFIG_DIR or its files change)."""
     out = []
     for path in sorted(CONFIG_DIR.glob("*.json")):
         models = json.loads(path.read_text()).get("models", {})
@@ -98,11 +101,11 @@ def match_tuned(target_identity: dict, draft_identity: dict | None) -> TunedMatc
     (identity, not weights), else None."""
     if draft_identity is None:
         return None
-    shipped = _shipped()
-    for t, d, profiled_on, path in shipped:
+    configs = shipped()
+    for t, d, profiled_on, path in configs:
         if t["fingerprint"] == target_identity["fingerprint"] and d["fingerprint"] == draft_identity["fingerprint"]:
             return TunedMatch(path, True, profiled_on)
-    for t, d, profiled_on, path in shipped:
+    for t, d, profiled_on, path in configs:
         if _same_model(t, target_identity) and _same_model(d, draft_identity):
             return TunedMatch(path, False, profiled_on)
     return None

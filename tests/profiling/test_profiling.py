@@ -739,9 +739,9 @@ def config_dir(tmp_path, monkeypatch):
     folder = tmp_path / "configs"
     folder.mkdir()
     monkeypatch.setattr(tuned, "CONFIG_DIR", folder)
-    tuned._shipped.cache_clear()
+    tuned.shipped.cache_clear()
     yield folder
-    tuned._shipped.cache_clear()  # monkeypatch restores CONFIG_DIR after this: forget the temporary files
+    tuned.shipped.cache_clear()  # monkeypatch restores CONFIG_DIR after this: forget the temporary files
 
 
 def _write_tuned(folder, name, t_id, d_id, **cfg):
@@ -762,7 +762,7 @@ def test_find_tuned_matches_fingerprints(pair_engine, config_dir):
     (config_dir / "notes.json").write_text(json.dumps({"budget": 64}))  # no "models": not a tuned config
     assert find_tuned(t_id, d_id) is None
     from dustin.selection import tuned
-    tuned._shipped.cache_clear()
+    tuned.shipped.cache_clear()
     path = _write_tuned(config_dir, "pair.json", t_id, d_id)
     _write_tuned(config_dir, "swapped.json", d_id, t_id)
     assert find_tuned(t_id, d_id) == path
@@ -779,7 +779,7 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
     before = e.make_policy(GenerationConfig(method="dustin")).cfg
     assert before.source == "built-in default"
     from dustin.selection import tuned
-    tuned._shipped.cache_clear()
+    tuned.shipped.cache_clear()
     _write_tuned(config_dir, "pair.json", *e.identities())
     policy = e.make_policy(GenerationConfig(method="dustin"))
     assert policy.cfg.source.startswith("tuned:") and policy.cfg.source == "tuned: pair.json"
@@ -845,7 +845,7 @@ def test_tuned_config_reaches_other_weights_of_the_same_models_by_identity(tiny_
     t_id, d_id = profiled.identities()
     assert t_id["tokenizer"] is not None and t_id["tokenizer"] == d_id["tokenizer"]
     _write_tuned(config_dir, "pair.json", t_id, d_id)
-    tuned._shipped.cache_clear()
+    tuned.shipped.cache_clear()
     (config_dir / "pair.json").write_text(json.dumps({**json.loads((config_dir / "pair.json").read_text()),
                                                       "models": {"target": t_id, "draft": d_id,
                                                                  "profiled_on": "the tiny pair's fp32 files"}}))
