@@ -19,10 +19,12 @@ BLOCK_M = 64  # query rows per program of the packed prefill kernel: a plan's ti
 
 @dataclass
 class SparsePlan:
-    """Per-sequence cached positions the new tokens attend to (shared by all layers and heads)."""
+    """Cached positions the new tokens attend to, shared by all layers: one set per sequence (indices [B, K], counts
+    [B]), or one per sequence and KV head (indices [B, Hkv, K], counts [B, Hkv]; query head h reads its KV head's).
+    Sorted; entries past the count are padding."""
 
-    indices: torch.Tensor  # int32 [B, K], sorted; entries past counts[b] are padding
-    counts: torch.Tensor  # int32 [B]
+    indices: torch.Tensor  # int32 [B, K] or [B, Hkv, K]
+    counts: torch.Tensor  # int32 [B] or [B, Hkv]
 
 
 @dataclass

@@ -19,9 +19,10 @@ from dustin.models.transformer import Transformer
 
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
-                 window: int = 0, sparse_k: int | None = None, observers=(), warmup: int = 2,
+                 window: int = 0, sparse_shape: tuple[int, ...] | None = None, observers=(), warmup: int = 2,
                  float_logits: bool = True) -> None:
-        """sparse_k: capture sparse verification over a static [batch, sparse_k] index plan (copied in per call).
+        """sparse_shape: capture sparse verification over a static index plan of this shape, [batch, K] (a set per
+        sequence) or [batch, Hkv, K] (a set per KV head); the plan is copied in per call.
         observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
         replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits: as
         `Transformer.forward`'s."""
@@ -34,9 +35,9 @@ class GraphedForward:
         self.positions = (tail + torch.arange(num_new, device=dev)).expand(batch, num_new).contiguous()
         self.lengths = torch.full((batch,), tail, dtype=torch.int32, device=dev)
         self.plan = None
-        if sparse_k is not None:
-            self.plan = SparsePlan(torch.zeros(batch, sparse_k, dtype=torch.int32, device=dev),
-                                   torch.zeros(batch, dtype=torch.int32, device=dev))
+        if sparse_shape is not None:
+            self.plan = SparsePlan(torch.zeros(sparse_shape, dtype=torch.int32, device=dev),
+                                   torch.zeros(sparse_shape[:-1], dtype=torch.int32, device=dev))
         self.ctx = ForwardContext(cache, self.positions, self.lengths, cache.capacity, sinks=sinks, window=window,
                                   sparse=self.plan, observers=list(observers))
         stream = torch.cuda.Stream()

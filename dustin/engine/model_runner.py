@@ -40,12 +40,12 @@ class ModelRunner:
         with float_logits=False in the model's dtype: `Transformer.forward`).
         graphed=False: run eagerly even when graphs are on (the step loop captures a whole step around it)."""
         if graphed and self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
-            sparse_k = None if sparse is None else sparse.indices.shape[1]
-            key = (tokens.shape[1], sparse_k, float_logits)
+            sparse_shape = None if sparse is None else tuple(sparse.indices.shape)  # [B, K] or [B, Hkv, K]
+            key = (tokens.shape[1], sparse_shape, float_logits)
             if key not in self._graphs:
                 t0 = time.perf_counter()
                 self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
-                                                   window=window, sparse_k=sparse_k, observers=observers,
+                                                   window=window, sparse_shape=sparse_shape, observers=observers,
                                                    float_logits=float_logits)
                 self.capture_s += time.perf_counter() - t0
             return self._graphs[key](tokens, positions, lengths, sparse)

@@ -1,0 +1,63 @@
+"""The runner takes verify plans of every shape a policy produces: one set per sequence ([B, K]), one per sequence
+and KV head ([B, Hkv, K]), or a per-layer planner; here the per-KV-head form, through the engine core (fp32, CPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dustin.attention.context import SparsePlan
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.selection.base import SelectionPolicy
+
+
+class PerKVHead(SelectionPolicy):
+    """Another policy's shared set, handed to the runner once per KV head ([B, Hkv, K] / [B, Hkv])."""
+
+    def __init__(self, inner: SelectionPolicy, n_kv_heads: int) -> None:
+        self.inner, self.h = inner, n_kv_heads
+        self.name, self.cfg = inner.name, inner.cfg
+        self.graph_safe, self.row_local = inner.graph_safe, inner.row_local
+        self.observes_prefill = inner.observes_prefill
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def draft_observers(self, state):
+        return self.inner.draft_observers(state)
+
+    def target_observers(self, state):
+        return self.inner.target_observers(state)
+
+    def begin_step(self, state) -> None:
+        self.inner.begin_step(state)
+
+    def after_verify(self, state, n_accepted) -> None:
+        self.inner.after_verify(state, n_accepted)
+
+    def plan(self, state):
+        p = self.inner.plan(state)
+        out = SparsePlan(p.indices[:, None].expand(-1, self.h, -1).contiguous(),
+                         p.counts[:, None].expand(-1, self.h).contiguous())
+        self.shapes.add(tuple(out.indices.shape))
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return Engine.from_pretrained(str(target), str(draft))
+
+
+def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(60, 150))] for _ in range(3)]
+    cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=24, stop_at_eos=False)
+    want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
+    hkv = engine.target.args.n_kv_heads
+    policy = PerKVHead(engine.make_policy(cfg), hkv)
+    got = [s.token_ids for s in engine.generate(prompts, cfg, policy=policy).sequences]
+    assert got == want
+    assert policy.shapes and all(s[:2] == (3, hkv) for s in policy.shapes)
+    # the sets matter here: full verification gives other tokens, so a plan the runner ignored would show
+    full = GenerationConfig(method="classic", draft_window=32, max_new_tokens=24, stop_at_eos=False)
+    assert [s.token_ids for s in engine.generate(prompts, full).sequences] != want
