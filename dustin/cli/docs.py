@@ -24,11 +24,19 @@ START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 
 
 # ---------------------------------------------------------------------------------------------------- CLI reference
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's subcommands by name ({} for a command without any): how this page and the tests walk the
+    command line (argparse keeps them in a private list)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
+
+
+def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The parser's own flags (not its subcommands'), each option string (`-h` and `--help` both) to its action:
+    what the tests check the flags and their defaults on (argparse keeps them in a private list)."""
+    return {name: action for action in parser._actions for name in action.option_strings}
 
 
 def _help_lines(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -96,7 +104,7 @@ def cli_markdown() -> str:
     body: list[str] = []
 
     def walk(path: list[str], parser: argparse.ArgumentParser, help_line: str) -> None:
-        subs = _subparsers(parser)
+        subs = subparsers(parser)
         if subs:
             helps = _help_lines(parser)
             for name, sub in subs.items():

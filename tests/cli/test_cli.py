@@ -249,15 +249,13 @@ def test_help_and_flag_errors_do_not_import_torch(argv, shown):
 def test_every_subcommand_keeps_its_flags():
     """Building the parser for one command leaves the others' flags out; each command, named, still gets all of
     its own (the same as the full parser's)."""
-    import argparse
-
+    from dustin.cli.docs import options, subparsers
     from dustin.cli.main import build_parser
 
     def flags(parser, path):
         for name in path:
-            action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-            parser = action.choices[name]
-        return sorted(o for a in parser._actions for o in a.option_strings)
+            parser = subparsers(parser)[name]
+        return sorted(options(parser))
 
     full = build_parser()
     for path in (["generate"], ["bench", "e2e"], ["bench", "serve"], ["bench", "sampling"], ["eval", "tasks"],

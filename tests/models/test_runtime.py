@@ -102,12 +102,13 @@ def test_probe_on_this_machine_is_a_bool():
 
 def _flag_defaults(flag: str, parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     """(subcommand path, the flag's default) for every (sub)parser that has the flag (e.g. --dtype)."""
-    for action in parser._actions:
-        if flag in action.option_strings:
-            yield path, action.default
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from _flag_defaults(flag, sub, path + (name,))
+    from dustin.cli.docs import options, subparsers
+
+    flags = options(parser)
+    if flag in flags:
+        yield path, flags[flag].default
+    for name, sub in subparsers(parser).items():
+        yield from _flag_defaults(flag, sub, path + (name,))
 
 
 def test_every_device_flag_defaults_to_auto():
