@@ -211,9 +211,16 @@ class AsyncEngineCore:
         `timeout` seconds for the thread (None: until it ended, which under tensor parallelism includes stopping the
         followers)."""
         self._stop.set()
+        self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: as long as it takes) for the engine thread to end, as it does after
+        `shutdown` or when its loop fails (`error` says why); whether it is not running (or never started). Wakes
+        the thread first, so an idle one notices at once; called on the engine thread itself it does not wait."""
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

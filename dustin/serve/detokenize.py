@@ -26,6 +26,11 @@ class IncrementalDetokenizer:
 
     _TAIL = 8  # tokens kept in the decoded tail (a character or a merge may span a few tokens)
 
+    @property
+    def settled_tokens(self) -> int:
+        """The leading tokens whose text is decoded for good: each new token decodes only the tokens after them."""
+        return self._offset
+
     def _decode(self) -> str:
         if self.tokenizer is None:
             return ""

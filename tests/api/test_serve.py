@@ -861,7 +861,7 @@ def test_async_engine_check_runs_before_queueing(tiny_pair):
         assert eng.stats()["requests_running"] == 0 and eng.stats()["error"] is None
     finally:
         eng.shutdown()
-    assert not eng._thread.is_alive()
+    assert eng.wait_stopped(timeout=0)  # shutdown() waited for the engine thread
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -995,4 +995,4 @@ def test_incremental_detokenizer_equals_a_whole_decode_with_the_real_tokenizer(t
         detok = IncrementalDetokenizer(tok)
         out = "".join(detok.add(ids[i:i + group]) for i in range(0, len(ids), group)) + detok.finish()
         assert out == tok.decode(ids, skip_special_tokens=True) == text
-        assert detok._offset > len(ids) // 2  # the decoded tail stayed short
+        assert detok.settled_tokens > len(ids) // 2  # the decoded tail stayed short

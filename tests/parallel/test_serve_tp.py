@@ -261,9 +261,7 @@ def _lead(llm: EngineCore) -> dict:
     tokens = asyncio.run(go())
     steps = proxy.steps
     proxy.fail_loop = True
-    eng._wake.set()
-    eng._thread.join(30)
-    assert not eng._thread.is_alive() and "simulated engine loop failure" in eng.error
+    assert eng.wait_stopped(30) and "simulated engine loop failure" in eng.error
     assert llm.stop_followers()  # the dying thread sent the stop plan already (idempotent)
     return {"tokens": tokens, "steps": steps}
 
