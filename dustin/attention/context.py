@@ -108,6 +108,34 @@ class QueryObserver(Protocol):
         """Called with q [B, Hq, T, D] (after RoPE) and this layer's K cache [B, Hkv, S_cap, D]."""
 
 
+@dataclass(eq=False)
+class LookaheadCapture:
+    """What a selection policy asks the draft step to record, as data: of every draft forward of a step (t = 0 ..
+    G - 1), for each draft layer in `heads`, the query of those query heads for the token the forward reads last,
+    written to slot (its position - base[b]) of `queries[layer]` [B, Hs_layer, Γ, D], with the position in
+    `positions[b, slot]`. The eager draft forwards honour it by calling it as a `QueryObserver` (one small kernel
+    per observed layer, `fused_ops.capture_query`); a fused draft kernel would write the same buffers itself.
+    Fixed buffers, so a captured CUDA graph's replay repeats the writes (the policy marks slots unwritten, -1, at
+    each step's start)."""
+
+    heads: dict[int, torch.Tensor]  # draft layer -> query head ids, long [Hs_layer]
+    queries: dict[int, torch.Tensor]  # draft layer -> [B, Hs_layer, Γ, D]
+    positions: torch.Tensor  # long [B, Γ]
+    base: torch.Tensor  # long [B]: the position of slot 0 (the step's first lookahead query)
+
+    @property
+    def layers(self) -> frozenset[int]:
+        return frozenset(self.heads)
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: "ForwardContext") -> None:
+        if ctx.prompt or layer not in self.heads:
+            return  # a prefill has no lookahead
+        from dustin.kernels import fused_ops
+
+        fused_ops.capture_query_any(q, self.heads[layer], ctx.positions, self.base, self.queries[layer],
+                                    self.positions)
+
+
 @dataclass
 class ForwardContext:
     cache: KVCache

@@ -32,6 +32,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
+from dustin.engine.draft_step import DraftStep, EagerDraftStep
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.logprobs import HostLogprobs, head_logprobs, token_logprobs
 from dustin.engine.model_runner import ModelRunner
@@ -169,6 +170,9 @@ class Session:
         self.runners = {"target": ModelRunner(target, kv.caches["target"], self.use_graphs)}
         if self.spec.speculative:
             self.runners["draft"] = ModelRunner(draft, kv.caches["draft"], self.use_graphs)
+            sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
+            self.draft_step: DraftStep = EagerDraftStep(self.runners["draft"], self.sampler, self.V, self.gamma,
+                                                        sinks, window)
         self.target_cache = self.runners["target"].cache
         self.draft_cache = self.runners["draft"].cache if self.spec.speculative else None
         self._idle_state()
@@ -668,7 +672,9 @@ class Session:
             timer = self.timer
             if G > 0:
                 timer.start("draft")
-                drafts, draft_probs = self._draft(L, max_len, graphed_forwards, G)
+                drafts, draft_probs = self.draft_step.run(
+                    self.prev, self.pending, L, max_len, G, captures=self.policy.draft_captures(self),
+                    observers=self.policy.draft_observers(self), graphed=graphed_forwards)
                 timer.stop("draft")
             else:  # a plain step: no draft forward (the draft's cache lags; `_catch_up_draft`)
                 drafts, draft_probs = self.pending[:, None][:, :0], None
@@ -729,27 +735,6 @@ class Session:
         vals, ids = token_logprobs(logits, chosen)
         return (torch.cat([self._lp_first[0][:, None], vals], dim=1),
                 torch.cat([self._lp_first[1][:, None], ids], dim=1))
-
-    def _draft(self, L: torch.Tensor, max_len: int, graphed: bool, G: int):
-        """G sequential draft forwards; returns drafts [B, G] and their distributions (None when greedy). Each row's
-        sampling counter advances by cfg.gamma draws whatever G is."""
-        cfg = self.cfg
-        sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
-        observers = self.policy.draft_observers(self)
-        inp = torch.stack([self.prev, self.pending], dim=1)
-        pos = L.long()[:, None] + torch.arange(-1, 1, device=self.device)
-        lengths = L - 1
-        tokens, probs = [], []
-        for i in range(G):
-            logits = self._forward("draft", inp, pos, lengths, max_len + i + 1, sinks=sinks, window=window,
-                                   observers=observers, graphed=graphed)[:, -1, : self.V]
-            tok, p = self.sampler.choose(logits)
-            tokens.append(tok)
-            probs.append(p)
-            inp, pos, lengths = tok[:, None], pos[:, -1:] + 1, L + i + 1
-        self.sampler.skip(self.gamma - G)
-        drafts = torch.stack(tokens, dim=1)
-        return drafts, (None if probs[0] is None else torch.stack(probs, dim=1))
 
     def _forward(self, which: str, tokens, positions, lengths, max_len: int, **kw) -> torch.Tensor:
         """A step's forward: logits in the model's dtype (the sampler casts where it computes probabilities;

@@ -44,6 +44,9 @@ class ARRProbe(SelectionPolicy):
     def draft_observers(self, state: StepState):
         return [o for p in self.policies.values() for o in p.draft_observers(state)]
 
+    def draft_captures(self, state: StepState):
+        return [c for p in self.policies.values() for c in p.draft_captures(state)]
+
     def target_observers(self, state: StepState):
         return [o for p in self.policies.values() for o in p.target_observers(state)]
 

@@ -11,6 +11,8 @@ Triton may fuse a multiply-add where PyTorch rounds twice, so results can differ
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -207,6 +209,15 @@ def capture_query_reference(q: torch.Tensor, heads: torch.Tensor, positions: tor
     slot = (pos - base).clamp(0, gamma - 1)
     buf.scatter_(2, slot[:, None, None, None].expand(-1, Hs, 1, D), q[:, heads, -1:].to(buf.dtype))
     pos_buf.scatter_(1, slot[:, None], pos[:, None].to(pos_buf.dtype))
+
+
+def capture_query_any(q: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, base: torch.Tensor,
+                      buf: torch.Tensor, pos_buf: torch.Tensor) -> None:
+    """`capture_query` where Triton runs (a GPU, or the interpreter) and D is a power of two, else its reference."""
+    D = q.shape[-1]
+    triton_ok = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    fn = capture_query if triton_ok and D >= 16 and D & (D - 1) == 0 else capture_query_reference
+    fn(q, heads, positions, base, buf, pos_buf)
 
 
 def capture_query(q: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, base: torch.Tensor,

@@ -26,7 +26,7 @@ import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
-from dustin.selection.base import SelectionPolicy, StepState
+from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, _kernel_ok
 from dustin.selection.oracle import ARR_WINDOW, window_probs
@@ -135,7 +135,8 @@ class AnchorSelection(DraftLookahead, SelectionPolicy):
         self._anchor_of = layer_anchors(self.anchors, self.dense_layers, n)
         if self.m > 0:
             self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, state.B,
-                                                      state.target_cache.capacity, state.device, state.gamma)
+                                                      state.target_cache.capacity, state.device, state.gamma,
+                                                      *draft_query_shape(state))
             self._pos = torch.arange(state.target_cache.capacity, device=state.device)[None]
 
     def plan(self, state: StepState):

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from dustin.attention.context import LayerPlanner, QueryObserver, SparsePlan
+from dustin.attention.context import LayerPlanner, LookaheadCapture, QueryObserver, SparsePlan
 from dustin.cache.kv_cache import KVCache
 from dustin.models.transformer import Transformer
 
@@ -52,6 +52,11 @@ class StepState(Protocol):
 
 
 
+def draft_query_shape(state: StepState) -> tuple[int, torch.dtype]:
+    """(head_dim, dtype) of the draft's queries: the buffers of a `LookaheadCapture`."""
+    return state.draft.args.head_dim, state.draft.embed_tokens.weight.dtype
+
+
 class SelectionPolicy:
     name = "full"
     cfg = None  # the SparseConfig a sparse policy runs with (reported by `generate --json`); None: full verify
@@ -72,6 +77,12 @@ class SelectionPolicy:
     full_verify = False
 
     def draft_observers(self, state: StepState) -> list[QueryObserver]:
+        """Observers of the draft's forwards (probes); what a policy needs of the draft's queries it asks as data,
+        `draft_captures`."""
+        return []
+
+    def draft_captures(self, state: StepState) -> list[LookaheadCapture]:
+        """The lookahead queries the draft step must record for this policy (`LookaheadCapture`)."""
         return []
 
     def target_observers(self, state: StepState) -> list[QueryObserver]:

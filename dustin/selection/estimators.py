@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dustin.attention.context import ForwardContext
+from dustin.attention.context import ForwardContext, LookaheadCapture
 from dustin.selection.config import ScoreHeads
 
 
@@ -90,21 +90,23 @@ class _HeadSets:
 
 
 class DraftLookaheadScores:
-    """Collects, per configured draft layer, the lookahead query of each draft forward; `compute` then scores
-    all Γ of them in one pass over the draft cache (causal: the query at position p sees keys j <= p).
+    """Asks the draft step, per configured draft layer, for the lookahead query of each draft forward (`capture`,
+    a `LookaheadCapture`: data the draft step honours); `compute` then scores all Γ of them in one pass over the
+    draft cache (causal: the query at position p sees keys j <= p).
 
     CUDA-graph safe: draft forward t (t = 0 .. G-1 within a step) reads the token at position base + t, where
-    base is the sequence's cache length at the start of the step (`begin_step`), so each call scatters its query
-    into slot (position - base) of a fixed buffer [B, Hs, Γ, D]. A replayed graph repeats that write with the
-    step's real positions; nothing is appended on the host. Warm-up and capture write junk slots (clamped into
-    range) that the real forwards of the step overwrite before `compute` reads them.
+    base is the sequence's cache length at the start of the step (`begin_step`), so each query lands in slot
+    (position - base) of a fixed buffer [B, Hs, Γ, D]. A replayed graph repeats that write with the step's real
+    positions; nothing is appended on the host. Warm-up and capture write junk slots (clamped into range) that the
+    real forwards of the step overwrite before `compute` reads them.
 
     Γ per row: `begin_step` marks every slot unwritten (position -1: a query that sees no key adds nothing), and
     `compute` leaves out each row's slots at or past its own Γ (`row_gamma`), so a row's scores are those of a
     step of its own Γ whatever G the step runs."""
 
     def __init__(self, heads: tuple[ScoreHeads, ...], group: int, batch: int, capacity: int, device,
-                 gamma: int) -> None:
+                 gamma: int, head_dim: int, dtype: torch.dtype) -> None:
+        """head_dim, dtype: of the draft's queries."""
         self._sets = _HeadSets(heads, group, device)
         self.by_layer, self.kv_heads, self.layers = self._sets.by_layer, self._sets.kv_heads, self._sets.layers
         self.gamma = gamma
@@ -113,10 +115,12 @@ class DraftLookaheadScores:
         self._pos_buf = torch.zeros(batch, gamma, dtype=torch.long, device=device)  # [B, Γ], same on every layer
         self._slot = torch.arange(gamma, device=device)[None, :]
         self._row_gamma: torch.Tensor | None = None  # each row's Γ (`begin_step`), None: every slot
-        # [B, NL, Hs_max, Γ, D], allocated at the first call (zero heads pad layers with fewer heads): the one
-        # multi-layer estimate reads it as is; _q_buf[layer] is that layer's [B, Hs_layer, Γ, D] view
-        self._q_all: torch.Tensor | None = None
-        self._q_buf: dict[int, torch.Tensor] = {}
+        # [B, NL, Hs_max, Γ, D] (zero heads pad layers with fewer heads): the one multi-layer estimate reads it as
+        # is; _q_buf[layer] is that layer's [B, Hs_layer, Γ, D] view
+        sets = self._sets
+        self._q_all = torch.zeros(batch, len(sets.order), sets.hs, gamma, head_dim, dtype=dtype, device=device)
+        self._q_buf = {layer: self._q_all[:, i, :len(self.by_layer[layer])] for i, layer in enumerate(sets.order)}
+        self.capture = LookaheadCapture(self.by_layer, self._q_buf, self._pos_buf, self._base)
 
     def begin_step(self, lengths: torch.Tensor, row_gamma: torch.Tensor | None = None) -> None:
         """Before the step's first draft forward: lengths [B] = the position of its first lookahead query;
@@ -124,20 +128,6 @@ class DraftLookaheadScores:
         self._base.copy_(lengths)
         self._pos_buf.fill_(-1)
         self._row_gamma = row_gamma
-
-    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
-        if ctx.prompt:
-            return  # prefill: no lookahead yet
-        # the query of the token this forward reads last (pending, d1, ..., d_{Γ-1}), into slot position - base
-        if self._q_all is None:  # first call: eager (graph warm-up runs before capture)
-            B, _, _, D = q.shape
-            sets = self._sets
-            self._q_all = torch.zeros(B, len(sets.order), sets.hs, self.gamma, D, dtype=q.dtype, device=q.device)
-        if layer not in self._q_buf:
-            self._q_buf[layer] = self._q_all[:, self._sets.order.index(layer), :len(self.by_layer[layer])]
-        from dustin.kernels import fused_ops
-        capture = fused_ops.capture_query if _kernel_ok(q) else fused_ops.capture_query_reference
-        capture(q, self.by_layer[layer], ctx.positions, self._base, self._q_buf[layer], self._pos_buf)
 
     @torch.inference_mode()
     def compute(self, k_caches: dict[int, torch.Tensor], context: torch.Tensor, per_layer: bool = False,
@@ -234,9 +224,9 @@ class DraftLookahead:
 
     _draft_scores: DraftLookaheadScores | None = None
 
-    def draft_observers(self, state):
+    def draft_captures(self, state):
         self._setup(state)
-        return [self._draft_scores] if self._draft_scores is not None else []
+        return [self._draft_scores.capture] if self._draft_scores is not None else []
 
     def begin_step(self, state) -> None:
         if self._draft_scores is not None:

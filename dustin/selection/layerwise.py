@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dustin.attention.context import SparsePlan
-from dustin.selection.base import SelectionPolicy, StepState
+from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.estimators import DraftLookaheadScores
 
@@ -69,16 +69,16 @@ class SpecAttnSelection(SelectionPolicy):
         self.scores: DraftLookaheadScores | None = None
         self._plans: dict[int, SparsePlan] = {}
 
-    def draft_observers(self, state: StepState):
+    def draft_captures(self, state: StepState):
         if self.scores is None:
             d = state.draft.args
             every = tuple(ScoreHeads(layer, tuple(range(d.n_heads))) for layer in range(d.n_layers))
             self.scores = DraftLookaheadScores(every, d.gqa_group, state.B, state.target_cache.capacity,
-                                               state.device, state.gamma)
-        return [self.scores]
+                                               state.device, state.gamma, *draft_query_shape(state))
+        return [self.scores.capture]
 
     def begin_step(self, state: StepState) -> None:
-        self.draft_observers(state)
+        self.draft_captures(state)
         self.scores.begin_step(state.target_cache.lengths, state.row_gamma)
 
     def plan(self, state: StepState):

@@ -18,7 +18,7 @@ import torch
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
-from dustin.selection.base import FullSelection, SelectionPolicy, StepState
+from dustin.selection.base import FullSelection, SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import ORACLE_RUNGS, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 
@@ -92,7 +92,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
             self._target_scores = self._make_target_scores(state)
         if self.uses_draft:
             self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, B, cap, dev,
-                                                      state.gamma)
+                                                      state.gamma, *draft_query_shape(state))
         self._zeros = torch.zeros(B, cap, dtype=torch.float32, device=dev)
         if self.auto is not None:
             self._k_hist = BudgetHistogram(self.auto.k_max, dev)

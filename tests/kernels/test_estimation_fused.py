@@ -131,12 +131,12 @@ def test_draft_estimator_one_launch_equals_per_layer(gamma):
     B, Hq, Hkv, D, cap = 2, 8, 2, 32, 160
     cache = torch.randn(4, B, Hkv, cap, D, generator=gen)
     L = torch.tensor([100, 37], dtype=torch.int32)
-    est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma)
+    est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32)
     est.begin_step(L.long())
     for t in range(gamma):
         pos = (L.long() + t)[:, None]
         for sh in DRAFT_HEADS:
-            est(sh.layer, torch.randn(B, Hq, 1, D, generator=gen), cache[sh.layer], _ctx(pos))
+            est.capture(sh.layer, torch.randn(B, Hq, 1, D, generator=gen), cache[sh.layer], _ctx(pos))
     views = {layer: cache[layer] for layer in est.layers}
     est.scores.fill_(float("nan"))  # the one-launch path overwrites the row
     got = est.compute(views, L).clone()
@@ -190,19 +190,20 @@ def test_draft_estimator_slots_survive_graph_warmup_writes():
         est.begin_step(L.long())
         if junk:  # e.g. graph capture with positions at the end of the cache
             for sh in DRAFT_HEADS:
-                est(sh.layer, torch.randn(B, Hq, 1, D, generator=gen), views[sh.layer], _ctx(torch.full((B, 1), 150)))
+                est.capture(sh.layer, torch.randn(B, Hq, 1, D, generator=gen), views[sh.layer],
+                            _ctx(torch.full((B, 1), 150)))
         for t in range(gamma):
             for sh in DRAFT_HEADS:
-                est(sh.layer, queries[t], views[sh.layer], _ctx((L.long() + t)[:, None]))
+                est.capture(sh.layer, queries[t], views[sh.layer], _ctx((L.long() + t)[:, None]))
         return est.compute(views, L).clone()
 
-    clean = run(DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma), junk=False)
-    est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma)
+    clean = run(DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32), junk=False)
+    est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32)
     torch.testing.assert_close(run(est, junk=True), clean)
     # next step: new base, same buffers (what a graph replay writes into), different scores
     L += 2
     queries = [torch.randn(B, Hq, 1, D, generator=gen) for _ in range(gamma)]
-    fresh = run(DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma), junk=False)
+    fresh = run(DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32), junk=False)
     torch.testing.assert_close(run(est, junk=False), fresh)
     assert not torch.allclose(fresh, clean)
 
@@ -220,11 +221,11 @@ def test_draft_estimator_counts_each_rows_own_gamma(forwards):
     queries = [torch.randn(B, Hq, 1, D, generator=gen) for _ in range(gamma)]
 
     def run(row_gamma, n, k_caches):
-        est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma)
+        est = DraftLookaheadScores(DRAFT_HEADS, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32)
         est.begin_step(L.long(), row_gamma)
         for t in range(n):
             for sh in DRAFT_HEADS:
-                est(sh.layer, queries[t], views[sh.layer], _ctx((L.long() + t)[:, None]))
+                est.capture(sh.layer, queries[t], views[sh.layer], _ctx((L.long() + t)[:, None]))
         return est.compute(k_caches, L).clone()
 
     row_gamma = torch.tensor([1, 3])

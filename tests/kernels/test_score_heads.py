@@ -124,12 +124,12 @@ def test_draft_estimator_all_heads(per_layer):
     heads = tuple(ScoreHeads(layer, tuple(range(Hq))) for layer in range(n_layers))
     cache = torch.randn(n_layers, B, Hkv, cap, D, generator=gen)
     L = torch.tensor([120, 45], dtype=torch.int32)
-    est = DraftLookaheadScores(heads, Hq // Hkv, B, cap, "cpu", gamma)
+    est = DraftLookaheadScores(heads, Hq // Hkv, B, cap, "cpu", gamma, D, torch.float32)
     est.begin_step(L.long())
     qs = [torch.randn(n_layers, B, Hq, 1, D, generator=gen) for _ in range(gamma)]
     for t in range(gamma):
         for layer in range(n_layers):
-            est(layer, qs[t][layer], cache[layer], _ctx((L.long() + t)[:, None]))
+            est.capture(layer, qs[t][layer], cache[layer], _ctx((L.long() + t)[:, None]))
     est.scores.fill_(float("nan"))
     got = est.compute({layer: cache[layer] for layer in range(n_layers)}, L, per_layer=per_layer)
     pos = L.long()[:, None] + torch.arange(gamma)[None, :]

@@ -1,5 +1,6 @@
-"""The runner takes verify plans of every shape a policy produces: one set per sequence ([B, K]), one per sequence
-and KV head ([B, Hkv, K]), or a per-layer planner; here the per-KV-head form, through the engine core (fp32, CPU)."""
+"""The runner's interfaces, through the engine core (fp32, CPU): verify plans of every shape a policy produces (one
+set per sequence [B, K], one per sequence and KV head [B, Hkv, K], or a per-layer planner), and the draft step,
+which takes the lookahead queries to record as data (`LookaheadCapture`)."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ import pytest
 
 from dustin.attention.context import SparsePlan
 from dustin.engine.config import GenerationConfig
+from dustin.engine.draft_step import DraftStep
 from dustin.engine.engine import Engine
 from dustin.selection.base import SelectionPolicy
 
@@ -24,6 +26,9 @@ class PerKVHead(SelectionPolicy):
 
     def draft_observers(self, state):
         return self.inner.draft_observers(state)
+
+    def draft_captures(self, state):
+        return self.inner.draft_captures(state)
 
     def target_observers(self, state):
         return self.inner.target_observers(state)
@@ -61,3 +66,34 @@ def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
     # the sets matter here: full verification gives other tokens, so a plan the runner ignored would show
     full = GenerationConfig(method="classic", draft_window=32, max_new_tokens=24, stop_at_eos=False)
     assert [s.token_ids for s in engine.generate(prompts, full).sequences] != want
+
+
+class Recording(DraftStep):
+    """Another draft step in the session's place: here the eager one, with what it was asked recorded."""
+
+    def __init__(self, inner: DraftStep) -> None:
+        self.inner, self.calls = inner, []
+
+    def run(self, prev, pending, lengths, max_len, G, *, captures, observers, graphed):
+        self.calls.append((G, [{layer: h.tolist() for layer, h in c.heads.items()} for c in captures]))
+        return self.inner.run(prev, pending, lengths, max_len, G, captures=captures, observers=observers,
+                              graphed=graphed)
+
+
+def test_the_draft_step_is_handed_the_lookahead_to_record_as_data(engine, tiny_sparse_config):
+    """The session drafts through `session.draft_step`, passing the policy's captures: the draft layers and heads of
+    the sparse config, as data; a step in its place gives the same tokens."""
+    import json
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(40, 90))] for _ in range(2)]
+    cfg = GenerationConfig(method="dustin", sparse_config=tiny_sparse_config, draft_window=32, max_new_tokens=12,
+                           stop_at_eos=False)
+    want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
+    core = engine.start(prompts, cfg)
+    step = core.session.draft_step = Recording(core.session.draft_step)
+    outs, _ = core.run_queued()
+    assert [o.new_token_ids for o in outs] == want
+    heads = {d["layer"]: sorted(d["heads"]) for d in json.load(open(tiny_sparse_config))["draft"]}
+    assert step.calls and all(G == cfg.gamma and [{k: sorted(v) for k, v in c.items()} for c in caps] == [heads]
+                              for G, caps in step.calls)
