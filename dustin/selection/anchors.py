@@ -122,17 +122,27 @@ class AnchorSelection(DraftLookahead, SelectionPolicy):
                              f"anchor draft_topm ({self.m}) needs")
         self.anchors: tuple[int, ...] | None = None
         self._anchor_of: list[int | None] = []
-        self._plans: dict[int, SparsePlan] = {}
+        self.plans: dict[int, SparsePlan] = {}  # each anchor layer's set of this step, by layer (`plan_layer`)
         self._draft_scores: DraftLookaheadScores | None = None
         self._draft_picks: torch.Tensor | None = None
         self._scores: torch.Tensor | None = None
 
+    @property
+    def draft_picks(self) -> torch.Tensor | None:
+        """S_draft's top-m pickable positions of the last step ([B, m]), which every anchor's set holds; None
+        without an anchor draft_topm or before the first step."""
+        return self._draft_picks
+
+    def resolve_layers(self, n_layers: int) -> None:
+        """The anchor layers of an `n_layers`-layer target (`anchors`) and the anchor each layer verifies with
+        (`layer_anchors`): what the first step sets up from its target, callable without one."""
+        self.anchors = self.cfg.anchor.resolved(n_layers)
+        self._anchor_of = layer_anchors(self.anchors, self.dense_layers, n_layers)
+
     def _setup(self, state: StepState) -> None:
         if self.anchors is not None:
             return
-        n = state.target.args.n_layers
-        self.anchors = self.cfg.anchor.resolved(n)
-        self._anchor_of = layer_anchors(self.anchors, self.dense_layers, n)
+        self.resolve_layers(state.target.args.n_layers)
         if self.m > 0:
             self._draft_scores = DraftLookaheadScores(self.cfg.draft, state.draft.args.gqa_group, state.B,
                                                       state.target_cache.capacity, state.device, state.gamma,
@@ -156,9 +166,9 @@ class AnchorSelection(DraftLookahead, SelectionPolicy):
 
     def plan_layer(self, layer: int, q: torch.Tensor, ctx) -> SparsePlan | None:
         if layer in self.anchors:
-            self._plans[layer] = self._anchor_plan(q, ctx.cache.k[layer], ctx)
+            self.plans[layer] = self._anchor_plan(q, ctx.cache.k[layer], ctx)
         anchor = self._anchor_of[layer]
-        return None if anchor is None else self._plans[anchor]
+        return None if anchor is None else self.plans[anchor]
 
     def _anchor_plan(self, q: torch.Tensor, k_cache: torch.Tensor, ctx) -> SparsePlan:
         c = self.cfg

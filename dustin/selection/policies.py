@@ -97,6 +97,12 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         if self.auto is not None:
             self._k_hist = BudgetHistogram(self.auto.k_max, dev)
 
+    @property
+    def target_scores(self) -> TargetHistoricalScores | None:
+        """S_target's estimator, set up by the first step (None before it, or for a variant without S_target):
+        its scores can be read back and checked after a step."""
+        return self._target_scores
+
     def _make_target_scores(self, state: StepState) -> TargetHistoricalScores:
         """S_target's estimator (tensor parallelism overrides it: each rank scores its own heads)."""
         return TargetHistoricalScores(self.cfg.target, state.target.args.gqa_group, state.B,

@@ -220,8 +220,9 @@ def test_small_budget_dense_layers_and_reuse(engine, tmp_path, granularity):
 
     # layers 2 and 3 of a deeper stack reuse anchor 1: the map, then the plan object itself
     policy2 = AnchorSelection(SparseConfig.load(_config(tmp_path, layers=[1], dense_layers=1)))
-    policy2.anchors, policy2._anchor_of = (1,), layer_anchors((1,), 1, 4)
-    policy2._plans = {1: seen[1][0]}
+    policy2.resolve_layers(4)
+    assert policy2.anchors == (1,)
+    policy2.plans[1] = seen[1][0]
     assert policy2.plan_layer(0, None, None) is None
     assert policy2.plan_layer(2, None, None) is seen[1][0] and policy2.plan_layer(3, None, None) is seen[1][0]
 
@@ -269,7 +270,7 @@ def test_draft_picks_are_in_every_set(engine, tmp_path):
     plan_layer = policy.plan_layer
     policy.plan_layer = lambda layer, q, ctx: sets.append(plan_layer(layer, q, ctx)) or sets[-1]
     engine.start(_prompts([150, 210]), cfg, policy=policy).step()  # the prefill and step 1
-    picks = policy._draft_picks
+    picks = policy.draft_picks
     assert picks.shape == (2, 7)
     for plan in sets[1:]:
         for b in range(2):

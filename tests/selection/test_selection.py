@@ -166,7 +166,7 @@ def test_target_scores_use_the_last_cached_query(engine):
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session
     L = s.target_cache.lengths.clone()
-    got = policy._target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
+    got = policy.target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
     committed = (prompt + out)[: int(L)]  # cached tokens (all but the pending one)
     target, a = engine.target, engine.target.args
     captured = {}
