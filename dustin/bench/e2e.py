@@ -35,6 +35,7 @@ bandwidth's time for them as a % of the step. On a CPU the bandwidth is a rough 
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -208,6 +209,16 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     else:
         cfg = _config(method, a, total)
         core = engine.start(prompts, cfg, prefill_cache=prefill_cache)
+    # tensor parallelism: rank 0 steps and times, the other ranks follow its plans; every rank gets its row
+    row = core.lead_or_follow(functools.partial(_time_method, engine, core, cfg, method, batch, context, a,
+                                                profiled))
+    del core
+    _free(engine.device)
+    return row
+
+
+def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, profiled: int) -> dict:
+    """`run_method`'s timing of a started core (rank 0's part under tensor parallelism)."""
     s = core.session
     _sync(s.device)
     t0 = time.perf_counter()
@@ -254,8 +265,6 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
         row["pct_of_byte_roofline"] = float(f"{100 * share:.4g}")
     if profiled:
         row["kernels_per_step"] = _kernels_per_step(core, profiled)
-    del s, core
-    _free(engine.device)
     return row
 
 

@@ -146,7 +146,7 @@ def run(args) -> int:
     from dustin.parallel.tp import init_distributed
 
     modes = _check(args)
-    init_distributed()
+    world = init_distributed()[1]
     if args.sampler_only:
         from dustin.engine.pair import parse_device, resolve_dtype
 
@@ -154,6 +154,10 @@ def run(args) -> int:
         dtype = resolve_dtype(args.dtype, device)
         steppers = {mode: SamplerStep(mode, args, device, dtype) for mode in modes}
         return _report(args, steppers, str(device), str(dtype).removeprefix("torch."), "sampler only")
+    if world > 1:
+        raise InputError("dustin bench sampling runs the models in one process (its modes step in turn, each on a "
+                         "core of its own; tensor-parallel ranks follow one core's plans): use --sampler-only, or "
+                         "bench e2e under torchrun")
     named = [spec in NAMED_CONFIGS for spec in (args.target, args.draft)]
     if all(named):
         from dustin.bench.e2e import build_engine

@@ -30,10 +30,12 @@ Design (nano-vllm's shape, on our speculative step):
   (quest, specattn, snapkv, oracle: not `row_local`) always run this way; offline method comparisons over one
   prefill ("snapshot", with a `PrefillCache`) and benchmarks over noise-filled caches ("noise") ask for it.
 
-Tensor parallelism (`dustin serve` under torchrun): a step is split into `_schedule()`, which returns a `StepPlan`
-(rows to release, admissions, prefill chunks of decided sizes, whether to decode: every call the step makes on the
-Session, as plain picklable data), and `_execute(plan)`, which makes those calls. Rank 0 schedules, broadcasts the
-plan and executes it; every other rank runs `follow()`: receive a plan, execute it, until a stop plan. All ranks
+Tensor parallelism (`dustin serve`, offline generation and `bench e2e` under torchrun): a step is split into
+`_schedule()`, which returns a `StepPlan` (rows to release, admissions, prefill chunks of decided sizes, whether to
+decode: every call the step makes on the Session, as plain picklable data), and `_execute(plan)`, which makes those
+calls. Rank 0 schedules, broadcasts the plan and executes it; every other rank runs `follow()`: receive a plan,
+execute it, until a stop plan. Offline, `lead_or_follow` wraps one run: rank 0 steps, then stops the followers and
+hands them its result. All ranks
 thus make the same Session calls in the same order, so the collectives inside the forwards match, and since every
 rank seeds its sampling generators alike (dustin/parallel/tp.py), the sampled tokens agree too. Postprocessing
 (new tokens per request, finished requests) is rank 0's alone: the rows it frees are released by the next plan.
@@ -199,9 +201,9 @@ class EngineCore:
                          "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
         # tensor parallelism: rank and world of the target's shards; on rank 0 the followers' state: "waiting"
         # (for the next plan), "busy" (a plan was sent and is not finished here: after an error there, the
-        # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped"
-        # (an offline batch: every rank runs the same loop on its own, no plans are sent)
-        parallel = pair.parallel if generation is None else None
+        # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped" (they
+        # left `follow()`; an offline core's next `lead_or_follow` brings them back)
+        parallel = pair.parallel
         self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
         self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
         self._last_sent = time.monotonic()
@@ -441,6 +443,24 @@ class EngineCore:
             if plan.stop:
                 return received
             self._execute(plan)
+
+    def lead_or_follow(self, lead):
+        """One offline run under tensor parallelism: rank 0 calls `lead()` (which steps this core: its plans reach
+        the other ranks), then ends the others' `follow()` and hands them its result; the other ranks follow the
+        plans and return that result. Every rank returns rank 0's. Without tensor parallelism: `lead()`."""
+        if self.world == 1:
+            return lead()
+        from dustin.parallel.tp import broadcast_object
+
+        if self.rank != 0:
+            self.follow()
+            return broadcast_object(None, device=self.pair.device)
+        if self._followers == "stopped":  # the last run stopped them; they are back in follow()
+            self._followers = "waiting"
+        result = lead()
+        self.stop_followers()
+        broadcast_object(result, device=self.pair.device)
+        return result
 
     def heartbeat(self) -> None:
         """Rank 0, idle: send the followers an empty plan when none went out for `heartbeat_s` seconds (a no-op

@@ -150,7 +150,8 @@ class Engine(ModelPair):
         s = core.session
         core.begin_run(cfg.seed)
         s.policy.budget_stats(reset=True)  # a kept core's histogram counts this call only
-        core.queue(list(zip(prompts, params, strict=True)))
+        if core.rank == 0:  # tensor parallelism: the other ranks follow rank 0's plans (`lead_or_follow`)
+            core.queue(list(zip(prompts, params, strict=True)))
         return core
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
@@ -163,15 +164,19 @@ class Engine(ModelPair):
         ids = [self.encode(p, chat) for p in prompts]
         try:
             core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params)
-            s = core.session
-            c0 = s.capture_total()
-            t0 = time.perf_counter()
-            outputs, timing = core.run_queued()
-            wall = time.perf_counter() - t0
+            return core.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
             self._kept = None
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
+
+    def _run(self, core, ids: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
+        """The queued batch to completion on `core`, and its result (under tensor parallelism: rank 0's part)."""
+        s = core.session
+        c0 = s.capture_total()
+        t0 = time.perf_counter()
+        outputs, timing = core.run_queued()
+        wall = time.perf_counter() - t0
         warm, core.warmup_stats = core.warmup_stats, None  # this call's only
         st = core.decode_stats
         st.capture_s = s.capture_total() - c0
