@@ -31,8 +31,8 @@ Design (nano-vllm's shape, on our speculative step):
   prefill ("snapshot", with a `PrefillCache`) and benchmarks over noise-filled caches ("noise") ask for it.
 
 Tensor parallelism (`dustin serve`, offline generation and `bench e2e` under torchrun): a step is split into
-`_schedule()`, which returns a `StepPlan` (rows to release, admissions, prefill chunks of decided sizes, whether to
-decode: every call the step makes on the Session, as plain picklable data), and `_execute(plan)`, which makes those
+`schedule()`, which returns a `StepPlan` (rows to release, admissions, prefill chunks of decided sizes, whether to
+decode: every call the step makes on the Session, as plain picklable data), and `execute(plan)`, which makes those
 calls. Rank 0 schedules, broadcasts the plan and executes it; every other rank runs `follow()`: receive a plan,
 execute it, until a stop plan. Offline, `lead_or_follow` wraps one run: rank 0 steps, then stops the followers and
 hands them its result. All ranks
@@ -189,7 +189,7 @@ class EngineCore:
         self._by_id: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
-        self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by _collect
+        self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by collect
         # the offline batch `queue` added: each request's outputs so far, accumulated into one (all its tokens)
         self._queued: dict[str, RequestOutput] = {}
         self.eos_ids = set(pair.eos_ids) if self.gen_cfg.stop_at_eos else set()
@@ -280,6 +280,10 @@ class EngineCore:
         for seq in seqs:
             self._by_id[seq.request.request_id] = seq
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The request's sequence while it waits or runs (None once it finished or was aborted)."""
+        return self._by_id.get(request_id)
+
     def abort_request(self, request_id: str) -> None:
         """Waiting or running: the next step() frees its row and reports it finished ("abort")."""
         if request_id in self._by_id:
@@ -288,7 +292,7 @@ class EngineCore:
     def drain(self) -> None:
         """Read back the step in flight, if any (its tokens are booked; the next `step()` returns them)."""
         if self._inflight is not None:
-            self._update([self.session.complete(self._inflight)])
+            self.update([self.session.complete(self._inflight)])
             self._inflight = None
 
     def begin_run(self, seed: int) -> None:
@@ -309,13 +313,13 @@ class EngineCore:
         if self.rank != 0:
             raise RuntimeError("under tensor parallelism only rank 0 steps; the other ranks call follow()")
         t0 = time.perf_counter()
-        plan = self._schedule()
+        plan = self.schedule()
         if self._followers is None:
-            done = self._execute(plan)
+            done = self.execute(plan)
         else:
             done = self._send(plan, then_execute=True)
-        self._update(done)
-        outputs = self._collect()
+        self.update(done)
+        outputs = self.collect()
         if not self._by_id and self._inflight is not None:
             # nothing left to serve: read the last launched step back now (its rows have all stopped, it books
             # nothing), so an idle engine holds no step in flight and needs no further step() call
@@ -326,9 +330,9 @@ class EngineCore:
             self.counters["busy_s"] += time.perf_counter() - t0
         return outputs
 
-    def _schedule(self) -> StepPlan:
+    def schedule(self) -> StepPlan:
         """Rank 0's decisions for one step (aborts, releases, admissions, prefill chunk sizes, whether to decode),
-        as a StepPlan; the bookkeeping here is the scheduler's, the Session is only read by `_execute`."""
+        as a StepPlan; the bookkeeping here is the scheduler's, the Session is only read by `execute`."""
         self._outputs += self._apply_aborts()
         sched = self.scheduler
         admit = tuple(Admission.of(seq) for seq in sched.admissions())
@@ -358,7 +362,7 @@ class EngineCore:
             out.append((row, g))
         return tuple(out)
 
-    def _execute(self, plan: StepPlan) -> list[list[RowTokens]]:
+    def execute(self, plan: StepPlan) -> list[list[RowTokens]]:
         """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
         and read back the previous one; the tokens of the steps read back, in order."""
         s = self.session
@@ -425,7 +429,7 @@ class EngineCore:
         self._followers = "busy"
         broadcast_object(plan, device=self.pair.device)
         self._last_sent = time.monotonic()
-        done = self._execute(plan) if then_execute else []
+        done = self.execute(plan) if then_execute else []
         self._followers = "stopped" if plan.stop else "waiting"
         return done
 
@@ -442,7 +446,7 @@ class EngineCore:
             received += 1
             if plan.stop:
                 return received
-            self._execute(plan)
+            self.execute(plan)
 
     def lead_or_follow(self, lead):
         """One offline run under tensor parallelism: rank 0 calls `lead()` (which steps this core: its plans reach
@@ -499,7 +503,7 @@ class EngineCore:
         self._aborts.clear()
         return out
 
-    def _update(self, steps: list[list[RowTokens]]) -> None:
+    def update(self, steps: list[list[RowTokens]]) -> None:
         """Commit the tokens of the steps read back to their sequences (the stop rules: `Sequence.commit`), with
         their log-probabilities, and count them. A step in which no row still decoded (the loop's extra step after
         the last stop) is not counted."""
@@ -531,7 +535,7 @@ class EngineCore:
                 st.steps += 1
                 st.active_seq_steps += active
 
-    def _collect(self) -> list[RequestOutput]:
+    def collect(self) -> list[RequestOutput]:
         """New tokens per request; finished requests leave the scheduler, and their rows are released by the next
         plan (a gang's are frozen, then released together once the whole gang finished)."""
         out, self._outputs = self._outputs, []

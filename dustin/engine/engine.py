@@ -87,6 +87,11 @@ class Engine(ModelPair):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def kept_core(self):
+        """The engine core kept across `generate` calls (a GPU's row-local batches; see `start`), or None."""
+        return None if self._kept is None else self._kept[1]
+
     def start(self, prompts: list[list[int]], cfg: GenerationConfig, policy: SelectionPolicy | None = None,
               prefill_cache: PrefillCache | None = None, fill: str | None = None,
               limits: list[int] | None = None, params: list[SamplingParams] | None = None,

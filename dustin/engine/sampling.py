@@ -337,7 +337,7 @@ class RowSampling:
             top_p, k_need = self._top_p.view(shape), x.shape[-1]
         return _cut(x, self._top_k.view(shape), top_p, k_need).softmax(-1)
 
-    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """`_distributions` of logits in any dtype, with a greedy row's argmax as a one-hot (the distribution its
         token comes from)."""
         x = logits.float()  # cast once, for the argmax and the distributions
@@ -345,7 +345,7 @@ class RowSampling:
         one_hot = torch.zeros_like(probs).scatter_(-1, argmax(x)[..., None], 1.0)
         return torch.where(self._greedy.view((-1,) + (1,) * (probs.dim() - 1)), one_hot, probs)
 
-    def _sample(self, weights: torch.Tensor) -> torch.Tensor:
+    def sample(self, weights: torch.Tensor) -> torch.Tensor:
         """Inverse-CDF sampling of weights [B, ..., V] with per-row counter noise."""
         u = self._noise(weights[0, ..., 0].numel()).view(weights.shape[:-1])
         return inverse_cdf(weights, u)
@@ -356,8 +356,8 @@ class RowSampling:
             return choose(logits, self.default, self.generator)
         if self.greedy:
             return argmax(logits), None
-        probs = self._probabilities(logits)
-        return self._sample(probs), probs  # a greedy row's one-hot draws its argmax
+        probs = self.probabilities(logits)
+        return self.sample(probs), probs  # a greedy row's one-hot draws its argmax
 
     def accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
                limit: torch.Tensor | None = None, stride: int = 0):
@@ -376,7 +376,7 @@ class RowSampling:
         u = self._noise(G)
         self.skip(max(stride - G, 0))
         n_s, weights = _verify(drafts, draft_probs, self._distributions(x), u, limit)
-        next_s = self._sample(weights)
+        next_s = self.sample(weights)
         return torch.where(self._greedy, n_g, n_s), torch.where(self._greedy, next_g, next_s)
 
     def choose_row(self, row: int, logits: torch.Tensor) -> torch.Tensor:

@@ -590,6 +590,16 @@ class Session:
         with the capture time, not the decode time."""
         self._warmup_s += seconds
 
+    @property
+    def warmup_s(self) -> float:
+        """One-time seconds of the steps that ran eagerly before their graph was captured (and of waits counted
+        with them, `add_one_time_s`)."""
+        return self._warmup_s
+
+    def graph_keys(self) -> list[tuple[str, int]]:
+        """(sampling mode, G) of every step graph captured so far."""
+        return list(self._graphs)
+
     def capture_total(self) -> float:
         """One-time graph cost so far: captures plus their warm-up runs (tokens of a warm-up step count)."""
         graphs = sum(r.capture_s for r in self.runners.values()) + sum(g.capture_s for g in self._graphs.values())

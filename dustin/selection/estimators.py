@@ -183,6 +183,11 @@ class TargetHistoricalScores:
         else:
             wq.copy_(sel)
 
+    @property
+    def last_queries(self) -> dict[int, torch.Tensor]:
+        """Per configured layer, the query [B, H_sel, 1, D] of each row's last cached token: what `compute` scores."""
+        return self._last_q
+
     def after_verify(self, n_accepted: torch.Tensor) -> None:
         """The last token cached by this step is the verify row n_accepted (pending or the last accepted draft)."""
         for layer, wq in self._window_q.items():
@@ -223,6 +228,11 @@ class DraftLookahead:
     step's base lengths, one estimate per step. The policy's `_setup` makes `_draft_scores` (None: no S_draft)."""
 
     _draft_scores: DraftLookaheadScores | None = None
+
+    @property
+    def draft_scores(self) -> DraftLookaheadScores | None:
+        """S_draft's estimator (None before the first step, or without draft score heads)."""
+        return self._draft_scores
 
     def draft_captures(self, state):
         self._setup(state)

@@ -192,12 +192,12 @@ def test_slot_memory_error_names_the_flags(engine):
 def _lockstep_step(leader: EngineCore, follower: EngineCore):
     """One `leader.step()` whose plan `follower` executes too, after a pickle round trip (what the broadcast to a
     tensor-parallel follower does)."""
-    plan = leader._schedule()
-    lead = leader._execute(plan)
-    follow = follower._execute(pickle.loads(pickle.dumps(plan)))
+    plan = leader.schedule()
+    lead = leader.execute(plan)
+    follow = follower.execute(pickle.loads(pickle.dumps(plan)))
     assert follow == lead  # the same tokens read back in every row, sampled ones included
-    leader._update(lead)
-    return leader._collect()
+    leader.update(lead)
+    return leader.collect()
 
 
 def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
@@ -225,7 +225,8 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
             added += 1
         if steps == 6:
             leader.abort_request("4")
-        if "5" in leader._by_id and leader._by_id["5"].row is not None and leader._by_id["5"].prefilling:
+        seq = leader.sequence("5")
+        if seq is not None and seq.row is not None and seq.prefilling:
             leader.abort_request("5")
         for o in _lockstep_step(leader, follower):
             got.setdefault(int(o.request_id), []).extend(o.new_token_ids)

@@ -71,17 +71,18 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     kept.release_cached()
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
     kept.generate(_prompts([20, 30]), cfg)
-    first = kept._kept[1]
+    first = kept.kept_core
     assert first.session.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
     kept.generate(_prompts([25, 11], seed=9), cfg)
-    assert kept._kept[1] is first  # same method, batch and a context that fits: the same caches (and graphs)
+    assert kept.kept_core is first  # same method, batch and a context that fits: the same caches (and graphs)
     kept.generate(_prompts([25, 11, 4], seed=9), cfg)
-    assert kept._kept[1] is not first  # another batch size: a new session
-    second = kept._kept[1]
+    assert kept.kept_core is not first  # another batch size: a new session
+    second = kept.kept_core
     kept.generate(_prompts([100, 5, 5]), cfg)
-    assert kept._kept[1] is not second and kept._kept[1].session.target_cache.capacity == 128  # outgrown: a larger one
+    # outgrown: a larger one
+    assert kept.kept_core is not second and kept.kept_core.session.target_cache.capacity == 128
     kept.release_cached()
-    assert kept._kept is None
+    assert kept.kept_core is None
 
 
 def test_kept_session_stops_at_eos_per_call(engines):

@@ -210,7 +210,7 @@ def test_step_graphs_with_logprobs_on_the_gpu():
                               prompt_logprobs=lp, ignore_eos=True) for i in range(len(prompts))]
         got = _run(llm, [[Request(str(i), p, sp)] for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))])
         if graphs:
-            assert any(k[0].endswith("+logprobs") for k in llm.session._graphs) == (lp is not None)
+            assert any(k[0].endswith("+logprobs") for k in llm.session.graph_keys()) == (lp is not None)
         return [got[str(i)] for i in range(len(prompts))]
 
     for dtype in (torch.bfloat16, torch.float32):

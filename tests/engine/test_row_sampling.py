@@ -24,7 +24,7 @@ def test_per_row_rules_equal_the_reference():
     """Temperature, top-k and top-p per row (in one sort) give `probabilities` of each row's own rule; a greedy
     row is its argmax as a one-hot; the positions axis (the verify window) is handled too."""
     logits = torch.randn(len(RULES), 3, 97, generator=torch.Generator().manual_seed(1)) * 3
-    got = _sampler(RULES)._probabilities(logits)
+    got = _sampler(RULES).probabilities(logits)
     for row, rule in enumerate(RULES):
         want = (torch.nn.functional.one_hot(logits[row].argmax(-1), 97).float() if rule.greedy
                 else probabilities(logits[row], rule))
@@ -42,7 +42,7 @@ def test_bf16_logits_give_the_probabilities_and_tokens_of_their_fp32_cast():
     high = low.float()
     for rule in RULES:
         assert torch.equal(probabilities(low, rule), probabilities(high, rule))
-    assert torch.equal(_sampler(RULES)._probabilities(low), _sampler(RULES)._probabilities(high))
+    assert torch.equal(_sampler(RULES).probabilities(low), _sampler(RULES).probabilities(high))
     for logits in (low, high):  # the same fresh state each time: the same draws
         s = _sampler(RULES, seeds=[1, 2, 3, 4, 5])
         tok, probs = s.choose(logits[:, 0])
@@ -84,7 +84,7 @@ def test_a_seeded_rows_draws_do_not_depend_on_the_batch():
             batch = logits[step][None].expand(len(rules), -1, -1).clone()
             toks, _ = s.choose(batch[:, 0])
             out.append(int(toks[row]))
-            n, nxt = s.accept(batch[:, 1:].argmax(-1)[:, :3], s._probabilities(batch[:, 1:4]), batch[:, :4])
+            n, nxt = s.accept(batch[:, 1:].argmax(-1)[:, :3], s.probabilities(batch[:, 1:4]), batch[:, :4])
             out += [int(n[row]), int(nxt[row])]
         return out
 
@@ -148,7 +148,7 @@ def test_cuts_without_a_sort_equal_the_sorted_rules(monkeypatch, first_k):
     logits = torch.randn(4, 3, 5000, generator=torch.Generator().manual_seed(3)) * 4
     rules = [SamplingRule(3.0, 0, 0.95), SamplingRule(0.7, 0, 0.9), SamplingRule(1.0, 40, 1.0),
              SamplingRule(1.2, 300, 0.8)]
-    per_row = _sampler(rules)._probabilities(logits)
+    per_row = _sampler(rules).probabilities(logits)
     for row, rule in enumerate(rules):
         want = _sorted_reference(logits[row], rule)
         got = probabilities(logits[row], rule)
@@ -165,7 +165,7 @@ def test_tokens_tied_at_a_cut_are_all_kept():
     for rule in (SamplingRule(1.0, 2, 1.0), SamplingRule(1.0, 0, 0.7)):  # 0.7: the nucleus needs a token of 2.0
         want = torch.tensor([[True, False, True, True, False, True]])
         assert torch.equal(probabilities(logits, rule) > 0, want)
-        assert torch.equal(_sampler([rule, SamplingRule(0.5)])._probabilities(logits.expand(2, -1))[:1] > 0, want)
+        assert torch.equal(_sampler([rule, SamplingRule(0.5)]).probabilities(logits.expand(2, -1))[:1] > 0, want)
 
 
 def test_inverse_cdf_never_draws_a_token_of_zero_weight():
@@ -194,8 +194,8 @@ def test_per_row_speculative_sampling_is_lossless():
     rules = [SamplingRule(1.0), SamplingRule(0.8, 6, 0.9), SamplingRule(0.0), SamplingRule(1.5, 0, 0.8)]
     s = _sampler([rules[i % 4] for i in range(N)])
     assert s.mode == "mixed-cut"
-    q = s._probabilities(draft_logits)
-    drafts = torch.stack([s._sample(q[:, i]) for i in range(G)], 1)
+    q = s.probabilities(draft_logits)
+    drafts = torch.stack([s.sample(q[:, i]) for i in range(G)], 1)
     n_acc, nxt = s.accept(drafts, q, target_logits)
     first = torch.where(n_acc > 0, drafts[:, 0], nxt)
     for i, rule in enumerate(rules):

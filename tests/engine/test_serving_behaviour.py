@@ -499,13 +499,13 @@ def test_abort_returns_abort_frees_the_slot_and_stops_generating(engine, when):
     a_tokens = []
     for _ in range(100):
         a_tokens += [t for o in llm.step() if o.request_id == "A" for t in o.new_token_ids]
-        seq = llm._by_id["A"]
+        seq = llm.sequence("A")
         if (when == "decode" and len(a_tokens) >= 5) or (when == "prefill" and seq.prefilled >= 64):
             break
     if when == "decode":
         assert 0 < len(a_tokens) < 150
     else:
-        assert a_tokens == [] and llm._by_id["A"].prefilling
+        assert a_tokens == [] and llm.sequence("A").prefilling
     st = llm.stats()
     assert st["requests_running"] == 1 and st["requests_waiting"] == 1
     gen0, prompt0 = st["generated_tokens_total"], st["prompt_tokens_total"]

@@ -238,8 +238,8 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     llm = EngineCore(triton_pair, cfg)
     fake = llm.kernel_warmup = _FakeWarmup(busy)
     plans = []
-    schedule = llm._schedule
-    llm._schedule = lambda: plans.append(schedule()) or plans[-1]
+    schedule = llm.schedule
+    llm.schedule = lambda: plans.append(schedule()) or plans[-1]
     for i, p in enumerate(prompts):
         llm.add_request(Request(f"r{i}", p, params))
     out: dict[str, list[int]] = {}
@@ -255,7 +255,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     assert all(p.prefill and not p.decode for p in plans[:first_decode])
     if busy > 2:  # still compiling throughout the prefill: no decode step before the last prefill chunk
         assert not any(p.prefill for p in plans[first_decode:])
-    assert llm.session._warmup_s >= 0.25
+    assert llm.session.warmup_s >= 0.25
 
 
 class _Cache:

@@ -167,7 +167,7 @@ def test_target_estimator_one_launch_equals_per_layer():
     want = torch.zeros(B, cap)
     from dustin.kernels.score_estimation import attention_scores_reference
     for sh in heads:
-        attention_scores_reference(est._last_q[sh.layer], cache[sh.layer], est.kv_heads[sh.layer], L,
+        attention_scores_reference(est.last_queries[sh.layer], cache[sh.layer], est.kv_heads[sh.layer], L,
                                    (L.long() - 1)[:, None], want)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.sum(1), torch.full((B,), 3.0), atol=1e-5, rtol=0)  # 3 heads, mass 1 each

@@ -235,7 +235,7 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     L0 = len(prompt)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.session
-    got = policy._draft_scores.scores[0, :L0]
+    got = policy.draft_scores.scores[0, :L0]
     lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
     ids = (prompt + out)[:L0] + lookahead
     draft, a = engine.draft, engine.draft.args
