@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dustin.attention.context import SparsePlan
 from dustin.attention.reference import verify_mask
 from dustin.attention.sdpa import verify_attention_sdpa
+from dustin.kernels.dispatch import interpreting
 
 BACKENDS = ("sdpa", "triton")
 MAX_TRITON_QUERIES = 16  # verify kernels fold G*T rows into one tile; longer chunks go to SDPA
@@ -60,7 +61,7 @@ class AttentionBackend:
         Triton kernel (dustin/kernels/prefill_attention.py) on the GPU, SDPA per chunk elsewhere."""
         from dustin.kernels import prefill_attention as pa
 
-        if self.name == "triton" and (q.is_cuda or _interpreting()):
+        if self.name == "triton" and (q.is_cuda or interpreting()):
             return pa.prefill_attention(q, k_cache, v_cache, plan)
         return pa.prefill_attention_sdpa(q, k_cache, v_cache, plan)
 
@@ -88,12 +89,6 @@ def token_major(q: torch.Tensor) -> torch.Tensor:
     forward of T = Γ + 1 tokens paid one per layer). For T = 1 both layouts are the same memory."""
     B, H, T, D = q.shape
     return torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_available() -> bool:

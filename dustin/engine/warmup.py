@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from dustin.engine.hooks import intercept_launches, sweep_fakes, track_fakes
+from dustin.kernels.dispatch import interpreting
 
 _SPEC_INT32 = (-(2 ** 31), 2 ** 31 - 1)
 
@@ -362,7 +363,7 @@ def watch_compiles(sink):
 
 def compiles_here(device: torch.device) -> bool:
     """Whether kernels are compiled on this device: a CUDA GPU with Triton's compiler (not its interpreter)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreting():
         return False
     try:
         import triton  # noqa: F401

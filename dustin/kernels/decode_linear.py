@@ -30,7 +30,6 @@ fp32 inputs use IEEE fp32 dot products (no TF32).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import H200_NUM_SMS, pdl_options, pdl_start
 
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
@@ -331,7 +331,7 @@ def qkv_tiles(M: int, n_heads: int, half: int, K: int, dtype: torch.dtype) -> Ti
 
 
 def _f32dot(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.dtype == torch.float32 or interpreting()
 
 
 def _check_rows(x2_rows: int, K: int, w: torch.Tensor) -> None:

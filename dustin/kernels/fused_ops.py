@@ -11,12 +11,11 @@ Triton may fuse a multiply-add where PyTorch rounds twice, so results can differ
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.dispatch import triton_ok
 from dustin.kernels.launch import pdl_options, pdl_start
 
 
@@ -213,10 +212,8 @@ def capture_query_reference(q: torch.Tensor, heads: torch.Tensor, positions: tor
 
 def capture_query_any(q: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, base: torch.Tensor,
                       buf: torch.Tensor, pos_buf: torch.Tensor) -> None:
-    """`capture_query` where Triton runs (a GPU, or the interpreter) and D is a power of two, else its reference."""
-    D = q.shape[-1]
-    triton_ok = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    fn = capture_query if triton_ok and D >= 16 and D & (D - 1) == 0 else capture_query_reference
+    """`capture_query` where the kernel runs (`triton_ok`), else its reference."""
+    fn = capture_query if triton_ok(q) else capture_query_reference
     fn(q, heads, positions, base, buf, pos_buf)
 
 

@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from dustin.kernels.dispatch import interpreting
+
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
@@ -54,7 +56,7 @@ def pdl_start(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_pdl(index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DUSTIN_PDL") != "1":
+    if interpreting() or os.environ.get("DUSTIN_PDL") != "1":
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 

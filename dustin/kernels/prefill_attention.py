@@ -23,13 +23,13 @@ Why this design:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dustin.attention.context import PrefillPlan
+from dustin.kernels.dispatch import interpreting
 
 BLOCK_N = 64  # keys per inner step (also the anchor of the batch-invariant key blocking)
 
@@ -104,7 +104,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"Hq={Hq}, Hkv={Hkv}, D={D}")
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     out = torch.zeros_like(q)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     fp32 = q.dtype == torch.float32
     grid = (plan.tile_chunk.numel(), Hq)
     _prefill_attention_kernel[grid](

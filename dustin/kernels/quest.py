@@ -20,19 +20,18 @@ from shapes: no .item(), CUDA-graph friendly. CPU tensors outside the Triton int
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 PAGE_SIZE = 16
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or interpreting()
 
 
 @triton.jit

@@ -52,7 +52,6 @@ bandwidth; 8 warps or fewer/more programs measured slower.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -62,6 +61,7 @@ from dustin.attention.reference import (  # noqa: F401  (re-exported: the kernel
     attention_scores_multi_reference,
     attention_scores_reference,
 )
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -296,7 +296,7 @@ def attention_scores_multi(q, k_all, layers, kv_heads, key_lengths, query_positi
     lg = torch.empty(B, NL, Hs * Tq, S_cap, device=dev, dtype=torch.float32)
     kv_heads = kv_heads.contiguous()
     dummy = kv_heads  # stands in for the absent optional tensors (never read: constexpr flags)
-    ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = q.dtype == torch.float32 or interpreting()
     n_kv = k_all.shape[2]
     slots = n_kv if (kv_slots if kv_slots is not None else n_kv <= Hs) else 0
     # H200, S_draft of the shipped config (11 layers x 4 heads on 2 KV heads x 4 queries, D 64), B 16 x 32k, both

@@ -29,12 +29,11 @@ that step's selection phase). Its run time on the GPU was not re-measured (one p
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import pdl_options, pdl_start
 
 _NEG_INF = float("-inf")
@@ -150,7 +149,7 @@ def select_dustin(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.
     if S <= k:  # every row fits (L <= S <= k)
         return _all_positions(lengths.to(device=device, dtype=torch.long)[:, None], k)
     p = sort_row_width(k, m, sinks, window)
-    if impl == "torch" or p > 4096 or not (s_target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if impl == "torch" or p > 4096 or not (s_target.is_cuda or interpreting()):
         return _select_dustin_torch(s_target, s_draft, lengths, k=k, m=m, sinks=sinks, window=window)
     assert s_target.stride(1) == 1 and s_draft.stride(1) == 1
     lengths = lengths.to(device).contiguous()  # the kernels read lengths[b] at lengths_ptr + b

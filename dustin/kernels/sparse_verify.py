@@ -33,7 +33,6 @@ every case measured (16.5 vs 20.2 us at 32B 8k x 8, 18.3 vs 21.1 us at 7B 32k x 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -41,6 +40,7 @@ import triton.language as tl
 
 from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -233,7 +233,7 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     else:
         acc_part = ml_part = out  # unused
     # fp32 callers want fp32 accuracy, not tf32; the interpreter needs fp32 operands (see _dot).
-    ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = q.dtype == torch.float32 or interpreting()
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     pdl = pdl_options(q.device)
     merge = merge and num_splits > 1

@@ -35,13 +35,13 @@ byte), so the kernel must read each K/V row from HBM exactly once and keep every
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
+from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import H200_NUM_SMS, num_sms, pdl_options, pdl_start
 
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
@@ -197,10 +197,6 @@ def _verify_attention_combine_kernel(
                   T, G, D)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def use_pdl_for(programs: int, device: torch.device) -> dict:
     """Launch options of a split-kernel grid of `programs`: Programmatic Dependent Launch (when on,
     dustin/kernels/launch.py) only for a grid that fits on the SMs at once, such as the streaming draft's 3 splits
@@ -295,7 +291,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_acc, part_m, part_l = (scratch[:n_parts * D], scratch[n_parts * D:n_parts * (D + 1)],
                                 scratch[n_parts * (D + 1):])
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    upcast_dot = _interpreting() and q.dtype == torch.bfloat16
+    upcast_dot = interpreting() and q.dtype == torch.bfloat16
     # fp32 callers want fp32 accuracy (no tf32); for 16-bit inputs the precision flag is moot.
     dot_precision = "ieee" if q.dtype == torch.float32 or upcast_dot else "tf32"
     pdl = pdl_options(q.device)

@@ -26,9 +26,10 @@ import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
+from dustin.kernels.dispatch import triton_ok
 from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import SparseConfig
-from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, _kernel_ok
+from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores
 from dustin.selection.oracle import ARR_WINDOW, window_probs
 
 _MAX_ROWS = 64  # query rows (heads x queries) per launch entry of the score kernel (its _MAX_GROUP_ROWS)
@@ -47,7 +48,7 @@ def anchor_scores(q: torch.Tensor, k_cache: torch.Tensor, lengths: torch.Tensor,
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     G, w = Hq // Hkv, min(window, T)
-    if not _kernel_ok(q):
+    if not triton_ok(q):
         probs = window_probs(q, k_cache, lengths, max_len, w)  # [B, Hq, S], the mean over the w queries
         grouped = probs.unflatten(1, (Hkv, G)) if granularity == "kv" else probs[:, None]
         return grouped.sum(2) * w

@@ -17,18 +17,12 @@ it falls back to one estimate per layer.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from dustin.attention.context import ForwardContext, LookaheadCapture
+from dustin.kernels.dispatch import triton_ok
 from dustin.selection.config import ScoreHeads
-
-
-def _kernel_ok(q: torch.Tensor) -> bool:
-    D = q.shape[-1]
-    return D >= 16 and D & (D - 1) == 0 and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths,
@@ -36,7 +30,7 @@ def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, ou
     """out[b, j] (+)= softmax mass of q_sel on position j < ctx_lengths[b] (Triton on GPU, PyTorch on CPU)."""
     from dustin.kernels import score_estimation as se
 
-    fn = se.attention_scores if _kernel_ok(q_sel) else se.attention_scores_reference
+    fn = se.attention_scores if triton_ok(q_sel) else se.attention_scores_reference
     fn(q_sel.contiguous(), k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths=ctx_lengths,
        accumulate=accumulate)
 
@@ -141,7 +135,7 @@ class DraftLookaheadScores:
         pos = self._pos_buf
         if self._row_gamma is not None:
             pos = torch.where(self._slot < self._row_gamma[:, None], pos, -1)
-        full = None if per_layer or not _kernel_ok(self._q_all) else \
+        full = None if per_layer or not triton_ok(self._q_all) else \
             self._sets.full_cache(k_caches, k_all, self._q_buf)
         if full is not None:
             from dustin.kernels.score_estimation import attention_scores_multi
@@ -206,7 +200,7 @@ class TargetHistoricalScores:
             self.scores.zero_()
             return self.scores
         first = next(iter(self._last_q.values()))
-        full = self._sets.full_cache(k_caches, k_all, self._last_q) if _kernel_ok(first) else None
+        full = self._sets.full_cache(k_caches, k_all, self._last_q) if triton_ok(first) else None
         if full is not None:
             from dustin.kernels.score_estimation import attention_scores_multi
 

@@ -71,7 +71,7 @@ def test_anchor_scores_against_a_loop(monkeypatch, path, granularity, heads):
     """Rows of different lengths, GQA 6:2 and 4:2, T = 5 verify queries (the first 4 count): the Triton kernel
     (interpreter) over the cache capacity and the fp32 PyTorch path over max_len, against the loop."""
     if path == "torch":
-        monkeypatch.setattr(anchors_mod, "_kernel_ok", lambda q: False)
+        monkeypatch.setattr(anchors_mod, "triton_ok", lambda q: False)
     q, k, L, pos = _case(*heads)
     max_len = int(L.max()) + 5
     got = anchor_scores(q, k, L, pos, max_len, granularity)
@@ -254,7 +254,7 @@ def test_kernel_path_in_the_engine_gives_the_torch_paths_tokens(tmp_path_factory
                         lambda *a, **k: anchor_calls.append("group_heads" in k) or real(*a, **k))
     kernel = e.generate(prompts, gen)
     assert any(anchor_calls)
-    monkeypatch.setattr(anchors_mod, "_kernel_ok", lambda q: False)
+    monkeypatch.setattr(anchors_mod, "triton_ok", lambda q: False)
     torch_path = e.generate(prompts, gen)
     assert [s.token_ids for s in kernel.sequences] == [s.token_ids for s in torch_path.sequences]
 
