@@ -17,6 +17,9 @@
 #                                        # 0.3 ms between configs on real prompts)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
+#   bash scripts/device_speed.sh gamma   # after staging: `bench e2e --real` code 16 x 2k / 16k / 29.5k, vanilla, magicdec
+#                                        # and dustin at --gamma auto then at 4 (the same build and run), and the
+#                                        # step-graph check of per-row Γ (tiny fp32 pair, graphs of every G)
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -73,6 +76,13 @@ elif [ "$mode" = round ]; then
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
       --config "$ALT" --json-out "$OUT/bench_e2e_real_$(basename "${ALT%.json}").json"
   fi
+elif [ "$mode" = gamma ]; then  # --gamma auto against Γ = 4, vanilla measured in the same run each time
+  run 120 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto
+  e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 4 --steps 40"
+  run $((340 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,magicdec,dustin --gamma auto \
+    --json-out "$OUT/bench_e2e_real_gamma_auto.json"
+  run $((580 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,magicdec,dustin --gamma 4 \
+    --json-out "$OUT/bench_e2e_real_gamma_4.json"
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 4 --steps 40"
   run 330 $e2e --rope-scaling yarn:4 --contexts 65536 --batches 8 --methods vanilla,dustin \

@@ -7,6 +7,8 @@ whole-step CUDA graph (`ExecutionOptions.step_graph`, the default) must give exa
 forward (same kernels, same sizes) and of eager forwards, and the overlapped engine loop (a step ahead)
 those of the step-by-step one; acceptance control likewise; the serving engine
 (slot mode, step graph) must equal offline generation. fp32 so that equality is exact, not near-tie-limited.
+The `*-gamma-auto` cases run per-row Γ (a step graph per G, Γ = 0 steps and the draft's catch-up for classic)
+under a fixed cost model, so every variant takes the same Γ decisions.
 Writes $OUT/step_graph_check.json. An argument (e.g. `quest,specattn`) runs those cases only.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dustin.engine.config import ExecutionOptions, GenerationConfig  # noqa: E402
+from dustin.engine.gamma import StepCosts  # noqa: E402
 from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
@@ -29,10 +32,13 @@ def main() -> int:
     eng, prompts, (target, draft) = gpu_check_pair(torch.float32)
     report, ok = {}, True
 
+    # --gamma auto: a step of Γ costs 1 + 0.3 Γ whatever the context (a cheap draft): rows move between Γ 0-2
+    costs = StepCosts(tuple(range(7)), tuple(1.0 + 0.3 * g for g in range(7)), (0.0,) * 7)
+
     def run(options=None, **kw):
         kw.setdefault("stop_at_eos", False)
         options = replace(options or ExecutionOptions(), accept_prob=kw.pop("accept_prob", None))
-        return eng.generate(prompts, GenerationConfig(max_new_tokens=48, options=options, **kw))
+        return eng.generate(prompts, GenerationConfig(max_new_tokens=48, options=options, **kw), step_costs=costs)
 
     cases = {"vanilla": dict(method="vanilla"), "classic": dict(method="classic"),
              "magicdec": dict(method="magicdec", draft_window=256),
@@ -41,7 +47,9 @@ def main() -> int:
              "quest": dict(method="quest", budget=128), "specattn": dict(method="specattn", budget=128),
              "classic-sampled": dict(method="classic", temperature=0.8, top_p=0.9, seed=3),
              "dustin-sampled": dict(method="dustin", budget=128, temperature=0.7, top_k=50, seed=4),
-             "dustin-accept-controlled": dict(method="dustin", budget=128, accept_prob=0.7)}
+             "dustin-accept-controlled": dict(method="dustin", budget=128, accept_prob=0.7),
+             "classic-gamma-auto": dict(method="classic", gamma="auto"),
+             "dustin-gamma-auto": dict(method="dustin", budget=128, gamma="auto")}
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # e.g. "quest,specattn": those cases only
     cases = {k: v for k, v in cases.items() if only is None or k in only}
     for name, kw in cases.items():

@@ -95,7 +95,7 @@ class Engine(ModelPair):
     def start(self, prompts: list[list[int]], cfg: GenerationConfig, policy: SelectionPolicy | None = None,
               prefill_cache: PrefillCache | None = None, fill: str | None = None,
               limits: list[int] | None = None, params: list[SamplingParams] | None = None,
-              warmup: bool = True) -> EngineCore:
+              warmup: bool = True, step_costs=None) -> EngineCore:
         """An engine core with `prompts` queued as one offline batch (one slot each), to drive with `step()`.
         limits: new tokens per prompt (default cfg.max_new_tokens each). params: each prompt's own sampling (its
         max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the
@@ -144,7 +144,7 @@ class Engine(ModelPair):
                 gen = replace(cfg, max_new_tokens=cap) if keep else cfg
                 core = EngineCore(self, serve, generation=gen, slots=len(prompts),
                                   capacity=cap, policy=policy, kernel_warmup=warmup and own_policy, gang=fill,
-                                  prefill_cache=prefill_cache)
+                                  prefill_cache=prefill_cache, step_costs=step_costs)
             except torch.OutOfMemoryError:
                 raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
                                        f"lower the batch size, the prompt length or --max-new-tokens") from None
@@ -162,13 +162,15 @@ class Engine(ModelPair):
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
                  policy: SelectionPolicy | None = None, chat: bool = False,
                  prefill_cache: PrefillCache | None = None, limits: list[int] | None = None,
-                 params: list[SamplingParams] | None = None) -> GenerationResult:
+                 params: list[SamplingParams] | None = None, step_costs=None) -> GenerationResult:
         """Run a batch to completion on an engine core (`start`): each prompt's new tokens and text, and the run's
         statistics. limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask).
-        params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's."""
+        params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's.
+        step_costs: `--gamma auto`'s cost model (a `StepCosts`; None: measured when the core starts), e.g. the
+        `gamma_rule.costs` of an earlier core, so that runs compare under the same Γ decisions."""
         ids = [self.encode(p, chat) for p in prompts]
         try:
-            core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params)
+            core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params, step_costs=step_costs)
             return core.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
             self._kept = None
