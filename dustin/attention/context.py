@@ -162,6 +162,21 @@ class ForwardContext:
             return self.packed.row_ids, q[0][:, self.packed.row_last].transpose(0, 1)[:, :, None]
         return (self.rows if self.rows is not None else slice(None)), q[:, :, -1:]
 
+    def prompt_pieces(self, q: torch.Tensor, k_cache: torch.Tensor):
+        """Per prompt piece of this prompt forward (q [B, H, T, D] and the K cache its observers get):
+        (cache row, its queries [1, H, n, D], that row's K cache [1, Hkv, S, D], its first position): each chunk of
+        a packed prefill, or each of the `rows` prefilled (a fresh prefill: from position 0)."""
+        if self.packed is not None:
+            out, at = [], 0
+            for row, pos0, n in self.packed.host:
+                out.append((row, q[:, :, at:at + n], k_cache[row:row + 1], pos0))
+                at += n
+            return out
+        rows = self.rows if self.rows is not None else slice(0, q.shape[0])
+        if not self.fresh:
+            raise ValueError("prompt_pieces: a prompt forward that is neither packed nor fresh")
+        return [(b, q[i:i + 1], k_cache[i:i + 1], 0) for i, b in enumerate(range(rows.start or 0, rows.stop))]
+
     @property
     def num_new(self) -> int:
         return self.positions.shape[1]

@@ -4,11 +4,10 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
 - `forward(tokens, positions, lengths, ...)`: one step over every row (verify, decode or a draft token),
   replayed from a CUDA graph captured once per shape when graphs are on (they live as long as the runner:
   a serving engine's runner serves every request with the same graphs);
-- `prefill(row, tokens, start)`: prompt tokens [start, start + len) of one row, the whole prompt (start 0, the
-  causal prefill kernel) or a later chunk (attending over the cached prefix);
-- `prefill_packed(chunks, pad_to, logit_rows)`: prompt chunks of several rows in one forward (the engine loop's
-  prefill: dustin/kernels/prefill_attention.py), optionally also returning the final hidden states of chosen
-  prompt positions (`hidden_at`), whose logits the caller computes in pieces (prompt log-probabilities).
+- `prefill_packed(chunks, pad_to, logit_rows)`: prompt chunks of one or several rows in one forward (the one
+  prefill path: dustin/kernels/prefill_attention.py; a single sequence's whole prompt is a one-chunk plan),
+  optionally also returning the final hidden states of chosen prompt positions (`hidden_at`), whose logits the
+  caller computes in pieces (prompt log-probabilities).
 """
 from __future__ import annotations
 
@@ -52,18 +51,6 @@ class ModelRunner:
         ctx = ForwardContext(self.cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
                              observers=list(observers))
         return self.model(tokens, ctx, float_logits=float_logits)
-
-    @torch.inference_mode()
-    def prefill(self, row: int, tokens: list[int], start: int = 0, observers=()) -> torch.Tensor:
-        """Write prompt tokens at positions start.. of `row` (attending over the row's first `start` cached
-        positions); the logits [1, V] of the last one."""
-        n = len(tokens)
-        toks = torch.tensor(tokens, device=self.device)[None]
-        pos = torch.arange(start, start + n, device=self.device)[None]
-        lengths = torch.tensor([start], dtype=torch.int32, device=self.device)
-        ctx = ForwardContext(self.cache, pos, lengths, start + n, rows=slice(row, row + 1), fresh=start == 0,
-                             prompt=True, observers=list(observers))
-        return self.model(toks, ctx, logits_at=torch.tensor([n - 1], device=self.device))
 
     @torch.inference_mode()
     def prefill_packed(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int,

@@ -211,14 +211,15 @@ class Session:
             self.kv.restore("target", reuse.target_kv)
         run_draft = self.draft_cache is not None and (reuse is None or reuse.draft_kv is None)
         for row, prompt in zip(rows, prompts if reuse is None or run_draft else (), strict=False):
+            chunk = [(row, 0, prompt)]  # one sequence at a time: a packed prefill of one whole-prompt chunk
             if reuse is None:
-                logits = self.runners["target"].prefill(row, prompt, observers=self.policy.target_observers(self))
+                logits = self.runners["target"].prefill_packed(chunk, 0, 1, self.policy.target_observers(self))
                 logits = logits[:, : self.V]
                 self.pending[row:row + 1].copy_(self.sampler.choose_row(row, logits))
                 if row in self._lp_rows:
                     self._first_logprobs(row, logits[0])
             if run_draft:
-                self.runners["draft"].prefill(row, prompt)
+                self.runners["draft"].prefill_packed(chunk, 0, 1)
         if reuse is not None:
             self.pending.copy_(reuse.first_tokens)
             if self.policy.observes_prefill:  # let the policy see the last prompt token's query again

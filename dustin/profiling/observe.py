@@ -16,7 +16,8 @@ from dustin.scoring import causal_probs
 class SpanMass:
     """Per layer: each query head's attention mass on a token span, for the LAST query of every forward
     (the query whose logits pick the next token). spans: int [B, 2] = [start, end) per sequence.
-    After a forward, `mass` is [B, L, H] (rows of a fresh single-sequence prefill fill ctx.rows only)."""
+    After a forward, `mass` is [B, L, H] (a prompt forward fills its pieces' rows only: the query of each piece's
+    last token)."""
 
     def __init__(self, n_layers: int, n_heads: int, spans: torch.Tensor) -> None:
         self.layers = frozenset(range(n_layers))
@@ -24,17 +25,24 @@ class SpanMass:
         self.mass = torch.zeros(spans.shape[0], n_layers, n_heads, dtype=torch.float32, device=spans.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
-        pos = ctx.positions[:, -1:]  # [b, 1]
-        S = int(ctx.max_len)
-        probs = causal_probs(q[:, :, -1:], k_cache[:, :, :S], pos)[:, :, 0]  # [b, H, S]
-        spans = self.spans[ctx.rows] if ctx.rows is not None else self.spans
+        if ctx.prompt:
+            for b, q_b, k_b, pos0 in ctx.prompt_pieces(q, k_cache):
+                n = pos0 + q_b.shape[2]
+                last = torch.full((1, 1), n - 1, device=q.device)
+                self.mass[b, layer] = self._mass(q_b[:, :, -1:], k_b, last, self.spans[b:b + 1], n)[0]
+            return
+        rows = ctx.rows if ctx.rows is not None else slice(None)
+        self.mass[rows, layer] = self._mass(q[:, :, -1:], k_cache, ctx.positions[:, -1:], self.spans[rows],
+                                            int(ctx.max_len))
+
+    @staticmethod
+    def _mass(q: torch.Tensor, k_cache: torch.Tensor, pos: torch.Tensor, spans: torch.Tensor, S: int) -> torch.Tensor:
+        """[b, H]: the attention mass of queries q [b, H, 1, D] at positions pos [b, 1] on spans [b, 2]; S (host):
+        a bound on the keys they see."""
+        probs = causal_probs(q, k_cache[:, :, :S], pos)[:, :, 0]  # [b, H, S]
         j = torch.arange(S, device=q.device)[None, :]
         inside = (j >= spans[:, :1]) & (j < spans[:, 1:])  # [b, S]
-        m = (probs * inside[:, None, :]).sum(-1)  # [b, H]
-        if ctx.rows is not None:
-            self.mass[ctx.rows, layer] = m
-        else:
-            self.mass[:, layer] = m
+        return (probs * inside[:, None, :]).sum(-1)
 
 
 class RowRecorder:

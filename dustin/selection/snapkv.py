@@ -85,8 +85,9 @@ def snapkv_prompt_set(q: torch.Tensor, k_cache: torch.Tensor, budget: int, windo
 
 
 class SnapKVPrefillObserver:
-    """Target `QueryObserver` for the prefill forwards (one sequence each, `ctx.rows`, `fresh`): stores each
-    layer's SnapKV prompt set of that row in the fixed buffers described in the module docstring."""
+    """Target `QueryObserver` for the prefill forwards (each row's whole prompt in one piece,
+    `ForwardContext.prompt_pieces`): stores each layer's SnapKV prompt set of that row in the fixed buffers
+    described in the module docstring."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, budget: int, max_prompt: int,
                  max_generated: int, device) -> None:
@@ -100,12 +101,13 @@ class SnapKVPrefillObserver:
         self.seen = [False] * batch  # host-side: rows whose prefill was observed (no device sync to check)
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: ForwardContext) -> None:
-        if not ctx.fresh:  # the reused-prefill path: one query per sequence, not the window
+        if not ctx.prompt:  # the reused-prefill path: one query per sequence, not the window
             raise InputError(_OWN_PREFILL)
-        rows = ctx.rows if ctx.rows is not None else slice(0, q.shape[0])
-        n = q.shape[2]  # a fresh forward holds the whole prompt
-        for i, b in enumerate(range(rows.start or 0, rows.stop)):
-            picks = snapkv_prompt_set(q[i], k_cache[i], self.budget)
+        for b, q_b, k_b, pos0 in ctx.prompt_pieces(q, k_cache):
+            if pos0 != 0:  # a later chunk of a prompt: the window needs the whole prompt in one piece
+                raise InputError(_OWN_PREFILL)
+            n = q_b.shape[2]
+            picks = snapkv_prompt_set(q_b[0], k_b[0], self.budget)
             c = picks.shape[1]
             self.indices[layer, b, :, :c] = picks
             self.indices[layer, b, :, c:] = 0
