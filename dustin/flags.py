@@ -169,7 +169,7 @@ def budget_settings(args, sparse: bool = True) -> dict:
     --budget-max), in one place so that no command drops the auto ones; a method that verifies against the
     full cache (sparse=False) gets budget None."""
     return {"budget": args.budget if sparse else None, "budget_p": args.budget_p, "budget_min": args.budget_min,
-            "budget_max": args.budget_max}
+            "budget_max": args.budget_max, "budget_dense": args.budget_dense and sparse}
 
 
 def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: bool = True):
@@ -189,5 +189,8 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: 
     if auto:
         g.add_argument("--budget-min", type=int, default=AUTO_MIN, help="--budget auto: smallest k")
         g.add_argument("--budget-max", type=int, default=AUTO_MAX, help="--budget auto: largest k")
+        g.add_argument("--budget-dense", action="store_true",
+                       help="--budget auto: a sequence whose --budget-max best positions hold less than --budget-p of "
+                            "its estimated attention verifies against the whole cache that step")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
     return g

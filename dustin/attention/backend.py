@@ -23,7 +23,8 @@ MAX_TRITON_QUERIES = 16  # verify kernels fold G*T rows into one tile; longer ch
 
 def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torch.Tensor:
     """[B, H, T, S] mask: the selected cached positions plus the new tokens, causally. H = 1 for a
-    per-sequence plan (indices [B, K]), Hkv for per-KV-head lists (indices [B, Hkv, K], e.g. Quest)."""
+    per-sequence plan (indices [B, K]), Hkv for per-KV-head lists (indices [B, Hkv, K], e.g. Quest). A `dense` row
+    sees every cached position."""
     indices = plan.indices if plan.indices.dim() == 3 else plan.indices[:, None]
     counts = plan.counts if plan.counts.dim() == 2 else plan.counts[:, None]
     B, H, K = indices.shape
@@ -34,6 +35,8 @@ def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torc
     selected = hits.scatter_add_(2, indices.long().clamp_max(S - 1), valid.to(torch.int32)) > 0
     j = torch.arange(S, device=lengths.device)
     old = j[None, None, :] < lengths.long()[:, None, None]  # [B, 1, S]; picks past lengths[b] are ignored
+    if plan.dense is not None:
+        selected = selected | plan.dense[:, None, None]
     causal_new = verify_mask(lengths, T, S)[:, 0] & ~old
     return (selected & old)[:, :, None, :] | causal_new[:, None]
 
@@ -76,11 +79,29 @@ class AttentionBackend:
     def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.sparse_verify import sparse_verify_attention
-            return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
-                                           out=token_major(q))
+            if plan.dense is None:
+                return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
+                                               out=token_major(q))
+            return self._dense_or_sparse(q, k_cache, v_cache, lengths, plan, max_len)
         S = min(max_len, k_cache.shape[2])
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S,
                                      mask=sparse_mask(lengths, plan, q.shape[2], S))
+
+
+    def _dense_or_sparse(self, q, k_cache, v_cache, lengths, plan: SparsePlan, max_len: int) -> torch.Tensor:
+        """A plan with `dense` rows: both kernels over the whole batch, each reading only its own rows' keys (the
+        sparse kernel a dense row's new tokens only, its count 0; the dense kernel a sparse row's first T positions
+        only, its length 0: both return at once past a row's range), then each row's own output. Fixed shapes and no
+        host sync, so a step with it is still one CUDA graph."""
+        from dustin.kernels.sparse_verify import sparse_verify_attention
+        from dustin.kernels.verify_attention import verify_attention
+
+        dense = plan.dense.view(-1, *([1] * (plan.counts.dim() - 1)))
+        sparse = sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices,
+                                         torch.where(dense, 0, plan.counts), out=token_major(q))
+        full = verify_attention(q, k_cache, v_cache, torch.where(plan.dense, lengths, 0), max_len=max_len,
+                                out=token_major(q))
+        return torch.where(plan.dense[:, None, None, None], full, sparse)
 
 
 def token_major(q: torch.Tensor) -> torch.Tensor:

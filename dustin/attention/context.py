@@ -21,10 +21,13 @@ BLOCK_M = 64  # query rows per program of the packed prefill kernel: a plan's ti
 class SparsePlan:
     """Cached positions the new tokens attend to, shared by all layers: one set per sequence (indices [B, K], counts
     [B]), or one per sequence and KV head (indices [B, Hkv, K], counts [B, Hkv]; query head h reads its KV head's).
-    Sorted; entries past the count are padding."""
+    Sorted; entries past the count are padding. Rows marked `dense` attend to the whole cache."""
 
     indices: torch.Tensor  # int32 [B, K] or [B, Hkv, K]
     counts: torch.Tensor  # int32 [B] or [B, Hkv]
+    # bool [B] or None: rows that verify against the whole cache this step instead (their indices are ignored):
+    # `--budget auto --budget-dense`, for rows whose estimated attention is too spread out for k_max positions
+    dense: torch.Tensor | None = None
 
 
 @dataclass

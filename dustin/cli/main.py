@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import DustinError, InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, check_outputs
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings, check_outputs
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -169,8 +169,7 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            draft_kv=args.draft_kv, draft_window=args.draft_window, stop_at_eos=not args.ignore_eos,
-                           budget=args.budget, sparse_config=args.config, budget_p=args.budget_p,
-                           budget_min=args.budget_min, budget_max=args.budget_max)
+                           sparse_config=args.config, **budget_settings(args))
     if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
         flag = "--config" if args.config is not None else "--budget"
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "

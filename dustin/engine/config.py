@@ -86,6 +86,9 @@ class GenerationConfig:
     budget_p: float = AUTO_P
     budget_min: int = AUTO_MIN
     budget_max: int = AUTO_MAX
+    # --budget auto only: a row whose budget_max best positions hold less than budget_p of its estimated mass
+    # verifies against the whole cache that step
+    budget_dense: bool = False
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     options: ExecutionOptions = ExecutionOptions()  # benchmark and debugging switches
 
@@ -117,6 +120,8 @@ class GenerationConfig:
             if self.spec.policy not in ("dustin", "dustin-t", "dustin-d"):
                 raise InputError(f"--budget auto sizes Dustin's selection: use dustin, dustin-t or dustin-d, not "
                                  f"{self.method!r}")
+        elif self.budget_dense:
+            raise InputError("--budget-dense goes with --budget auto (it widens rows that auto's k cannot serve)")
         elif self.budget is not None and (not isinstance(self.budget, int) or self.budget < 21):
             raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), or auto; got {self.budget!r}")
         if self.options.accept_prob is not None and not self.spec.speculative:
@@ -132,7 +137,7 @@ class GenerationConfig:
             return None
         from dustin.selection.adaptive import AutoBudget
 
-        return AutoBudget(self.budget_p, self.budget_min, self.budget_max)
+        return AutoBudget(self.budget_p, self.budget_min, self.budget_max, self.budget_dense)
 
     @property
     def spec(self) -> MethodSpec:

@@ -76,6 +76,7 @@ class ServeConfig:
     budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k
     budget_min: int = AUTO_MIN
     budget_max: int = AUTO_MAX
+    budget_dense: bool = False  # --budget auto: rows too spread out for budget_max verify against the whole cache
     sparse_config: str | None = None  # file or 'builtin' (None: the pair's tuned config)
     max_slots: int | None = None
     max_context: int | None = None
@@ -105,7 +106,8 @@ class ServeConfig:
     def generation(self, max_new_tokens: int) -> GenerationConfig:
         return GenerationConfig(method=self.method, gamma=self.gamma, max_new_tokens=max_new_tokens,
                                 budget=self.budget, budget_p=self.budget_p, budget_min=self.budget_min,
-                                budget_max=self.budget_max, sparse_config=self.sparse_config, seed=self.seed,
+                                budget_max=self.budget_max, budget_dense=self.budget_dense,
+                                sparse_config=self.sparse_config, seed=self.seed,
                                 draft_window=self.draft_window)
 
 

@@ -19,10 +19,11 @@ from dustin.models.transformer import Transformer
 
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
-                 window: int = 0, sparse_shape: tuple[int, ...] | None = None, observers=(), warmup: int = 2,
-                 float_logits: bool = True) -> None:
+                 window: int = 0, sparse_shape: tuple[int, ...] | None = None, sparse_dense: bool = False,
+                 observers=(), warmup: int = 2, float_logits: bool = True) -> None:
         """sparse_shape: capture sparse verification over a static index plan of this shape, [batch, K] (a set per
-        sequence) or [batch, Hkv, K] (a set per KV head); the plan is copied in per call.
+        sequence) or [batch, Hkv, K] (a set per KV head), with per-row `dense` flags when sparse_dense; the plan is
+        copied in per call.
         observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
         replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits: as
         `Transformer.forward`'s."""
@@ -37,7 +38,8 @@ class GraphedForward:
         self.plan = None
         if sparse_shape is not None:
             self.plan = SparsePlan(torch.zeros(sparse_shape, dtype=torch.int32, device=dev),
-                                   torch.zeros(sparse_shape[:-1], dtype=torch.int32, device=dev))
+                                   torch.zeros(sparse_shape[:-1], dtype=torch.int32, device=dev),
+                                   torch.zeros(batch, dtype=torch.bool, device=dev) if sparse_dense else None)
         self.ctx = ForwardContext(cache, self.positions, self.lengths, cache.capacity, sinks=sinks, window=window,
                                   sparse=self.plan, observers=list(observers))
         stream = torch.cuda.Stream()
@@ -58,6 +60,8 @@ class GraphedForward:
         if plan is not None:
             self.plan.indices.copy_(plan.indices)
             self.plan.counts.copy_(plan.counts)
+            if plan.dense is not None:
+                self.plan.dense.copy_(plan.dense)
         self.graph.replay()
         return self.logits
 

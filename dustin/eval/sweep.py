@@ -62,14 +62,16 @@ def sweep_rows(methods: list[str], budgets: list[int | str], args, max_new_token
                         + ([args.budget_max] if autos else []))
     for m, k in rows:
         row_config(m, k, args, max_new_tokens)
-    return rows, ({"budget_range": [args.budget_min, args.budget_max]} if autos else {})
+    return rows, ({"budget_range": [args.budget_min, args.budget_max], "budget_dense": args.budget_dense}
+                  if autos else {})
 
 
 def row_config(method: str, budget: int | str | None, args, max_new_tokens: int = 128) -> GenerationConfig:
-    """One row's generation settings: a fixed k, or auto:P within --budget-min / --budget-max."""
+    """One row's generation settings: a fixed k, or auto:P within --budget-min / --budget-max (--budget-dense: rows
+    too spread out for --budget-max verify against the whole cache)."""
     p = auto_p(budget)
     extra = {} if p is None else {"budget": "auto", "budget_p": p, "budget_min": args.budget_min,
-                                  "budget_max": args.budget_max}
+                                  "budget_max": args.budget_max, "budget_dense": args.budget_dense}
     return GenerationConfig(**{"method": method, "gamma": args.gamma, "draft_window": args.draft_window,
                                "max_new_tokens": max_new_tokens, "budget": budget, "sparse_config": args.config,
                                "seed": args.seed, **extra})

@@ -213,7 +213,8 @@ def summarize(rows: list[dict], p: dict) -> dict:
     def mean_k(g, budget):
         if budget is None or auto_p(budget) is None:
             return budget
-        ks = [(x["budget_k"]["mean"], x["budget_k"]["samples"]) for x in g if x.get("budget_k")]
+        ks = [(x["budget_k"]["mean"], x["budget_k"]["samples"]) for x in g
+              if x.get("budget_k") and x["budget_k"]["samples"]]
         return sum(k * n for k, n in ks) / sum(n for _, n in ks) if ks else None
 
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),

@@ -76,7 +76,12 @@ def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
     indices, counts = plan.indices.contiguous(), plan.counts.contiguous()
     dist.broadcast(indices, src, group=group)
     dist.broadcast(counts, src, group=group)
-    return SparsePlan(indices, counts)
+    dense = None
+    if plan.dense is not None:  # gloo broadcasts no bool tensors: as uint8
+        flags = plan.dense.to(torch.uint8)
+        dist.broadcast(flags, src, group=group)
+        dense = flags.bool()
+    return SparsePlan(indices, counts, dense)
 
 
 def tp_policy(name: str, cfg, rank: int, group=None):

@@ -9,7 +9,10 @@ spread out (aggregation and QA at 32k) and too many where it is concentrated (a 
   2025, applied to Dustin's own estimate);
 - k = clamp(sinks + window + n, k_min, k_max): sinks and the recent window are always kept; a step whose scores
   are all zero (nothing estimated yet) takes k_max;
-- the draft's share m follows the config's m / (k - sinks - window) ratio, the rest comes from S_target.
+- the draft's share m follows the config's m / (k - sinks - window) ratio, the rest comes from S_target;
+- with `dense` (`--budget-dense`), a row whose k_max best positions hold less than p of its estimated mass (its
+  attention is spread out: aggregation, multi-value retrieval) verifies against the whole cache this step instead
+  (`SparsePlan.dense`), rather than with k_max positions that miss much of it.
 Everything is torch ops over fixed shapes (indices padded to k_max, the real count per row in `counts`, which the
 sparse verify kernels already honour), so a step with it is captured as one CUDA graph; the k each row used goes
 into a device histogram that is read once at the end of a run.
@@ -35,6 +38,7 @@ class AutoBudget:
     p: float = AUTO_P
     k_min: int = AUTO_MIN
     k_max: int = AUTO_MAX
+    dense: bool = False  # rows that k_max positions cannot serve verify against the whole cache
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p <= 1.0:
@@ -51,9 +55,10 @@ def _normalised(scores: torch.Tensor, pickable: torch.Tensor) -> torch.Tensor:
 
 def adaptive_budgets(s_target: torch.Tensor | None, s_draft: torch.Tensor | None, lengths: torch.Tensor,
                      rule: AutoBudget, *, sinks: int, window: int, m_share: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per row (k [B], m [B]) int64: the smallest k whose positions hold `rule.p` of the estimated mass (see the
-    module docstring); m = round(m_share * (k - sinks - window)) draft picks."""
+    module docstring); m = round(m_share * (k - sinks - window)) draft picks; and with `rule.dense` the rows that
+    verify against the whole cache (bool [B]; else None)."""
     ref = s_target if s_target is not None else s_draft
     B, S = ref.shape
     L = lengths.to(device=ref.device, dtype=torch.long)[:, None]
@@ -69,7 +74,10 @@ def adaptive_budgets(s_target: torch.Tensor | None, s_draft: torch.Tensor | None
     n = torch.where(top[:, -1] > 0, n, torch.full_like(n, n_max))  # nothing estimated: the most
     k = (n + sw).clamp(rule.k_min, rule.k_max)
     m = torch.round((k - sw).float() * m_share).long()
-    return k, m
+    dense = None
+    if rule.dense:  # the mass sums to 1 where anything was estimated: what the best n_max positions miss
+        dense = (top[:, -1] < rule.p * mass.sum(-1)) & (top[:, -1] > 0)
+    return k, m, dense
 
 
 def select_ragged(s_target: torch.Tensor, s_draft: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor,
@@ -119,20 +127,29 @@ class BudgetHistogram:
 
     def __init__(self, k_max: int, device) -> None:
         self.counts = torch.zeros(k_max + 1, dtype=torch.long, device=device)
+        self.dense = torch.zeros((), dtype=torch.long, device=device)  # (step, sequence) pairs verified densely
 
     def reset(self) -> None:
         with torch.inference_mode():  # made inside a step, in inference mode: only zeroed in it
             self.counts.zero_()
+            self.dense.zero_()
 
-    def add(self, k: torch.Tensor, active: torch.Tensor) -> None:
+    def add(self, k: torch.Tensor, active: torch.Tensor, dense: torch.Tensor | None = None) -> None:
+        if dense is not None:
+            self.dense += (active & dense).sum()
+            active = active & ~dense
         self.counts.scatter_add_(0, k.long().clamp(0, self.counts.numel() - 1), active.long())
 
     def summary(self) -> dict | None:
-        """{"mean", "p50", "p90", "p99", "samples"} of k, or None before any step."""
+        """{"mean", "p50", "p90", "p99", "samples", "dense"} of k over the sparsely verified pairs, and the share of
+        pairs verified against the whole cache, or None before any step."""
         c = self.counts.cpu()
+        n_dense = int(self.dense)
         total = int(c.sum())
-        if total == 0:
+        if total + n_dense == 0:
             return None
+        if total == 0:
+            return {"mean": 0.0, "p50": 0, "p90": 0, "p99": 0, "samples": 0, "dense": 1.0}
         ks = torch.arange(c.numel(), dtype=torch.float64)
         cdf = c.cumsum(0)
 
@@ -141,4 +158,4 @@ class BudgetHistogram:
             return int(torch.searchsorted(cdf, torch.tensor(need, dtype=cdf.dtype), right=False))
 
         return {"mean": round(float((ks * c).sum()) / total, 1), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
-                "samples": total}
+                "samples": total, "dense": round(n_dense / (total + n_dense), 4)}

@@ -110,7 +110,7 @@ class SelectionPolicy:
         raise InputError(f"--budget auto sizes Dustin's selection; {self.name!r} takes a fixed --budget")
 
     def budget_stats(self, reset: bool = False) -> dict | None:
-        """The k this policy verified with since the last reset ({"mean", "p50", "p90", "p99", "samples"}), for
+        """The k this policy verified with since the last reset ({"mean", "p50", "p90", "p99", "samples", "dense"}), for
         policies whose k varies (`--budget auto`); None otherwise. Reading it waits for the device."""
         return None
 

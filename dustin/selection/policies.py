@@ -135,12 +135,12 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         selection at that k (indices padded to k_max); the k of the rows still running go to the histogram."""
         c = self.cfg
         free = max(c.free_budget, 1)
-        k, m = adaptive_budgets(s_target if self.uses_target else None, s_draft if self.uses_draft else None, L,
-                                self.auto, sinks=c.sinks, window=c.window, m_share=self.m / free)
+        k, m, dense = adaptive_budgets(s_target if self.uses_target else None, s_draft if self.uses_draft else None,
+                                       L, self.auto, sinks=c.sinks, window=c.window, m_share=self.m / free)
         idx, counts = select_ragged(s_target, s_draft, L, k, m, k_max=c.budget, m_max=self.m, sinks=c.sinks,
                                     window=c.window)
-        self._k_hist.add(counts, ~done)
-        return SparsePlan(idx, counts)
+        self._k_hist.add(counts, ~done, dense)
+        return SparsePlan(idx, counts, dense)
 
     def after_verify(self, state: StepState, n_accepted: torch.Tensor) -> None:
         if self._target_scores is not None:

@@ -492,6 +492,8 @@ class _Server:
                               ("p99", "99th percentile")):
                 metric(f"dustin_budget_k_{key}", "gauge",
                        f"--budget auto: {text} of the KV positions verified per sequence and step.", budget[key])
+            metric("dustin_budget_dense_share", "gauge", "--budget-dense: share of sequence steps verified against "
+                   "the whole cache.", budget.get("dense", 0.0))
         lines.append("# HELP dustin_requests_total HTTP generation requests by outcome.")
         lines.append("# TYPE dustin_requests_total counter")
         for status in STATUSES:

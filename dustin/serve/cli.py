@@ -18,7 +18,7 @@ import threading
 
 from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,8 +94,7 @@ def _launch(method: str) -> tuple[int, int]:
 def build_engine(args):
     from dustin.engine.core import EngineCore, ServeConfig
 
-    cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, budget=args.budget,
-                      budget_p=args.budget_p, budget_min=args.budget_min, budget_max=args.budget_max,
+    cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
                       sparse_config=args.config,
                       max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                       prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)

@@ -293,3 +293,29 @@ def test_sparse_verify_in_kernel_merge(Hq, Hkv, T, D, lengths, counts, k_max, dt
         torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
         torch.testing.assert_close(got, launch, atol=0, rtol=0)  # same partials, same merge order
         assert int(arrival_counters("cpu", 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_dense_rows_of_a_plan_see_the_whole_cache(backend, per_head):
+    """`SparsePlan.dense` (`--budget-dense`): a dense row's output is full verification's, every other row's its
+    sparse set's; the Triton path runs both kernels over the batch (each returning at once past the rows it does not
+    own) and keeps each row's own."""
+    from dustin.attention.backend import AttentionBackend
+    from dustin.attention.context import SparsePlan
+
+    gen = torch.Generator().manual_seed(21)
+    lengths = [90, 140, 57, 33]
+    q, k, v, L = _cache(4, 8, 2, 3, 32, lengths, torch.float32, gen)
+    if per_head:
+        indices, counts = _per_head_indices(lengths, 2, 24, gen)
+    else:
+        indices, counts = _random_indices(lengths, [20, 24, 9, 0], 24, gen)
+    dense = torch.tensor([True, False, True, False])
+    got = AttentionBackend(backend).sparse_verify(q, k, v, L, SparsePlan(indices, counts, dense),
+                                                  max_len=max(lengths) + 3)
+    full = verify_attention_reference(q, k, v, L)
+    sparse = sparse_verify_attention_reference(q, k, v, L, indices, counts)
+    for b in range(4):
+        torch.testing.assert_close(got[b], (full if dense[b] else sparse)[b], **_tol(torch.float32))
+    assert not torch.allclose(full[1], sparse[1])  # the rows' sets really drop positions

@@ -19,11 +19,11 @@ def test_k_follows_the_mass_by_hand():
     st[0, [50, 60, 70]] = torch.tensor([5.0, 3.0, 2.0])
     st[1, 4:204] = 1.0
     rule = AutoBudget(p=0.9, k_min=22, k_max=256)
-    k, m = adaptive_budgets(st, None, torch.tensor([250, 220, 250]), rule, sinks=4, window=16, m_share=0.25)
+    k, m, _ = adaptive_budgets(st, None, torch.tensor([250, 220, 250]), rule, sinks=4, window=16, m_share=0.25)
     assert k.tolist() == [23, 200, 256]
     assert m.tolist() == [round(3 * 0.25), round(180 * 0.25), round(236 * 0.25)]
     # 0.5 of row 0's mass sits on position 50 alone: n = 1
-    k, _ = adaptive_budgets(st, None, torch.tensor([250, 220, 250]), AutoBudget(0.5, 21, 256), sinks=4, window=16,
+    k, _, _ = adaptive_budgets(st, None, torch.tensor([250, 220, 250]), AutoBudget(0.5, 21, 256), sinks=4, window=16,
                             m_share=0.0)
     assert k[0] == 21
 
@@ -34,7 +34,7 @@ def test_hybrid_mass_averages_the_two_sources():
     st[0, 30] = 1.0  # target: one position
     sd[0, 40:120] = 1.0  # draft: 80 positions
     rule = AutoBudget(p=0.9, k_min=21, k_max=180)
-    k, _ = adaptive_budgets(st, sd, torch.tensor([190]), rule, sinks=4, window=16, m_share=0.5)
+    k, _, _ = adaptive_budgets(st, sd, torch.tensor([190]), rule, sinks=4, window=16, m_share=0.5)
     # combined mass: 0.5 on position 30, 0.5/80 each on 40..119; 0.9 needs 1 + ceil(0.4 / (0.5 / 80)) = 65
     assert k.item() == 4 + 16 + 65
 
@@ -178,7 +178,8 @@ def test_generate_json_and_server_metrics_report_the_k_used(tiny_pair, capsys, t
                  "--prompts-jsonl", str(prompts), "--max-new-tokens", "6", "--json"])
     assert code == 0
     k = json.loads(capsys.readouterr().out)["budget_k"]
-    assert set(k) == {"mean", "p50", "p90", "p99", "samples"} and 21 <= k["p50"] <= 64
+    assert set(k) == {"mean", "p50", "p90", "p99", "samples", "dense"} and 21 <= k["p50"] <= 64
+    assert k["dense"] == 0.0  # without --budget-dense
     cfg = ServeConfig(method="dustin", gamma=3, budget="auto", budget_min=21, budget_max=64, draft_window=32,
                       max_slots=2, max_context=512)
     llm = EngineCore.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", config=cfg)
@@ -188,3 +189,48 @@ def test_generate_json_and_server_metrics_report_the_k_used(tiny_pair, capsys, t
     with LocalServer(llm, "tiny") as srv:
         text = httpx.get(srv.url + "/metrics").text
     assert "dustin_budget_k_mean " in text and "dustin_budget_k_p99 " in text
+    assert "dustin_budget_dense_share 0.0" in text
+
+
+def test_rows_too_spread_for_k_max_verify_densely():
+    """--budget-dense: a row whose k_max best positions hold less than p of its estimated mass is marked dense (row
+    1: 200 equal positions, k_max 120 holds 100 / 200); a concentrated row and an unestimated one are not; without
+    the option there are no dense rows."""
+    S = 300
+    st = torch.zeros(3, S)
+    st[0, [50, 60, 70]] = torch.tensor([5.0, 3.0, 2.0])
+    st[1, 4:204] = 1.0
+    L = torch.tensor([250, 220, 250])
+    _, _, dense = adaptive_budgets(st, None, L, AutoBudget(0.9, 22, 120, dense=True), sinks=4, window=16,
+                                   m_share=0.0)
+    assert dense.tolist() == [False, True, False]
+    assert adaptive_budgets(st, None, L, AutoBudget(0.9, 22, 120), sinks=4, window=16, m_share=0.0)[2] is None
+
+
+def test_histogram_counts_dense_steps_apart():
+    h = BudgetHistogram(64, "cpu")
+    h.add(torch.tensor([30, 40, 50]), torch.tensor([True, True, False]), torch.tensor([False, True, True]))
+    s = h.summary()
+    assert s["samples"] == 1 and s["mean"] == 30 and s["dense"] == 0.5
+
+
+def test_dense_rows_give_full_verification_tokens(tiny_pair):
+    """--budget auto --budget-dense with p = 1: every row whose k_max best positions miss any estimated mass verifies
+    against the whole cache, so with prompts past k_max the greedy tokens are full verification's (classic), which
+    plain auto at that k_max does not give; --budget-dense without --budget auto is one error."""
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 220, 180)]
+    kw = dict(max_new_tokens=16, stop_at_eos=False, draft_window=32)
+    full = [s.token_ids for s in engine.generate(prompts, GenerationConfig(method="classic", **kw)).sequences]
+    auto = dict(method="dustin", budget="auto", budget_p=1.0, budget_min=21, budget_max=40, **kw)
+    dense = engine.generate(prompts, GenerationConfig(budget_dense=True, **auto))
+    assert [s.token_ids for s in dense.sequences] == full
+    assert dense.budget_k["dense"] == 1.0
+    sparse = engine.generate(prompts, GenerationConfig(**auto))
+    assert [s.token_ids for s in sparse.sequences] != full
+    with pytest.raises(InputError, match="--budget-dense goes with --budget auto"):
+        GenerationConfig(method="dustin", budget=64, budget_dense=True)
