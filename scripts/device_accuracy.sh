@@ -15,6 +15,9 @@
 #             DCONTEXTS tokens (16384), 256 tokens, DMETHODS at DBUDGETS (512)
 #   anchor16  RULER 16k, SAMPLES (50) each, rows ANCHOR16 (dustin-anchor against vanilla and dustin)
 #   anchorspeed  `bench e2e --real` code 16 x SCONTEXTS (16384,29000): vanilla, dustin, dustin-anchor
+#   dense16   RULER 16k, SAMPLES (50) each, rows DENSE16: the auto rows with --budget-dense, --budget-max BMAXD (1024)
+#   densespeed  `bench e2e --real` code 16 x SCONTEXTS: vanilla and dustin@512, then dustin --budget auto
+#             --budget-dense (p DENSEP, 0.95; --budget-max BMAXD)
 #   needles   held-out needles, single + multi-key, 8k / 16k / 30k, 5 depths
 #   long      YaRN x4: held-out single needles at 64k (8 depths) and 128k (DEPTHS128 depths, default 4)
 #   speed     YaRN x4: `dustin bench e2e --real`, code prompts, 64k x 8 and 128k x 4
@@ -57,6 +60,7 @@ LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,$L512,oracle-head-d1@256,orac
 LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
 # dustin-anchor (head-aware selection from anchor layers) against vanilla and dustin, same prompts
 ANCHOR16=${ANCHOR16:-vanilla,dustin@512,dustin-anchor@512,dustin-anchor@1024}
+DENSE16=${DENSE16:-vanilla,dustin@512,dustin@auto:0.9,dustin@auto:0.95}
 # 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
 CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}
 DMETHODS=${DMETHODS:-dustin,oracle,oracle-kv-d1,oracle-head-d1}
@@ -99,6 +103,14 @@ for j in "$@"; do
     anchorspeed) job anchorspeed python3 -m dustin bench e2e --real --device cuda --prompts code \
                    --contexts ${SCONTEXTS:-16384,29000} --batches 16 --methods vanilla,dustin,dustin-anchor --warmup 4 \
                    --steps 40 --json-out $A/speed_anchor.json --plot-out $A/speed_anchor.png || break ;;
+    dense16) job dense16 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 16384 \
+               --batch-size 65 --rows "$DENSE16" --budget-dense --budget-max ${BMAXD:-1024} \
+               --json-out $A/ruler_16k_dense.json || break ;;
+    densespeed) e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --contexts ${SCONTEXTS:-16384,29000} \
+                   --batches 16 --warmup 4 --steps 40"
+                job densespeed $e2e --methods vanilla,dustin --json-out $A/speed_dense_base.json || break
+                job densespeed $e2e --methods dustin --budget auto --budget-p ${DENSEP:-0.95} --budget-dense \
+                  --budget-max ${BMAXD:-1024} --json-out $A/speed_dense.json || break ;;
     needles) job needles python3 -m dustin eval needles $common --contexts 8192,16384,30000 --depths 5 \
                --kinds multikey,single --rows "$NROWS" --json-out $A/needles.json || break ;;
     long) job long64 python3 -m dustin eval needles $common --rope-scaling yarn:4 --contexts 65536 --depths 8 \
