@@ -29,8 +29,8 @@ def _args(**kw):
 
     base = dict(tasks="niah_single_1,vt", contexts="4096", budgets="256,auto:0.9", methods="vanilla,dustin,quest",
                 samples=2, batch_size=4, gamma=4, draft_window=512, config=None, seed=0, budget_min=128,
-                budget_max=1024, target="default", draft="default", dtype="auto", longbench_dir=None,
-                report_only=False)
+                budget_max=1024, budget_dense=False, target="default", draft="default", dtype="auto",
+                longbench_dir=None, report_only=False)
     base.update(kw)
     return Namespace(**base)
 
@@ -46,6 +46,10 @@ def test_auto_rows_only_for_dustin_methods_and_their_settings():
     assert (cfg.budget, cfg.budget_p, cfg.budget_min, cfg.budget_max, cfg.max_new_tokens) == ("auto", 0.9, 128,
                                                                                              1024, 32)
     assert generation_config("quest", 256, _args()).budget == 256
+    # --budget-dense reaches the auto rows (and is recorded with the results), never a fixed-k row
+    assert p["settings"]["budget_dense"] is False and plan(_args(budget_dense=True))["settings"]["budget_dense"]
+    assert generation_config("dustin", "auto:0.9", _args(budget_dense=True)).budget_dense
+    assert not generation_config("dustin", 256, _args(budget_dense=True)).budget_dense
     assert "budget_range" not in plan(_args(budgets="256"))["settings"]  # older result files still resume
     with pytest.raises(InputError, match="add dustin"):
         plan(_args(methods="vanilla,quest"))
