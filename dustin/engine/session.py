@@ -18,7 +18,9 @@ target's at slot Γ_r when it accepted them all, the policy's draft scores leave
 (`StepState.row_gamma`), and its sampling counter advances by the same number of draws whatever G is: its tokens
 are those of a step of Γ_r, whichever rows run beside it. Each G has its own step graph. Γ_r = 0 (a plain step:
 no draft forward for the row's sake, its token the target's at slot 0) is for policies that verify against the
-full cache (`SelectionPolicy.full_verify`), whose tokens do not depend on the drafts; a step of G = 0 runs no
+full cache (`SelectionPolicy.full_verify`), whose tokens do not depend on the drafts, and under `--gamma auto`
+for policies whose plans are one `SparsePlan` (`dense_rows`: dustin, streaming): their plain rows are verified
+against the whole cache (`SparsePlan.dense`), since no draft chooses their positions. A step of G = 0 runs no
 draft forward, so the draft's cache falls behind by one token per such step, and the next step of G > 0 first
 writes the missing positions with one packed draft-only prefill (`catch_up_pending`: it needs every earlier step
 read back, since it feeds the tokens those steps chose).
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dustin.attention.context import SparsePlan
 from dustin.engine.config import GenerationConfig
 from dustin.engine.cuda_graphs import StepGraph
 from dustin.engine.draft_step import DraftStep, EagerDraftStep
@@ -126,6 +129,8 @@ class Session:
         self._row_gamma = [self.gamma] * self.B
         self.row_gamma = torch.full((self.B,), self.gamma, dtype=torch.long, device=self.device)
         self._draft_lag = [0] * self.B
+        # --gamma auto with a policy of shared sparse plans: rows at Γ = 0 are verified against the whole cache
+        self.dense_plain = cfg.gamma_auto and self.policy.dense_rows and not self.policy.full_verify
         self._tokens: list[list[int]] = [[] for _ in range(self.B)]
         self._unread = 0  # steps launched and not yet read back
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -458,9 +463,10 @@ class Session:
     # ---------------------------------------------------------------- decode
     @property
     def min_gamma(self) -> int:
-        """The smallest Γ a row may take: 0 (plain decode steps) when the policy verifies against the full cache,
-        else 1 (a sparse method's token depends on its drafts: its selection reads their lookahead)."""
-        return 0 if self.policy.full_verify else 1
+        """The smallest Γ a row may take: 0 (plain steps) when the policy verifies against the full cache, or when a
+        plain row can be verified densely (`dense_plain`); else 1 (a sparse method's token depends on its drafts: its
+        selection reads their lookahead)."""
+        return 0 if self.policy.full_verify or self.dense_plain else 1
 
     def set_gamma(self, row: int, gamma: int) -> None:
         """The row's own Γ from its next step on (in [min_gamma, cfg.gamma]; see the module's docstring)."""
@@ -482,11 +488,15 @@ class Session:
             return 0
         return max((self._row_gamma[b] for b in self.active_rows), default=self.gamma)
 
+    def _catch_up_rows(self) -> list[int]:
+        """Rows that draft in the next step and whose draft cache lags (their plain steps were not written by it)."""
+        return [b for b in self.active_rows if self._draft_lag[b] and self._row_gamma[b] > 0]
+
     @property
     def catch_up_pending(self) -> bool:
-        """Whether the next step first writes draft positions that steps of G = 0 skipped: it then needs every
+        """Whether the next step first writes draft positions of rows' earlier plain steps: it then needs every
         launched step read back (`complete`) before `launch`."""
-        return self.step_gamma > 0 and any(self._draft_lag[b] for b in self.active_rows)
+        return bool(self._catch_up_rows())
 
     @torch.inference_mode()
     def launch(self, overlapped: bool = True) -> int:
@@ -496,8 +506,9 @@ class Session:
         overlapped: the host may be a step behind the device (attention is then sized by the capacity)."""
         G = self.step_gamma
         live = [(b, self._epoch[b], self._fresh[b]) for b in range(self.B) if not self.finished[b]]
-        if G > 0 and any(self._draft_lag[b] for b, _, _ in live):
-            self._catch_up_draft([b for b, _, _ in live if self._draft_lag[b]])
+        behind = self._catch_up_rows()
+        if behind:
+            self._catch_up_draft(behind)
         self._lp_on = bool(self._lp_rows)
         out = self._launch(overlapped, G)
         slot, self._slot = self._slot, self._slot ^ 1
@@ -518,8 +529,11 @@ class Session:
         for b, _, fresh in live:
             if fresh:
                 self._fresh[b] = False  # the first token rides on this step's output
-            if G == 0 and self.spec.speculative:
-                self._draft_lag[b] += 1  # no draft forward wrote this step's first position
+            if self.spec.speculative and self._row_gamma[b] == 0:
+                # a plain step of the row: its draft cache counts as not written at this step's first position,
+                # whether a draft forward ran for other rows (G > 0) or none ran (G = 0), so that the catch-up
+                # writes it the same way, whatever ran beside the row
+                self._draft_lag[b] += 1
         self._live[slot] = live
         self._unread += 1
         return slot
@@ -530,20 +544,18 @@ class Session:
         return self._out_stage[slot].view(-1)[:self.B * (3 + G)].view(self.B, 3 + G)
 
     def _catch_up_draft(self, rows: list[int]) -> None:
-        """Write the draft cache positions that steps of G = 0 skipped, for `rows`, in one packed draft-only
-        prefill: a row that ran g such steps lacks positions L - 1 - g .. L - 2 (the step re-reads L - 1 and L,
-        [prev, pending], itself)."""
+        """Write the draft cache positions of `rows`' plain steps, a draft-only prefill per row (its shapes the
+        row's own, so its numbers do not depend on the other rows): a row that ran g plain steps lacks positions
+        L - 1 - g .. L - 2 (the step re-reads L - 1 and L, [prev, pending], itself)."""
         if self._unread:
             raise RuntimeError("the draft's catch-up needs every launched step read back (complete) first")
-        chunks = []
+        self.timer.start("draft")
         for b in rows:
             L, g = self.host_lengths[b], self._draft_lag[b]
             if len(self._tokens[b]) != L + 1:
                 raise RuntimeError(f"row {b}: {len(self._tokens[b])} tokens known for a cache of {L}")
-            chunks.append((b, L - 1 - g, self._tokens[b][L - 1 - g:L - 1]))
+            self.runners["draft"].prefill_packed([(b, L - 1 - g, self._tokens[b][L - 1 - g:L - 1])], 0, 1)
             self._draft_lag[b] = 0
-        self.timer.start("draft")
-        self.runners["draft"].prefill_packed(chunks, 0, len(chunks))
         self.timer.stop("draft")
 
     @torch.inference_mode()
@@ -640,6 +652,7 @@ class Session:
             raise ValueError(f"context must be in [1, {self._graph_max_len}], got {context}")
         self.target_cache.lengths.fill_(context)
         self.host_lengths = [context] * self.B
+        self.row_gamma.fill_(gamma)  # what a step of G = gamma does with its rows (a plain row may read densely)
         self._lp_on = False
         times = []
         try:
@@ -654,6 +667,7 @@ class Session:
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
         finally:  # idle again, in place: the graphs captured here read these very tensors
+            self.row_gamma.copy_(torch.tensor(self._row_gamma))
             self.target_cache.lengths.fill_(1)
             self.host_lengths = [1] * self.B
             for t in (self.pending, self.prev):
@@ -696,6 +710,9 @@ class Session:
             pos = L.long()[:, None] + torch.arange(gmax + 1, device=self.device)
             self.verify_input, self.verify_positions = inp, pos  # what the policy may look at
             plan = self.policy.plan(self)  # times its own phases ("estimate", "select") with self.timer
+            if self.dense_plain:  # a plain row's positions were chosen by no draft: it reads the whole cache
+                plain = self.row_gamma == 0
+                plan = SparsePlan(plan.indices, plan.counts, plain if plan.dense is None else plan.dense | plain)
             phase = "verify" if plan is None else "sparse_verify"
             timer.start(phase)
             logits = self._forward("target", inp, pos, L, max_len + gmax + 1, sparse=plan,

@@ -75,6 +75,9 @@ class SelectionPolicy:
     # True if the policy verifies against the whole cache: a row's tokens then do not depend on its drafts, so it
     # may also take plain decode steps (Γ = 0, `--gamma auto`)
     full_verify = False
+    # True if every plan is one `SparsePlan`: a row's plain step (Γ = 0, `--gamma auto`) can then be verified
+    # against the whole cache (`SparsePlan.dense`), which no draft chooses
+    dense_rows = False
 
     def draft_observers(self, state: StepState) -> list[QueryObserver]:
         """Observers of the draft's forwards (probes); what a policy needs of the draft's queries it asks as data,

@@ -33,6 +33,7 @@ def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan
 class StreamingSelection(SelectionPolicy):
     name = "streaming"
     graph_safe = row_local = True  # no observers; the plan depends on the lengths only
+    dense_rows = True
 
     def __init__(self, cfg: SparseConfig) -> None:
         self.cfg = cfg
@@ -48,6 +49,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
     """Hybrid draft-lookahead + target-historical selection. variant: "dustin" | "dustin-t" | "dustin-d"."""
 
     graph_safe = True  # both estimators only write fixed-address buffers; one SparsePlan per step
+    dense_rows = True
     row_local = True  # score rows and queries are per sequence; a row's prefill sets its S_target query
 
     def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
@@ -113,6 +115,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         return [self._target_scores] if self._target_scores is not None else []
 
     def plan(self, state: StepState) -> SparsePlan:
+        self._setup(state)  # a plain step (Γ = 0) plans before any draft forward asked for its captures
         L = state.target_cache.lengths
         s_target = s_draft = self._zeros
         state.timer.start("estimate")

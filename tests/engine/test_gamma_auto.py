@@ -110,6 +110,20 @@ def test_full_verification_with_auto_gamma_is_the_targets(engine, method):
     assert used.get(0, 0) > 0 and sum(v for g, v in used.items() if g > 0) > 0, used
 
 
+def test_plain_steps_of_a_sparse_method_verify_against_the_whole_cache(engine):
+    """dustin under --gamma auto with drafting priced out (every Γ > 0 costs 10 plain steps): every step is plain, each
+    row verified densely, so the tokens are exactly the target's (vanilla through the same slots); and with the
+    usual mix of plain and speculative steps a request still gets the same tokens alone and batched."""
+    prompts = _prompts(4, seed=5)
+    ref = _core(engine, "vanilla", gamma=4).generate(prompts, GREEDY)
+    priced_out = StepCosts(tuple(range(G + 1)), (1.0,) + (10.0,) * G, (0.0,) * (G + 1))
+    core = EngineCore(engine, ServeConfig(method="dustin", gamma="auto", max_slots=3, max_context=256,
+                                          prefill_chunk=40, **SPARSE), step_costs=priced_out)
+    assert core.generate(prompts, GREEDY) == ref
+    assert set(core.decode_stats.gammas) == {0}
+    assert _core(engine, "dustin", gamma=4).generate(prompts, GREEDY) != ref  # sparse verification differs here
+
+
 @pytest.mark.parametrize("method", ["dustin", "classic"])
 def test_auto_gamma_text_does_not_depend_on_the_batch(engine, method):
     """Each request alone through the same slots gives the tokens it gets beside five others (sparse verification
@@ -167,7 +181,7 @@ def test_measured_costs_leave_the_engine_as_it_was(engine):
     engine generates exactly what an engine given those costs generates."""
     core = EngineCore(engine, ServeConfig(method="dustin", gamma="auto", max_slots=2, max_context=256, **SPARSE))
     costs = core.gamma_rule.costs
-    assert costs.gammas == tuple(range(1, G + 1))
+    assert costs.gammas == tuple(range(G + 1))  # a plain dustin row verifies densely: Γ = 0 is allowed
     assert all(c.seconds(g, 200) > 0 for c in (costs,) for g in costs.gammas)
     prompts = _prompts(2, seed=4)
     given = EngineCore(engine, ServeConfig(method="dustin", gamma="auto", max_slots=2, max_context=256, **SPARSE),
