@@ -17,9 +17,10 @@
 #                                        # 0.3 ms between configs on real prompts)
 #   bash scripts/device_speed.sh long    # right after `round` (AUTO_CONTEXTS=" " skips its auto rows): code 64k x 8
 #                                        # (--rope-scaling yarn:4, vanilla and dustin), then --budget auto p 0.99 at 16k
-#   bash scripts/device_speed.sh gamma   # after staging: `bench e2e --real` code 16 x 2k / 16k / 29.5k, vanilla, magicdec
-#                                        # and dustin at --gamma auto then at 4 (the same build and run), and the
-#                                        # step-graph check of per-row Γ (tiny fp32 pair, graphs of every G)
+#   bash scripts/device_speed.sh gamma   # after staging: the step-graph check of per-row Γ (tiny fp32 pair, graphs
+#                                        # of every G), `bench e2e --real` code 16 x 2k / 16k / 29.5k, vanilla and
+#                                        # dustin at --gamma auto then at 4 (the same build and run), then one-shot
+#                                        # generate 16 x 2k, 512 tokens: vanilla, dustin at auto and at 4
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -37,24 +38,27 @@ run() {  # run <seconds> <command...>: logged, cut at the deadline
   timeout "$1" "${@:2}" >> "$log" 2>&1
   echo "== rc $? [$SECONDS s]" | tee -a "$log"
 }
-oneshot() {
-  # one-shot `dustin generate`: a fresh process per method, 16 real code prompts of ~29.5k tokens, 128 tokens
-  python3 - <<'EOF' >> "$log" 2>&1
-import json
+oneshot() {  # oneshot <context> <new tokens> <method args>...: one-shot `dustin generate`, a fresh process each
+  # (16 real code prompts of <context> tokens); stdout is the result JSON (token ids, tokens/s, capture_s)
+  local ctx=$1 new=$2; shift 2
+  python3 - "$ctx" <<'EOF' >> "$log" 2>&1
+import json, sys
 from transformers import AutoTokenizer
 from dustin.bench.serve import make_prompts
 from dustin.models.fetch import resolve_model_path
 tok = AutoTokenizer.from_pretrained(str(resolve_model_path("default", "target")))
-ids = make_prompts(tok, "code", (29500, 29500), 16, 0, len(tok))
-with open("/root/oneshot.jsonl", "w") as f:
+n = int(sys.argv[1])
+ids = make_prompts(tok, "code", (n, n), 16, 0, len(tok))
+with open(f"/root/oneshot_{n}.jsonl", "w") as f:
     for p in ids:
         f.write(json.dumps({"prompt": tok.decode(p)}) + "\n")
 EOF
-  for m in vanilla dustin; do  # stdout is the result JSON (token ids, tokens/s, capture_s); the wall time beside it
-    echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x 29.5k, 128 tokens)" | tee -a "$log"
+  for m in "$@"; do
+    local tag=$(echo "$m" | tr -c 'a-z0-9\n' '_')
+    echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x $ctx, $new tokens)" | tee -a "$log"
     t0=$(date +%s.%N)
-    timeout 120 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot.jsonl \
-      --max-new-tokens 128 --ignore-eos --json > "$OUT/oneshot_$m.json" 2>> "$log"
+    timeout 150 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot_$ctx.jsonl \
+      --max-new-tokens $new --ignore-eos --json > "$OUT/oneshot_${ctx}_$tag.json" 2>> "$log"
     echo "== rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$log"
   done
 }
@@ -63,7 +67,7 @@ if [ "$mode" = real ]; then
   run 240 python3 -m dustin bench e2e --real --device cuda --prompts code --contexts 32768 --batches 16 \
     --methods vanilla,classic,magicdec,streaming,dustin,quest,specattn --warmup 3 --steps 12 \
     --json-out "$OUT/bench_e2e_real_code_32k.json" --plot-out "$OUT/bench_e2e_real_code_32k.png"
-  oneshot
+  oneshot 29500 128 vanilla dustin
 elif [ "$mode" = round ]; then
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 4 --steps 40"
   run $((300 - SECONDS)) $e2e --contexts 32768,16384 --methods vanilla,dustin \
@@ -77,12 +81,13 @@ elif [ "$mode" = round ]; then
       --config "$ALT" --json-out "$OUT/bench_e2e_real_$(basename "${ALT%.json}").json"
   fi
 elif [ "$mode" = gamma ]; then  # --gamma auto against Γ = 4, vanilla measured in the same run each time
-  run 120 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto
+  run 100 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 4 --steps 40"
-  run $((340 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,magicdec,dustin --gamma auto \
+  run $((320 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma auto \
     --json-out "$OUT/bench_e2e_real_gamma_auto.json"
-  run $((580 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,magicdec,dustin --gamma 4 \
+  run $((470 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma 4 \
     --json-out "$OUT/bench_e2e_real_gamma_4.json"
+  oneshot 2048 512 vanilla "dustin --gamma auto" "dustin --gamma 4"  # end to end through offline generation
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 4 --steps 40"
   run 330 $e2e --rope-scaling yarn:4 --contexts 65536 --batches 8 --methods vanilla,dustin \
@@ -116,6 +121,6 @@ elif [ "$mode" = code ] || [ "$mode" = prose ]; then
 else
   run 330 python3 -m dustin bench serve --device cuda --methods vanilla,dustin --prompt-tokens 16384,32768 \
     --num-requests 32 --rate inf --max-tokens 128 --max-slots 16 --json-out "$OUT/bench_serve_h200.json"
-  oneshot
+  oneshot 29500 128 vanilla dustin
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$log" 2>/dev/null || true
