@@ -1,6 +1,6 @@
-"""The engine's defaults, written once: the engine's settings (`GenerationConfig`, `ServeConfig`, `LLM`,
-`AutoBudget`) and the command line's flags (dustin/flags.py) take them from here. This module sits at the bottom
-of the package: it imports nothing."""
+"""The engine's defaults, written once: the engine's settings (`GenerationConfig`, `LLM`, `AutoBudget`) and the
+command line's flags (dustin/flags.py) take them from here. This module sits at the bottom of the package: it
+imports nothing."""
 
 # the decoding method when none is named (sparse verification, the engine's reason to exist)
 DEFAULT_METHOD = "dustin"

@@ -165,7 +165,7 @@ def int_or_auto(text: str) -> int | str:
 
 
 def budget_settings(args, sparse: bool = True) -> dict:
-    """The GenerationConfig / ServeConfig keywords of --budget and its auto settings (--budget-p, --budget-min,
+    """The GenerationConfig keywords of --budget and its auto settings (--budget-p, --budget-min,
     --budget-max), in one place so that no command drops the auto ones; a method that verifies against the
     full cache (sparse=False) gets budget None."""
     return {"budget": args.budget if sparse else None, "budget_p": args.budget_p, "budget_min": args.budget_min,

@@ -68,6 +68,7 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
     target shard under tensor parallelism); sparse_cfg: the SparseConfig of a sparse method (k, score heads);
     target_args: the target's global shape, which the score heads' indices refer to (default target.args)."""
     from dustin.engine.config import METHODS
+    from dustin.selection.config import DUSTIN_POLICIES
 
     spec = METHODS[method]
     elem = target.embed_tokens.weight.element_size()
@@ -99,7 +100,7 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
         est += batch * context * draft.args.kv_bytes_per_token(elem) // 2
     if spec.policy == "dustin-anchor" and sparse_cfg is not None and sparse_cfg.anchor.draft_topm > 0:
         est += score_key_bytes(sparse_cfg.draft, draft.args, batch, context, elem)
-    if spec.policy in ("dustin", "dustin-t", "dustin-d") and sparse_cfg is not None:
+    if spec.policy in DUSTIN_POLICIES and sparse_cfg is not None:
         t_args = target_args or target.args
         world = t_args.n_kv_heads // target.args.n_kv_heads  # rank's share of the target's score-head keys
         if spec.policy != "dustin-d":

@@ -90,12 +90,12 @@ def _scenarios(args) -> list[dict]:
 
 
 def _serve_config(args, method: str, max_waiting: int):
-    from dustin.engine.core import ServeConfig
+    from dustin.engine.config import GenerationConfig
 
-    return ServeConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
-                       sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
-                       prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
-                       max_waiting=max_waiting)
+    return GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
+                            sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
+                            prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
+                            max_waiting=max_waiting)
 
 
 def _plan(args) -> dict:

@@ -29,12 +29,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import json
     import time
-    from dataclasses import replace
 
     import torch
 
     from dustin.engine.config import METHODS, GenerationConfig
-    from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU, ServeConfig
+    from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU
     from dustin.engine.engine import KEPT_ROUNDING, Engine
     from dustin.engine.pair import parse_device
     from dustin.engine.session import cache_capacity
@@ -71,8 +70,7 @@ def run(args) -> int:
         cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING
         for batch in batches:
             t0 = time.perf_counter()
-            plan = plan_first_step(engine, replace(cfg, max_new_tokens=cap), batch, cap, DEFAULT_PREFILL_TOKENS_GPU,
-                                   ServeConfig.prefill_chunk)
+            plan = plan_first_step(engine, cfg, batch, cap, DEFAULT_PREFILL_TOKENS_GPU, cfg.prefill_chunk)
             stats = KernelWarmup(plan, engine.device, plan_s=time.perf_counter() - t0).start().wait()
             print(json.dumps({"method": method, "batch": batch, "capacity": cap, **stats}))
             if stats["errors"]:

@@ -1,12 +1,12 @@
-"""Generation settings, validated once, and the table of decoding methods."""
+"""The engine's one config (`GenerationConfig`), validated once, and the table of decoding methods."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA, GAMMA_AUTO_MAX
 from dustin.errors import InputError
-from dustin.selection.config import ORACLE_RUNGS
+from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS
 
 if TYPE_CHECKING:  # sampling imports torch, and the CLI reads METHODS from here to build its flags
     from dustin.engine.sampling import SamplingRule
@@ -39,6 +39,10 @@ METHODS: dict[str, MethodSpec] = {
     **{name: MethodSpec(speculative=True, draft_kv="full", policy=name) for name in ORACLE_RUNGS},
 }
 DRAFT_KV_MODES = ("full", "streaming")
+# the methods that verify against the whole cache (lossless: greedy output is vanilla's whatever the budget)
+FULL_METHODS = tuple(m for m, s in METHODS.items() if s.policy == "full")
+# the methods of Dustin's hybrid selection, the ones that can size k themselves (--budget auto)
+DUSTIN_METHODS = tuple(m for m, s in METHODS.items() if s.policy in DUSTIN_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,19 @@ class ExecutionOptions:
             raise InputError(f"--accept-prob must be in [0, 1], got {self.accept_prob}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationConfig:
+    """The engine's one config, validated once: everything an engine core fixes when it starts, and the default
+    sampling of requests that bring no `SamplingParams` of their own. `EngineCore` (the server, `dustin serve`)
+    and `Engine.generate` (offline: eval, bench, profiling, `dustin generate`) both take it.
+
+    Engine-fixed (an engine core is built for them): method, gamma / gamma_auto, draft_kv, draft_sinks,
+    draft_window, budget and budget_p / budget_min / budget_max / budget_dense, sparse_config, seed (the engine's
+    sampling stream), the serving sizes max_slots, max_context, prefill_chunk, prefill_tokens and max_waiting, and
+    `options` (benchmark and debugging switches).
+    Default request sampling (what `SamplingParams` sets per request; offline batches given no SamplingParams
+    use these): max_new_tokens, temperature, top_p, top_k, stop_at_eos."""
+
     method: str = DEFAULT_METHOD
     # draft tokens per step (Γ), or "auto": each sequence picks its own Γ in [0 or 1, GAMMA_AUTO_MAX] per step from
     # measured step costs and its own acceptance (dustin/engine/gamma.py); gamma then holds that largest Γ and
@@ -90,13 +105,35 @@ class GenerationConfig:
     # verifies against the whole cache that step
     budget_dense: bool = False
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
-    options: ExecutionOptions = ExecutionOptions()  # benchmark and debugging switches
+    # serving sizes: max_slots None: 16 on a GPU, 8 on a CPU; max_context None: the models' context (capped at
+    # 8192 on a CPU, where the slots' caches live in host memory). An offline batch (`Engine.generate`) takes one
+    # slot per prompt and the context its prompts need instead.
+    max_slots: int | None = None
+    max_context: int | None = None
+    # prefill: prompts are cut at multiples of `prefill_chunk` tokens from their start (request-local), and one
+    # step prefills up to `prefill_tokens` tokens of such chunks, of any requests, in ONE forward padded to that
+    # size (None: 8192 on a GPU, 512 on a CPU; see docs/serving.md for the measurement behind the GPU default).
+    # Small chunks cost nothing in the forward (several chunks of a row share it); they only bound the budget
+    # left unused when the next chunk in line does not fit
+    prefill_chunk: int = 512
+    prefill_tokens: int | None = None
+    max_waiting: int = 256  # requests waiting for a slot (an offline batch: at least its prompts)
+    options: ExecutionOptions = field(default_factory=ExecutionOptions)  # benchmark and debugging switches
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.gamma == "auto":
-            self.gamma, self.gamma_auto = GAMMA_AUTO_MAX, True
+        for name, low in (("max_slots", 1), ("max_context", 16), ("prefill_chunk", 1), ("prefill_tokens", 1),
+                          ("max_waiting", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < low):
+                raise InputError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+        if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
+            raise InputError(f"--prefill-tokens ({self.prefill_tokens}) must be >= --prefill-chunk "
+                             f"({self.prefill_chunk}): a step prefills whole chunks")
+        if self.gamma == "auto":  # frozen: the normalized values are set once, here
+            object.__setattr__(self, "gamma", GAMMA_AUTO_MAX)
+            object.__setattr__(self, "gamma_auto", True)
         if not isinstance(self.gamma, int):
             raise InputError(f"--gamma must be an integer or auto, got {self.gamma!r}")
         if self.gamma < 1:
@@ -112,12 +149,12 @@ class GenerationConfig:
         if self.top_k < 0:
             raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if self.draft_kv is None:
-            self.draft_kv = METHODS[self.method].draft_kv
+            object.__setattr__(self, "draft_kv", METHODS[self.method].draft_kv)
         elif self.draft_kv not in DRAFT_KV_MODES:
             raise InputError(f"--draft-kv must be one of {DRAFT_KV_MODES}, got {self.draft_kv!r}")
         if self.budget == "auto":
             _ = self.auto_budget  # validates p and the range
-            if self.spec.policy not in ("dustin", "dustin-t", "dustin-d"):
+            if self.spec.policy not in DUSTIN_POLICIES:
                 raise InputError(f"--budget auto sizes Dustin's selection: use dustin, dustin-t or dustin-d, not "
                                  f"{self.method!r}")
         elif self.budget_dense:

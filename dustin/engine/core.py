@@ -1,7 +1,8 @@
 """The engine core: requests join a running batch of KV-cache slots and leave when done. The server, offline
 generation (`Engine.generate`, `LLM.generate`), evaluation and the end-to-end benchmark all run on it.
 
-    core = EngineCore.from_pretrained("default", "default", device="cuda", config=ServeConfig(method="dustin"))
+    core = EngineCore.from_pretrained("default", "default", device="cuda",
+                                      config=GenerationConfig(method="dustin", max_slots=16))
     core.add_request(Request("r1", prompt_ids, SamplingParams(max_tokens=64)))
     while core.has_unfinished():
         for out in core.step():          # schedule -> execute -> update
@@ -49,7 +50,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.gamma import GammaRule, RowGamma, StepCosts, measure_step_costs
 from dustin.engine.kv_manager import KVManager
@@ -65,50 +65,9 @@ from dustin.errors import DustinError, InputError, OutOfMemoryError
 DEFAULT_PREFILL_TOKENS_GPU = 8192
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """The engine's fixed settings, validated once. max_context None: the models' context (capped at 8192 on a
-    CPU, where the slots' caches live in host memory); max_slots None: 16 on a GPU, 8 on a CPU."""
-
-    method: str = DEFAULT_METHOD
-    gamma: int | str = GAMMA  # or "auto" (GenerationConfig.gamma)
-    budget: int | str | None = None  # sparse verification: KV positions per sequence (k), or "auto"
-    budget_p: float = AUTO_P  # --budget auto: mass to cover, smallest and largest k
-    budget_min: int = AUTO_MIN
-    budget_max: int = AUTO_MAX
-    budget_dense: bool = False  # --budget auto: rows too spread out for budget_max verify against the whole cache
-    sparse_config: str | None = None  # file or 'builtin' (None: the pair's tuned config)
-    max_slots: int | None = None
-    max_context: int | None = None
-    # prefill: prompts are cut at multiples of `prefill_chunk` tokens from their start (request-local), and one
-    # step prefills up to `prefill_tokens` tokens of such chunks, of any requests, in ONE forward padded to that
-    # size (None: 8192 on a GPU, 512 on a CPU; see docs/serving.md for the measurement behind the GPU default).
-    # Small chunks cost nothing in the forward (several chunks of a row share it); they only bound the budget
-    # left unused when the next chunk in line does not fit
-    prefill_chunk: int = 512
-    prefill_tokens: int | None = None
-    max_waiting: int = 256
-    draft_window: int = DRAFT_WINDOW  # positions the streaming draft attends: sinks + recent
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        for name, low in (("max_slots", 1), ("max_context", 16), ("prefill_chunk", 1), ("prefill_tokens", 1),
-                          ("max_waiting", 1)):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < low):
-                raise InputError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
-        if self.prefill_tokens is not None and self.prefill_tokens < self.prefill_chunk:
-            raise InputError(f"--prefill-tokens ({self.prefill_tokens}) must be >= --prefill-chunk "
-                             f"({self.prefill_chunk}): a step prefills whole chunks")
-
-    def generation(self, max_new_tokens: int) -> GenerationConfig:
-        return GenerationConfig(method=self.method, gamma=self.gamma, max_new_tokens=max_new_tokens,
-                                budget=self.budget, budget_p=self.budget_p, budget_min=self.budget_min,
-                                budget_max=self.budget_max, budget_dense=self.budget_dense,
-                                sparse_config=self.sparse_config, seed=self.seed,
-                                draft_window=self.draft_window)
+# the name the engine core's config had before it was merged into `GenerationConfig` (one config class); kept
+# for the GPU scripts under scripts/ that still import it
+ServeConfig = GenerationConfig
 
 
 @dataclass
@@ -135,12 +94,16 @@ class EngineStats:
 class EngineCore:
     heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
 
-    def __init__(self, pair: ModelPair, config: ServeConfig, *, generation: GenerationConfig | None = None,
-                 slots: int | None = None, capacity: int | None = None, policy=None,
-                 kernel_warmup: bool = True, gang: str | None = None,
-                 prefill_cache: PrefillCache | None = None, step_costs: StepCosts | None = None) -> None:
-        """generation/slots/capacity/policy: an offline batch on this same loop (its own decoding settings, one
-        slot per prompt, the capacity its prompts need); the server leaves them None.
+    def __init__(self, pair: ModelPair, config: GenerationConfig, *, slots: int | None = None,
+                 capacity: int | None = None, policy=None, kernel_warmup: bool = True, gang: str | None = None,
+                 prefill_cache: PrefillCache | None = None, step_costs: StepCosts | None = None,
+                 max_new_tokens: int | None = None) -> None:
+        """config: the engine's settings (method, Γ, budget, serving sizes; its sampling fields are the default of
+        rows admitted without SamplingParams).
+        slots/capacity/policy: an offline batch on this same loop (one slot per prompt, the capacity its prompts
+        need); the server leaves them None.
+        max_new_tokens: the most new tokens a request may ask (None: the engine's context, as a server's requests
+        may; an offline batch: its largest limit).
         gang: admit the waiting requests together and prefill them this way ("whole", "snapshot" or "noise";
         `Session.prefill_gang`); None: chunked admission, or "whole" for a policy that is not `row_local`.
         prefill_cache: where a "snapshot" gang finds (and leaves) the prompt caches of its prompts.
@@ -158,25 +121,25 @@ class EngineCore:
         default_context = context if cuda else min(context, 8192)
         self.max_context = min(config.max_context or default_context, context)
         self.max_slots = slots or config.max_slots or (16 if cuda else 8)
-        self.gen_cfg = generation or config.generation(self.max_context)
-        gamma = self.gen_cfg.gamma if self.gen_cfg.spec.speculative else 0
+        gamma = config.gamma if config.spec.speculative else 0
         capacity = capacity or cache_capacity([0], [self.max_context], gamma)
-        need = pair.kv_cache_bytes(self.max_slots, capacity, self.gen_cfg.spec.speculative)
+        need = pair.kv_cache_bytes(self.max_slots, capacity, config.spec.speculative)
         try:
-            policy = policy or pair.make_policy(self.gen_cfg)
-            draft = pair.draft if self.gen_cfg.spec.speculative else None
+            policy = policy or pair.make_policy(config)
+            draft = pair.draft if config.spec.speculative else None
             models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
             self.kv = KVManager(models, self.max_slots, capacity)
-            self.session = Session(pair.target, draft, self.gen_cfg, pair.vocab_limit, policy, kv=self.kv)
+            self.session = Session(pair.target, draft, config, pair.vocab_limit, policy, kv=self.kv,
+                                   max_new_tokens=max_new_tokens or self.max_context)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
         self.gamma_rule: GammaRule | None = None  # --gamma auto: each sequence's Γ per step
-        if self.gen_cfg.gamma_auto and self.gen_cfg.spec.speculative:
+        if config.gamma_auto and config.spec.speculative:
             if pair.parallel is not None and pair.parallel.world > 1:
                 raise InputError("--gamma auto does not run under tensor parallelism yet: give --gamma an integer")
             costs = step_costs or measure_step_costs(self.session)
-            self.gamma_rule = GammaRule(costs, self.gen_cfg.gamma, self.session.min_gamma)
+            self.gamma_rule = GammaRule(costs, config.gamma, self.session.min_gamma)
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._inflight: int | None = None  # staging slot of the launched step not yet read back
@@ -194,7 +157,7 @@ class EngineCore:
         self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by collect
         # the offline batch `queue` added: each request's outputs so far, accumulated into one (all its tokens)
         self._queued: dict[str, RequestOutput] = {}
-        self.eos_ids = set(pair.eos_ids) if self.gen_cfg.stop_at_eos else set()
+        self.eos_ids = set(pair.eos_ids) if config.stop_at_eos else set()
         self.decode_stats = EngineStats()
         self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
         self._gang_rows: set[int] = set()  # rows of the running gang that finished (released when all have)
@@ -214,14 +177,14 @@ class EngineCore:
         self.warmup_stats: dict | None = None  # its stats once the first decode step waited for it
         if kernel_warmup and self.world == 1 and gang is None:
             from dustin.engine.warmup import start_kernel_warmup
-            self.kernel_warmup = start_kernel_warmup(pair, self.gen_cfg, self.max_slots, capacity,
+            self.kernel_warmup = start_kernel_warmup(pair, config, self.max_slots, capacity,
                                                      self.prefill_tokens, config.prefill_chunk)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
                         dtype: str | None = None, attention: str = "auto",
-                        config: ServeConfig | None = None, rope_scaling: str | None = None) -> "EngineCore":
-        config = config or ServeConfig()
+                        config: GenerationConfig | None = None, rope_scaling: str | None = None) -> "EngineCore":
+        config = config or GenerationConfig()
         spec = METHODS[config.method]
         from pathlib import Path
 
@@ -252,9 +215,8 @@ class EngineCore:
         if params.prompt_logprobs is not None and self.scheduler.gang is not None:
             raise InputError(f"prompt log-probabilities (echo) are not computed by method {self.config.method!r}: its "
                              f"requests are prefilled together as a gang, one sequence at a time")
-        cfg = self.gen_cfg
         try:
-            check_prompts([prompt_ids], cfg, self.max_context, self.pair.vocab_limit, [params.max_tokens])
+            check_prompts([prompt_ids], self.config, self.max_context, self.pair.vocab_limit, [params.max_tokens])
         except InputError as e:
             raise InputError(str(e).replace("prompt 0 ", "the prompt ").replace("--max-new-tokens", "max_tokens")
                              ) from None

@@ -3,6 +3,9 @@
     engine = Engine.from_pretrained("default", "default", device="cuda")
     result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4))
 
+The config is the engine core's own (`GenerationConfig`), with the batch's sizes: one slot per prompt, the
+models' whole context, and the capacity its prompts need.
+
 Every batch runs on the same engine core as the server (dustin/engine/core.py). How it is admitted depends on what
 it asks: a row-local policy's prompts join one slot each and are prefilled in packed chunks, as served requests
 are; a policy with whole-batch state, a `PrefillCache` (methods compared over one prefill) or noise-filled caches
@@ -17,7 +20,7 @@ from dataclasses import astuple, dataclass, replace
 import torch
 
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Logprob, SamplingParams
 from dustin.engine.session import PrefillCache, cache_capacity, prefill_key
@@ -137,14 +140,14 @@ class Engine(ModelPair):
                 torch.cuda.empty_cache()
             cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if keep else need
             self.require_kv_memory(len(prompts), cap, cfg.spec.speculative)
-            serve = ServeConfig(method=cfg.method, gamma=cfg.gamma, max_context=self.max_context(cfg.spec.speculative),
-                                max_waiting=len(prompts), draft_window=cfg.draft_window, seed=cfg.seed)
+            # the batch's sizes: a slot per prompt, all of them waiting at once, the models' whole context (a kept
+            # core may later serve calls that ask more tokens: any limit its capacity holds)
+            sized = replace(cfg, max_context=self.max_context(cfg.spec.speculative), max_waiting=len(prompts))
             try:
-                # a kept core may later serve calls that ask more tokens: any limit its capacity holds
-                gen = replace(cfg, max_new_tokens=cap) if keep else cfg
-                core = EngineCore(self, serve, generation=gen, slots=len(prompts),
+                core = EngineCore(self, sized, slots=len(prompts),
                                   capacity=cap, policy=policy, kernel_warmup=warmup and own_policy, gang=fill,
-                                  prefill_cache=prefill_cache, step_costs=step_costs)
+                                  prefill_cache=prefill_cache, step_costs=step_costs,
+                                  max_new_tokens=cap if keep else cfg.max_new_tokens)
             except torch.OutOfMemoryError:
                 raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
                                        f"lower the batch size, the prompt length or --max-new-tokens") from None

@@ -111,10 +111,11 @@ class Session:
     itself (`launch` / `complete`). It holds no request queue and runs no loop: `EngineCore.step` drives it."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, vocab_limit: int,
-                 policy: SelectionPolicy | None = None, *, kv: KVManager) -> None:
-        """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap); no row may
-        ask more than cfg.max_new_tokens new tokens. kv: the batch's caches (a row per slot): "target", and "draft"
-        when `draft` drafts."""
+                 policy: SelectionPolicy | None = None, *, kv: KVManager, max_new_tokens: int | None = None
+                 ) -> None:
+        """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap). kv: the
+        batch's caches (a row per slot): "target", and "draft" when `draft` drafts. max_new_tokens: the most new
+        tokens a row may ask (None: cfg.max_new_tokens); a row's prompt and new tokens must also fit its slot."""
         self.target, self.draft, self.cfg = target, draft, cfg
         self.spec = cfg.spec
         self.V = vocab_limit
@@ -123,6 +124,7 @@ class Session:
         self.kv = kv
         self.B = kv.slots
         self.gamma = cfg.gamma if self.spec.speculative else 0
+        self.max_new_tokens = max_new_tokens or cfg.max_new_tokens
         # each row's own Γ (host, and the device copy the step reads: `set_gamma`); the draft positions each
         # row's cache lacks after steps that ran no draft forward (G = 0), and each row's tokens so far (prompt,
         # then every token read back: what the draft's catch-up feeds)
@@ -284,8 +286,8 @@ class Session:
             raise ValueError(f"row {row} is not idle")
         if prefix_from is not None and self._prompt_rows.get(prefix_from) != list(prompt):
             raise ValueError(f"row {prefix_from} is not prefilling the same prompt")
-        if not 1 <= limit <= self.cfg.max_new_tokens:
-            raise ValueError(f"limit must be in [1, {self.cfg.max_new_tokens}], got {limit}")
+        if not 1 <= limit <= self.max_new_tokens:
+            raise ValueError(f"limit must be in [1, {self.max_new_tokens}], got {limit}")
         if cache_capacity([len(prompt)], [limit], self.gamma) > self.target_cache.capacity:
             raise ValueError(f"prompt {len(prompt)} + {limit} new tokens do not fit a slot of "
                              f"{self.target_cache.capacity} positions")

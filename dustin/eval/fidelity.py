@@ -11,13 +11,13 @@ import json
 import statistics
 import time
 
-from dustin.engine.config import GenerationConfig
+from dustin.engine.config import DUSTIN_METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix, long_code_prompt
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list
 
 DEFAULT_SOURCES = ("argparse.py", "inspect.py", "tarfile.py", "typing.py", "pydoc.py")
-SPARSE_METHODS = ("dustin", "dustin-t", "dustin-d", "streaming")
+SPARSE_METHODS = (*DUSTIN_METHODS, "streaming")  # the default --methods
 
 
 def add_arguments(p) -> None:

@@ -6,12 +6,12 @@ fixed k of --budgets; an `auto:P` budget sizes k per sequence and step from Dust
 (dustin/selection/adaptive.py), so only the Dustin methods get those rows."""
 from __future__ import annotations
 
-from dustin.engine.config import GenerationConfig
+from dustin.engine.config import DUSTIN_METHODS, FULL_METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.flags import auto_p, check_sparse_config
 
-LOSSLESS = ("vanilla", "classic", "magicdec")  # same output as vanilla (greedy): run once, not per budget
-HYBRID_FAMILY = ("dustin-t", "dustin-d", "dustin")  # the methods that can size k themselves (auto:P)
+LOSSLESS = FULL_METHODS  # same output as vanilla (greedy): run once, not per budget
+HYBRID_FAMILY = DUSTIN_METHODS  # the methods that can size k themselves (auto:P)
 
 
 def add_rows_arg(p) -> None:

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.base import StepState
-from dustin.selection.config import ScoreHeads
+from dustin.selection.config import DUSTIN_POLICIES, ScoreHeads
 from dustin.selection.estimators import TargetHistoricalScores
 from dustin.selection.policies import DustinSelection
 
-TP_POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d")
+TP_POLICIES = ("full", "streaming", *DUSTIN_POLICIES)
 
 
 def local_score_heads(heads: tuple[ScoreHeads, ...], rank: int, heads_per_rank: int) -> tuple[ScoreHeads, ...]:

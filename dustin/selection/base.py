@@ -24,7 +24,8 @@ VerifyPlan = SparsePlan | LayerPlanner | None  # what `plan` returns: one set, a
 
 class StepState(Protocol):
     """What a policy may read of the batch it serves (engine/session.py's Session implements it).
-    Fixed for the batch: B, gamma, device, target/draft (their .args), the caches, prompts, cfg, timer (phases
+    Fixed for the batch: B, gamma, max_new_tokens (the most new tokens a row may ask), device, target/draft
+    (their .args), the caches, prompts, cfg, timer (phases
     "estimate" / "select" are the policy's own). Per step: target_cache.lengths (cached positions; inside
     `after_verify` already advanced by this step), pending (each row's newest token, not cached yet; inside
     `after_verify` the one this step chose), verify_input / verify_positions (this step's [pending, drafts] and
@@ -35,6 +36,7 @@ class StepState(Protocol):
 
     B: int
     gamma: int
+    max_new_tokens: int
     row_gamma: torch.Tensor
     device: torch.device
     target: Transformer

@@ -176,6 +176,10 @@ def default_config(target: ModelArgs, draft: ModelArgs | None) -> SparseConfig:
     return SparseConfig(target=tgt, draft=drf, source="built-in default")
 
 
+# Dustin's hybrid selection (selection/policies.py DustinSelection): both estimators, the target's only, the
+# draft's only; the policies that can size k themselves (--budget auto)
+DUSTIN_POLICIES = ("dustin", "dustin-t", "dustin-d")
+
 # The oracle ladder (selection/ladder.py): one exact oracle per granularity, the first N layers optionally dense
 ORACLE_GRANULARITIES = ("layer", "kv", "head")
 ORACLE_DENSE_LAYERS = (0, 1, 2)

@@ -19,7 +19,7 @@ from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState, draft_query_shape
-from dustin.selection.config import ORACLE_RUNGS, SparseConfig
+from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 
 
@@ -166,8 +166,8 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", "dustin", "dustin-t", "dustin-d", "dustin-anchor", "quest", "specattn", "snapkv",
-            "oracle", *ORACLE_RUNGS)
+POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "dustin-anchor", "quest", "specattn", "snapkv", "oracle",
+            *ORACLE_RUNGS)
 
 
 def policy_class(name: str) -> type[SelectionPolicy]:
@@ -177,7 +177,7 @@ def policy_class(name: str) -> type[SelectionPolicy]:
         return FullSelection
     if name == "streaming":
         return StreamingSelection
-    if name in ("dustin", "dustin-t", "dustin-d"):
+    if name in DUSTIN_POLICIES:
         return DustinSelection
     if name == "dustin-anchor":
         from dustin.selection.anchors import AnchorSelection

@@ -142,7 +142,7 @@ class SnapKVSelection(SelectionPolicy):
             a = state.target.args
             self.prefill = SnapKVPrefillObserver(
                 a.n_layers, state.B, a.n_kv_heads, self.cfg.budget, max(len(p) for p in state.prompts),
-                state.cfg.max_new_tokens + state.gamma + 1, state.device)
+                state.max_new_tokens + state.gamma + 1, state.device)
             self._owner = weakref.ref(state)
             self._decoding = False
             self._slots = torch.arange(self.prefill.k_max, dtype=torch.int32, device=state.device)

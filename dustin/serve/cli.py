@@ -92,13 +92,14 @@ def _launch(method: str) -> tuple[int, int]:
 
 
 def build_engine(args):
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.core import EngineCore
 
-    cfg = ServeConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
-                      sparse_config=args.config,
-                      max_slots=args.max_slots, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                      prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
-    cfg.generation(1)  # Γ and the budget are checked there: fail before the model load
+    # every setting is checked here, before the model load
+    cfg = GenerationConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window,
+                           **budget_settings(args), sparse_config=args.config, max_slots=args.max_slots,
+                           max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                           prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
     return EngineCore.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                      attention=args.attention, config=cfg,
                                      rope_scaling=args.rope_scaling)

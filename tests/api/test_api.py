@@ -181,7 +181,7 @@ def test_logprobs_are_those_the_engine_core_serves(llm):
     """`logprobs` / `prompt_logprobs` in SamplingParams: each generated token's and each prompt token's (None for the
     first), with the asked number of most likely tokens, equal to what the engine core serves for the same request;
     a prompt that did not ask gets none."""
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.core import EngineCore
     from dustin.engine.request import Request
 
     prompts = _prompts([9, 17], seed=6)
@@ -193,7 +193,7 @@ def test_logprobs_are_those_the_engine_core_serves(llm):
     assert len(r.logprobs) == 6 and all(len(lp.top) == 2 for lp in r.logprobs)
     assert len(r.prompt_logprobs) == 9 and r.prompt_logprobs[0] is None
     assert all(len(lp.top) == 1 for lp in r.prompt_logprobs[1:])
-    core = EngineCore(llm.engine, ServeConfig(method="classic", gamma=3, max_slots=2))
+    core = EngineCore(llm.engine, GenerationConfig(method="classic", gamma=3, max_slots=2))
     core.add_request(Request("a", prompts[0], asked))
     served, lps, plps = [], [], None
     while core.has_unfinished():

@@ -27,7 +27,7 @@ except ImportError:  # some environments ship httpx's successor under its own na
 import openai
 
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 from dustin.serve.async_engine import AsyncEngineCore
@@ -68,7 +68,8 @@ class LiveServer(LocalServer):
 def _engine(tiny_pair, **cfg) -> EngineCore:
     target, draft = tiny_pair
     cfg = {"method": "classic", "gamma": GAMMA, "max_slots": 4, "max_context": CONTEXT, "max_waiting": 64, **cfg}
-    return EngineCore.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=ServeConfig(**cfg))
+    return EngineCore.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32",
+                                      config=GenerationConfig(**cfg))
 
 
 @pytest.fixture(scope="module")
@@ -960,8 +961,8 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     want_text = engine.generate([code], cfg).sequences[0]
     # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
     # prefill is padded to prefill_tokens (512 by default on a CPU)
-    llm = EngineCore(engine, ServeConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192, prefill_chunk=64,
-                                        prefill_tokens=64))
+    llm = EngineCore(engine, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,
+                                              prefill_chunk=64, prefill_tokens=64))
     srv = LiveServer(llm, name="qwen", timeout=600)
     try:
         chat = srv.client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": question}],

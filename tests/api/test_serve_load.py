@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.serve.local import LocalServer
 from tests.conftest import without_interpreter
@@ -34,8 +34,8 @@ def setup(tiny_pair):
 
 def _setup(tiny_pair):
     target, draft = tiny_pair
-    cfg = ServeConfig(method="dustin", gamma=3, budget=24, draft_window=32, max_slots=4, max_context=512,
-                      max_waiting=64, prefill_chunk=32, prefill_tokens=96)
+    cfg = GenerationConfig(method="dustin", gamma=3, budget=24, draft_window=32, max_slots=4, max_context=512,
+                           max_waiting=64, prefill_chunk=32, prefill_tokens=96)
     llm = EngineCore.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32", config=cfg)
     ref = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="fp32")
     with LocalServer(llm, MODEL) as srv:

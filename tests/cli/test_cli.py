@@ -75,18 +75,17 @@ def test_bad_device_is_one_line(capsys, device, needle):
 
 
 def test_one_default_method_everywhere():
-    """generate, serve, LLM and the engine's two configs decode with the same method when none is named."""
+    """generate, serve, LLM and the engine's config decode with the same method when none is named."""
     import inspect
 
     from dustin.cli.main import build_parser
     from dustin.engine.config import GenerationConfig
-    from dustin.engine.core import ServeConfig
     from dustin.llm import LLM
 
     defaults = {"generate": build_parser(["generate"]).parse_args(["generate", "--prompt", "x"]).method,
                 "serve": build_parser(["serve"]).parse_args(["serve"]).method,
                 "LLM": inspect.signature(LLM).parameters["method"].default,
-                "GenerationConfig": GenerationConfig().method, "ServeConfig": ServeConfig().method}
+                "GenerationConfig": GenerationConfig().method}
     assert defaults == dict.fromkeys(defaults, "dustin")
 
 @pytest.mark.parametrize("gpu", [True, False])

@@ -18,7 +18,7 @@ import torch
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.request import Request, SamplingParams
 from dustin.engine.sampling import SamplingRule, probabilities
@@ -52,7 +52,7 @@ def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
     if eos is not None:
         engine.eos_ids = set(eos)
     try:
-        llm = EngineCore(engine, ServeConfig(**cfg))
+        llm = EngineCore(engine, GenerationConfig(**cfg))
     finally:
         engine.eos_ids = saved
     if eos is not None:

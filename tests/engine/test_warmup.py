@@ -183,9 +183,9 @@ def test_the_warmup_is_on_unless_switched_off(monkeypatch):
 
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
     assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.core import EngineCore
 
-    llm = EngineCore(triton_pair, ServeConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
+    llm = EngineCore(triton_pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
     assert llm.kernel_warmup is None
 
 
@@ -217,11 +217,11 @@ class _FakeWarmup:
 def loop_reference(triton_pair):
     """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases: the
     Triton kernels run interpreted on the CPU)."""
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.core import EngineCore
     from dustin.engine.request import SamplingParams
 
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
-    cfg = ServeConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
+    cfg = GenerationConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     return prompts, cfg, params, EngineCore(triton_pair, cfg).generate(prompts, params)
 

@@ -30,7 +30,7 @@ except ImportError:  # as in tests/api/test_serve.py
 import openai
 
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 
@@ -275,7 +275,7 @@ def _worker(rank: int, world: int, port: int, target: str, draft: str, out_dir: 
 
     assert init_distributed("gloo") == (rank, world)
     try:
-        llm = EngineCore.from_pretrained(target, draft, device="cpu", dtype="fp32", config=ServeConfig(**SERVE))
+        llm = EngineCore.from_pretrained(target, draft, device="cpu", dtype="fp32", config=GenerationConfig(**SERVE))
         read_back, complete = [], llm.session.complete
 
         def recording(slot):  # every step's tokens as this rank read them back

@@ -167,7 +167,8 @@ def test_generate_json_and_server_metrics_report_the_k_used(tiny_pair, capsys, t
     import httpx
 
     from dustin.cli.main import main
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.config import GenerationConfig
+    from dustin.engine.core import EngineCore
     from dustin.engine.request import SamplingParams
     from dustin.serve.local import LocalServer
 
@@ -180,8 +181,8 @@ def test_generate_json_and_server_metrics_report_the_k_used(tiny_pair, capsys, t
     k = json.loads(capsys.readouterr().out)["budget_k"]
     assert set(k) == {"mean", "p50", "p90", "p99", "samples", "dense"} and 21 <= k["p50"] <= 64
     assert k["dense"] == 0.0  # without --budget-dense
-    cfg = ServeConfig(method="dustin", gamma=3, budget="auto", budget_min=21, budget_max=64, draft_window=32,
-                      max_slots=2, max_context=512)
+    cfg = GenerationConfig(method="dustin", gamma=3, budget="auto", budget_min=21, budget_max=64, draft_window=32,
+                           max_slots=2, max_context=512)
     llm = EngineCore.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", config=cfg)
     llm.BUDGET_REFRESH_S = 0.0
     llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
