@@ -33,9 +33,16 @@ if [ "$mode" != random ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/d
 fi
 . scripts/device_env.sh
 log="$OUT/speed_$mode.log"
-run() {  # run <seconds> <command...>: logged, cut at the deadline
+left() {  # left <seconds>: that, or less where END (seconds of this process; default none) comes first
+  local t=$1
+  [ -n "${END:-}" ] && [ $((END - SECONDS)) -lt $t ] && t=$((END - SECONDS))
+  echo $t
+}
+run() {  # run <seconds> <command...>: logged, cut at the deadline (and at END)
+  local t=$(left "$1")
+  [ "$t" -lt 10 ] && { echo "== skip (${t}s left): ${*:2}" | tee -a "$log"; return 0; }
   echo "== $(date -u +%H:%M:%S) [$SECONDS s] ${*:2}" | tee -a "$log"
-  timeout "$1" "${@:2}" >> "$log" 2>&1
+  timeout "$t" "${@:2}" >> "$log" 2>&1
   echo "== rc $? [$SECONDS s]" | tee -a "$log"
 }
 oneshot() {  # oneshot <context> <new tokens> <method args>...: one-shot `dustin generate`, a fresh process each
@@ -55,9 +62,10 @@ with open(f"/root/oneshot_{n}.jsonl", "w") as f:
 EOF
   for m in "$@"; do
     local tag=$(echo "$m" | tr -c 'a-z0-9\n' '_')
+    [ "$(left 90)" -lt 20 ] && { echo "== skip oneshot $m: no time left" | tee -a "$log"; continue; }
     echo "== $(date -u +%H:%M:%S) dustin generate --method $m (16 x $ctx, $new tokens)" | tee -a "$log"
     t0=$(date +%s.%N)
-    timeout 150 python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot_$ctx.jsonl \
+    timeout $(left 90) python3 -m dustin generate --device cuda --method $m --prompts-jsonl /root/oneshot_$ctx.jsonl \
       --max-new-tokens $new --ignore-eos --json > "$OUT/oneshot_${ctx}_$tag.json" 2>> "$log"
     echo "== rc $? wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$log"
   done
@@ -80,14 +88,19 @@ elif [ "$mode" = round ]; then
     run $((560 - SECONDS)) $e2e --contexts 32768,16384 --methods dustin \
       --config "$ALT" --json-out "$OUT/bench_e2e_real_$(basename "${ALT%.json}").json"
   fi
-elif [ "$mode" = gamma ]; then  # --gamma auto against Γ = 4, vanilla measured in the same run each time
-  run 100 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto
+elif [ "$mode" = gamma ]; then  # --gamma auto against Γ = 4, vanilla measured in the same run each time; PARTS
+  # picks and orders the parts (default "e2e check oneshot"), END cuts them all short
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --batches 16 --warmup 4 --steps 40"
-  run $((320 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma auto \
-    --json-out "$OUT/bench_e2e_real_gamma_auto.json"
-  run $((470 - SECONDS)) $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma 4 \
-    --json-out "$OUT/bench_e2e_real_gamma_4.json"
-  oneshot 2048 512 vanilla "dustin --gamma auto" "dustin --gamma 4"  # end to end through offline generation
+  for part in ${PARTS:-e2e check oneshot}; do
+    case $part in
+      e2e) run 150 $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma auto \
+             --json-out "$OUT/bench_e2e_real_gamma_auto.json"
+           run 130 $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma 4 \
+             --json-out "$OUT/bench_e2e_real_gamma_4.json" ;;
+      check) run 100 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto ;;
+      oneshot) oneshot 2048 512 vanilla "dustin --gamma auto" "dustin --gamma 4" ;;  # end to end, offline generation
+    esac
+  done
 elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with YaRN, then --budget auto at 16k
   e2e="python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 4 --steps 40"
   run 330 $e2e --rope-scaling yarn:4 --contexts 65536 --batches 8 --methods vanilla,dustin \
