@@ -13,7 +13,7 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.core import EngineCore, ServeConfig
+from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 from dustin.models.args import named_config
@@ -38,7 +38,7 @@ def main() -> None:
         ref = [eng.generate([p], GenerationConfig(method=method, max_new_tokens=new, stop_at_eos=False, **kw))
                .sequences[0].token_ids for p in prompts]
         t_ref = time.perf_counter() - t0
-        llm = EngineCore(eng, ServeConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
+        llm = EngineCore(eng, GenerationConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # capture the graphs
         t0 = time.perf_counter()
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))

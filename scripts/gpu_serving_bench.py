@@ -80,12 +80,13 @@ def main() -> None:
         row["offline"]["tokens_per_s"] = round(16 * a.max_tokens / min(walls), 1)
         print(method, "offline", row["offline"], flush=True)
         if a.server or a.http:
-            from dustin.engine.core import EngineCore, ServeConfig
+            from dustin.engine.config import GenerationConfig
+            from dustin.engine.core import EngineCore
             from dustin.engine.request import SamplingParams
 
             kw = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
             eng.release_cached()
-            llm = EngineCore(eng, ServeConfig(method=method, max_slots=16, max_context=24576, **kw))
+            llm = EngineCore(eng, GenerationConfig(method=method, max_slots=16, max_context=24576, **kw))
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # capture, compile
             walls = []

@@ -98,12 +98,12 @@ def main() -> int:
                                 "tokens_per_s": [round(first.tokens_per_s, 1), round(second.tokens_per_s, 1)]}
     print("generate-twice", report["generate-twice"], flush=True)
     # the serving core: slots, chunked prefill, the step graph replayed across requests
-    from dustin.engine.core import EngineCore, ServeConfig
+    from dustin.engine.core import EngineCore
     from dustin.engine.request import SamplingParams
 
     for method in ("dustin", "classic"):
-        llm = EngineCore(eng, ServeConfig(method=method, budget=128 if method == "dustin" else None, max_slots=3,
-                                         max_context=4096, prefill_chunk=1024))
+        llm = EngineCore(eng, GenerationConfig(method=method, budget=128 if method == "dustin" else None,
+                                               max_slots=3, max_context=4096, prefill_chunk=1024))
         served = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
         same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]

@@ -65,11 +65,6 @@ from dustin.errors import DustinError, InputError, OutOfMemoryError
 DEFAULT_PREFILL_TOKENS_GPU = 8192
 
 
-# the name the engine core's config had before it was merged into `GenerationConfig` (one config class); kept
-# for the GPU scripts under scripts/ that still import it
-ServeConfig = GenerationConfig
-
-
 @dataclass
 class EngineStats:
     """Decode statistics of a run: steps, tokens, and (offline) its wall times."""
