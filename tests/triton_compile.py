@@ -127,7 +127,6 @@ def compile_all_kernels() -> list[Compiled]:
         launch,
         prefill_attention,
         quest,
-        sampling_cut,
         score_estimation,
         selection,
         sparse_verify,
@@ -189,11 +188,6 @@ def compile_all_kernels() -> list[Compiled]:
                                 torch.zeros(B, dtype=lng), torch.zeros(B, 3, 4, 4, 64, dtype=bf)[:, 1],
                                 torch.zeros(B, 4, dtype=lng))
         selection.select_streaming(L, 512)
-        # the sampler's top-k / top-p select: the target's [B, Γ + 1, V] distributions of Qwen2.5's vocabulary, with
-        # per-row settings as RowSampling passes them (and the batch's one rule, as numbers)
-        vocab = torch.zeros(B, 5, 151936)
-        sampling_cut.sampling_cut(vocab, torch.zeros(B, 1, 1, dtype=torch.long), torch.ones(B, 1, 1))
-        sampling_cut.sampling_cut(vocab[:, 0], 50, 0.9)
         # dustin-anchor's scoring at the 1.5B target's anchor layers (12 heads on 2 KV heads, D 128, Γ = 4: one KV
         # head's 6 heads x 4 queries per launch entry), per KV head and per layer; routed as on a GPU
         from dustin.selection import anchors

@@ -2,14 +2,13 @@
 
 Everything here is batched and runs on the device without host syncs (on a GPU the whole decode step is captured
 as one CUDA graph); the one exception is the CPU's top-p search below, where a sync costs nothing. A sampled step
-adds a few passes over the vocabulary per distribution to a greedy one, and no sort of it:
+adds a few passes over the vocabulary per distribution to a greedy one, and no sort of it on the CPU:
   * top-k and top-p are cuts by value. Top-k keeps the tokens whose logit is at least the k-th largest; top-p
     keeps the tokens whose logit is at least that of the last token the nucleus needs (the most likely tokens in
     descending order, up to the first whose preceding mass reaches top_p). Tokens tied at a cut are all kept, so
-    the result does not depend on how a sort orders ties. On a GPU a Triton kernel selects both cut values per
-    row without sorting it (`dustin.kernels.sampling_cut`: a radix-style select over the row, graph-safe); on the
-    CPU they come from `torch.topk` of the 256 largest in descending order (4 times more while the nucleus may
-    reach past them, up to the whole row), which gives the same cuts (a device without Triton sorts the row);
+    the result does not depend on how a sort orders ties. The cut values come from the row's largest logits in
+    descending order: on a GPU a sort of the row; on the CPU `torch.topk` of the 256 largest (4 times more while
+    the nucleus may reach past them, up to the whole row), which gives the same cuts;
   * a token is drawn by inverse CDF (one uniform number per row; block sums, then one block's cumulative sum), not
     by `torch.multinomial`, which draws an exponential number per vocabulary entry;
   * acceptance reads the draft's distribution at the first rejected slot by index, without copying it;
@@ -17,7 +16,6 @@ adds a few passes over the vocabulary per distribution to a greedy one, and no s
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,22 +45,6 @@ def _largest(x: torch.Tensor, size: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True).values if size >= x.shape[-1] else torch.topk(x, size, dim=-1).values
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_cut():
-    """`dustin.kernels.sampling_cut.sampling_cut`, or None where Triton does not import."""
-    try:
-        from dustin.kernels.sampling_cut import sampling_cut
-    except ImportError:
-        return None
-    return sampling_cut
-
-
-def _use_kernel(x: torch.Tensor) -> bool:
-    """Whether `_cut` takes the Triton select: a CUDA tensor and Triton there. Never on the CPU, not even under the
-    Triton interpreter (the tests call the kernel directly there)."""
-    return x.is_cuda and _triton_cut() is not None
-
-
 def _cut(x: torch.Tensor, top_k, top_p, k_need: int) -> torch.Tensor:
     """Logits x [..., V] (fp32, after temperature) with the tokens that top-k and then top-p drop set to -inf.
     top_k: an int or a long tensor broadcasting to x[..., :1] (0: off); top_p: a float or such a float tensor
@@ -71,13 +53,7 @@ def _cut(x: torch.Tensor, top_k, top_p, k_need: int) -> torch.Tensor:
     k_need = min(k_need, V)
     per_row = isinstance(top_p, torch.Tensor)
     p_on = per_row or top_p < 1.0
-    if _use_kernel(x):  # the same cuts, selected without a sort (top_k clamped to k_need as below)
-        if not k_need:
-            top_k = 0
-        elif isinstance(top_k, torch.Tensor):
-            top_k = torch.where(top_k > 0, top_k.clamp_max(k_need), 0)
-        return _triton_cut()(x, top_k, top_p if p_on else 1.0)[0]
-    # a GPU without Triton sorts the whole row (one shape for its graph); the CPU looks among the largest only
+    # a GPU sorts the whole row (fast there, and one shape for its graph); the CPU looks among the largest only
     size = V if x.device.type != "cpu" else min(V, max(k_need, _FIRST_K)) if p_on else k_need
     top = _largest(x, size)
     if k_need:

@@ -25,7 +25,7 @@ KERNELS = {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel", "_verify_
            "_verify_attention_combine_kernel", "_sparse_verify_split_kernel", "_sparse_verify_combine_kernel",
            "_score_pass1_kernel", "_score_pass2_kernel", "_mask_scores_kernel",
            "_assemble_kernel", "_page_minmax_kernel", "_page_scores_kernel", "_prefill_attention_kernel",
-           "_linear_kernel", "_gate_up_kernel", "_qkv_rope_kernel", "_capture_query_kernel", "_sampling_cut_kernel"}
+           "_linear_kernel", "_gate_up_kernel", "_qkv_rope_kernel", "_capture_query_kernel"}
 NO_PDL = {"_prefill_attention_kernel"}  # prefill only, between cuBLAS GEMMs: launched without PDL
 WAVES_WITHOUT_PDL = {"_verify_attention_split_kernel"}  # without PDL when its grid exceeds the SMs (use_pdl_for)
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90)
