@@ -250,6 +250,8 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
            "prefill_s": round(prefill_s, 3), "budget_k": s.policy.budget_stats()}
     if core.gamma_rule is not None:  # --gamma auto: sequence steps of each Γ in the timed steps
         row["gamma_steps"] = {g: n - gammas0.get(g, 0) for g, n in sorted(st.gammas.items()) if n > gammas0.get(g, 0)}
+        c = core.gamma_rule.costs  # the cost model the rows chose by: ms of a step of each Γ at the row's context
+        row["step_costs_ms"] = {g: round(1e3 * c.seconds(g, context), 3) for g in c.gammas}
     # the bytes a step must read (at the mean context of the timed steps; not under --gamma auto, whose steps differ)
     if getattr(a, "copy_bw", None) and core.gamma_rule is None:
         from dustin.bench.roofline import step_bytes

@@ -198,6 +198,8 @@ def test_bench_e2e_reports_the_gammas_of_gamma_auto(tiny_pair, tmp_path):
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     steps = rows["magicdec"]["gamma_steps"]
     assert sum(steps.values()) == 2 * 3 and all(0 <= int(g) <= 6 for g in steps)
+    costs = rows["magicdec"]["step_costs_ms"]  # the measured cost model at the row's context, every Γ it may take
+    assert sorted(map(int, costs)) == list(range(0, 7)) and all(v > 0 for v in costs.values())
     assert "gamma_steps" not in rows["vanilla"] and "pct_of_byte_roofline" in rows["vanilla"]
     assert "pct_of_byte_roofline" not in rows["magicdec"]
 
