@@ -42,6 +42,7 @@ from dustin.engine.model_runner import ModelRunner
 from dustin.engine.request import MAX_LOGPROBS, Logprob
 from dustin.engine.sampling import RowSampling, SamplingRule, accept_controlled
 from dustin.engine.timing import NullTimer, PhaseTimer
+from dustin.kernels import draft_decoder
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
 
@@ -178,6 +179,9 @@ class Session:
         if self.spec.speculative:
             self.runners["draft"] = ModelRunner(draft, kv.caches["draft"], self.use_graphs)
             sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
+            draft.layer_kernel = None
+            if cfg.options.draft_kernel and self.device.type == "cuda" and window > 0:
+                draft_decoder.attach(draft, sinks, window)
             self.draft_step: DraftStep = EagerDraftStep(self.runners["draft"], self.sampler, self.V, self.gamma,
                                                         sinks, window)
         self.target_cache = self.runners["target"].cache

@@ -260,6 +260,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(args)
         self.backend = backend or AttentionBackend.for_device("cpu")
+        # the decoder layers of the decode forwards it takes, in one persistent kernel (a draft's
+        # dustin.kernels.draft_decoder.DraftDecoder, attached by `draft_decoder.attach`); None: layer by layer
+        self.layer_kernel = None
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
                 float_logits: bool = True) -> torch.Tensor:
@@ -285,12 +288,15 @@ class Transformer(nn.Module):
                       float_logits: bool = True) -> torch.Tensor:
         """`forward` after the embedding, through `DecoderLayer.decode_forward` (its conditions:
         `_takes_decode_kernels`)."""
-        from dustin.kernels.decode_linear import row_norm
-        ln = self.layers[0].input_layernorm
-        normed = row_norm(h, ln.weight, ln.eps)
-        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [None]
-        for layer, nxt in zip(self.layers, nexts, strict=True):
-            h, normed = layer.decode_forward(h, normed, cos, sin, ctx, self.backend, nxt)
+        if self.layer_kernel is not None and self.layer_kernel.takes(h, ctx):
+            h = self.layer_kernel.forward(h, cos, sin, ctx)
+        else:
+            from dustin.kernels.decode_linear import row_norm
+            ln = self.layers[0].input_layernorm
+            normed = row_norm(h, ln.weight, ln.eps)
+            nexts = [layer.input_layernorm for layer in self.layers[1:]] + [None]
+            for layer, nxt in zip(self.layers, nexts, strict=True):
+                h, normed = layer.decode_forward(h, normed, cos, sin, ctx, self.backend, nxt)
         if logits_at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
         logits = self.lm_head(self.norm(h))
@@ -302,8 +308,12 @@ class Transformer(nn.Module):
         down_proj and the residual add)."""
         from dustin.kernels.decode_linear import MAX_ROWS
         return (self.decode_kernels and h.is_cuda and not ctx.fresh and ctx.packed is None and ctx.rows is None
-                and h.shape[0] * h.shape[1] <= MAX_ROWS and self.projections_fused
-                and type(self.layers[0].self_attn.o_proj) is Linear and type(self.layers[0].mlp.down_proj) is Linear)
+                and h.shape[0] * h.shape[1] <= MAX_ROWS and self.projections_fused and self.unsharded)
+
+    @property
+    def unsharded(self) -> bool:
+        """No tensor-parallel layers (their all-reduce sits between o_proj / down_proj and the residual add)."""
+        return type(self.layers[0].self_attn.o_proj) is Linear and type(self.layers[0].mlp.down_proj) is Linear
 
     def fuse_projections(self) -> Transformer:
         """Concatenate each layer's q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj: two GEMM

@@ -1,0 +1,606 @@
+// One persistent kernel for a draft forward's decoder layers (sm_90): every layer's q/k/v projection with RoPE
+// and the KV-cache write, the streaming attention, o_proj, gate/up with SiLU, down_proj and the residual adds,
+// for up to MAXM token rows, in one launch of one program per SM.
+//
+// Why: a draft forward launched as ~5 kernels a layer costs ~4 us a kernel besides its bytes (docs/benchmarks.md),
+// so the draft ran at ~4.5x its weight-read time. Here each program walks an instruction list planned on the host
+// (dustin/kernels/draft_decoder.py), streams the weight tiles of its next instructions into a ring of shared-memory
+// slots with bulk copies *before* it waits for their inputs, and waits on per-(layer, stage) counters in global
+// memory instead of kernel boundaries. The weight stream never stops at a layer's stages.
+//
+// Stages of layer l and what each waits for (counts in `need`):
+//   QKV  (head, 4 half-dims)       waits DOWN(l-1): RMSNorm(h) in shared memory, q/k/v + bias, RoPE, q out, k/v to cache
+//   ATT  (row, kv head, chunk)     waits QKV(l):    attention over <= CH positions of the row's streaming window;
+//                                                   the chunk that arrives last merges the chunks in a fixed order
+//   O    (8 columns)               waits ATT(l):    h += o_proj(attention)
+//   GU   (8 columns of gate & up)  waits O(l):      act = SiLU(gate) * up of RMSNorm(h)
+//   DOWN (32 columns, K / DSPLIT)  waits GU(l):     partial sums; the split that arrives last adds them in a fixed
+//                                                   order and h += down_proj(act)
+// Every reduction has a fixed order: the result does not depend on which program finished first.
+//
+// Shapes are compile-time (-D flags, one build per draft shape). Rounding follows the PyTorch model: each
+// projection's output rounds to bf16 before its bias / RoPE / SiLU / residual add (done in fp32, rounded once).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef DIM
+#define DIM 896
+#define N_HEADS 14
+#define N_KV_HEADS 2
+#define HEAD_DIM 64
+#define INTER 4864
+#endif
+#ifndef DSPLIT
+#define DSPLIT 8
+#endif
+#ifndef NSLOT
+#define NSLOT 4
+#endif
+
+namespace {
+
+constexpr int D = DIM, NQ = N_HEADS, NKV = N_KV_HEADS, HD = HEAD_DIM, I = INTER;
+constexpr int GQ = NQ / NKV;            // query heads per KV head
+constexpr int NHEADS = NQ + 2 * NKV;    // q | k | v heads of the fused projection
+constexpr int MAXM = 32;                // token rows
+constexpr int NT = 256, NW = 8;         // threads, warps
+constexpr int PAD = 8;                  // bf16 of padding per shared-memory row: rows 16 B apart in banks
+constexpr int KC = I / DSPLIT;          // down_proj's K per split
+constexpr int DOWN_N = 32;              // down_proj columns per instruction
+constexpr int CH = 128;                 // attention positions per chunk
+constexpr int KST = HD + 2;             // K/V rows in shared memory: 33 words apart, conflict-free
+
+static_assert(NQ % NKV == 0, "query heads must be a multiple of KV heads");
+static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+static_assert(D % 16 == 0 && KC % 16 == 0 && I % DSPLIT == 0 && D % DOWN_N == 0 && I % 8 == 0, "tile shapes");
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int SLOT_BYTES = cmax(cmax(8 * (D + PAD), 16 * (D + PAD)), DOWN_N * (KC + PAD)) * 2;
+constexpr int A_COLS = cmax(D, KC) + PAD;
+constexpr int A_BYTES = MAXM * A_COLS * 2;
+constexpr int ATT_BYTES = (GQ * HD + GQ * CH) * 4 + 2 * CH * KST * 2;
+static_assert(ATT_BYTES <= A_BYTES, "attention scratch must fit the activation buffer");
+constexpr int RED_BYTES = NW * 32 * 4 * 4;  // each warp's 16x8 accumulator fragment
+constexpr int OUT_BYTES = MAXM * 32 * 4;    // an instruction's [M, N <= 32] fp32 result
+constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + A_BYTES + RED_BYTES + OUT_BYTES + 64 + NSLOT * 8;
+
+enum Op : int { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4 };
+enum Stage : int { S_QKV = 0, S_ATT = 1, S_O = 2, S_GU = 3, S_DOWN = 4, NSTAGE = 5 };
+
+struct Layer {  // device pointers of one layer's weights (fused projections, nn.Linear's [N, K] layout)
+  const __nv_bfloat16 *wqkv, *bqkv, *wo, *wgu, *wd, *ln1, *ln2;
+};
+
+struct Params {
+  const Layer* layers;
+  const int4* ins;        // [nsm, ins_stride]: (op, layer, a, b)
+  const int* n_ins;       // [nsm]
+  const int4* wins;       // [nsm, ins_stride]: the instructions that read weights, in order
+  const int* n_wins;      // [nsm]
+  int ins_stride;
+  int n_layers;
+  int M, T;               // token rows (M = rows of the batch x T), tokens per batch row
+  __nv_bfloat16* h;       // [M, D] residual stream: the embeddings in, the last layer's output out
+  const int64_t* pos;     // [M] positions
+  const float* cos;       // [M, HD]
+  const float* sin;
+  __nv_bfloat16* kc;      // [n_layers, B, NKV, S, HD]
+  __nv_bfloat16* vc;
+  int64_t cache_b, cache_s;  // the cache's batch and capacity
+  int sinks, window;      // streaming attention: j < sinks or p - window < j <= p
+  int nchunk;             // attention chunks per (row, kv head)
+  float eps, scale;
+  __nv_bfloat16* q;       // [M, NQ * HD] scratch
+  __nv_bfloat16** q_capture;  // [n_layers]: where a layer's rotated q is also written (null: not captured)
+  __nv_bfloat16* attn;    // [M, NQ * HD]
+  __nv_bfloat16* act;     // [M, I]
+  float* att_part;        // [M, NKV, nchunk, GQ, HD + 2]: o, then (max, sum)
+  float* down_part;       // [DSPLIT, M, D]
+  int* counters;          // [n_layers, NSTAGE] zeroed before each launch
+  int* arrivals;          // [n_layers, M * NKV + D / DOWN_N] zeroed before each launch
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A wait that cannot hang the GPU: past 2 s (a bug, never a slow input) the kernel traps, and the launch fails.
+constexpr uint64_t WAIT_LIMIT_NS = 2000000000ull;
+
+__device__ __forceinline__ bool mbar_try(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return ok;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  if (mbar_try(bar, parity)) return;
+  const uint64_t t0 = now_ns();
+  while (!mbar_try(bar, parity))
+    if (now_ns() - t0 > WAIT_LIMIT_NS) __trap();
+}
+
+// global -> shared bulk copy, completion counted in bytes on `bar`; bytes and addresses multiples of 16
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {  // L2 only: data other SMs wrote
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// ---- weight tiles ---------------------------------------------------------------------------------------------
+// The rows an instruction reads: row r of the tile is weight row `row_of(ins, r)`, columns [k0, k0 + kw).
+struct Tile {
+  const __nv_bfloat16* w;
+  int rows, kw, k0, ld;  // tile rows, their width, first column, the weight's row length
+};
+
+__device__ __forceinline__ Tile tile_of(const Params& p, int4 ins) {
+  const Layer& L = p.layers[ins.y];
+  switch (ins.x) {
+    case OP_QKV: return {L.wqkv, 8, D, 0, D};
+    case OP_O: return {L.wo, 8, D, 0, D};
+    case OP_GU: return {L.wgu, 16, D, 0, D};
+    default: return {L.wd, DOWN_N, KC, ins.w * KC, I};
+  }
+}
+
+__device__ __forceinline__ int row_of(int4 ins, int r) {
+  switch (ins.x) {
+    case OP_QKV: return ins.z * HD + (r < 4 ? ins.w + r : HD / 2 + ins.w + r - 4);  // RoPE's pairs: r, r + 4
+    case OP_O: return ins.z + r;
+    case OP_GU: return r < 8 ? ins.z + r : I + ins.z + r - 8;  // gate rows, then up rows
+    default: return ins.z + r;
+  }
+}
+
+// warp 0 fills slot `slot` with the weight tile of `ins` (one bulk copy a row, rows PAD apart)
+__device__ void issue_tile(const Params& p, int4 ins, char* slot, uint64_t* bar) {
+  const int lane = threadIdx.x & 31;
+  Tile t = tile_of(p, ins);
+  if (lane == 0) mbar_expect_tx(bar, t.rows * t.kw * 2);
+  __syncwarp();
+  __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(slot);
+  for (int r = lane; r < t.rows; r += 32)
+    bulk_copy(dst + r * (t.kw + PAD), t.w + (int64_t)row_of(ins, r) * t.ld + t.k0, t.kw * 2, bar);
+}
+
+// ---- the GEMM of one instruction: out[M, N] = A[M, K] @ W[N, K]^T, A and W in shared memory -------------------
+// Warps split (m tile, n block) pairs, then K; their fragments are added in warp order (deterministic).
+__device__ void gemm(const __nv_bfloat16* A, int a_ld, const __nv_bfloat16* W, int w_ld, int M, int N, int K,
+                     float* red, float* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int mt = (M + 15) / 16, nb = N / 8, pairs = mt * nb, per = NW / pairs;  // pairs in {1, 2, 4, 8}
+  const int pair = warp / per, part = warp % per;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  if (pair < pairs) {
+    const int m0 = (pair / nb) * 16, n0 = (pair % nb) * 8;
+    const int g = lane >> 2, cc = (lane & 3) * 2;
+    const __nv_bfloat16* a0 = A + (m0 + g) * a_ld + cc;
+    const __nv_bfloat16* a1 = a0 + 8 * a_ld;
+    const __nv_bfloat16* w0 = W + (n0 + g) * w_ld + cc;
+    const int steps = K / 16;
+#pragma unroll 4
+    for (int s = part; s < steps; s += per) {
+      const int k = s * 16;
+      uint32_t a[4];
+      a[0] = *reinterpret_cast<const uint32_t*>(a0 + k);
+      a[1] = *reinterpret_cast<const uint32_t*>(a1 + k);
+      a[2] = *reinterpret_cast<const uint32_t*>(a0 + k + 8);
+      a[3] = *reinterpret_cast<const uint32_t*>(a1 + k + 8);
+      uint32_t b0 = *reinterpret_cast<const uint32_t*>(w0 + k);
+      uint32_t b1 = *reinterpret_cast<const uint32_t*>(w0 + k + 8);
+      mma16816(c, a, b0, b1);
+    }
+  }
+  float4* r = reinterpret_cast<float4*>(red) + warp * 32 + lane;
+  *r = make_float4(c[0], c[1], c[2], c[3]);
+  __syncthreads();
+  if (part == 0 && pair < pairs) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int w = warp; w < warp + per; ++w) {
+      float4 v = reinterpret_cast<float4*>(red)[w * 32 + lane];
+      s[0] += v.x; s[1] += v.y; s[2] += v.z; s[3] += v.w;
+    }
+    const int m0 = (pair / nb) * 16, n0 = (pair % nb) * 8;
+    const int g = lane >> 2, cc = (lane & 3) * 2;
+    out[(m0 + g) * 32 + n0 + cc] = s[0];
+    out[(m0 + g) * 32 + n0 + cc + 1] = s[1];
+    out[(m0 + g + 8) * 32 + n0 + cc] = s[2];
+    out[(m0 + g + 8) * 32 + n0 + cc + 1] = s[3];
+  }
+  __syncthreads();
+}
+
+// A[m, :] = rows of a global bf16 matrix (columns [k0, k0 + K) of rows `ld` apart), through L2; rows >= M zero
+__device__ void load_rows(__nv_bfloat16* A, const __nv_bfloat16* src, int ld, int k0, int K, int M) {
+  const int per_row = K / 8, rows = ((M + 15) / 16) * 16;
+  for (int i = threadIdx.x; i < rows * per_row; i += NT) {
+    const int m = i / per_row, k = (i % per_row) * 8;
+    __nv_bfloat16* dst = A + m * A_COLS + k;
+    if (m < M) cp_async16(dst, src + (int64_t)m * ld + k0 + k);
+    else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+}
+
+// A = RMSNorm(h) in place: weight * bf16(x * rstd), as the PyTorch model rounds
+__device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* g, int M, float eps, float* scratch) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int m = warp; m < M; m += NW) {
+    float ss = 0.f;
+    for (int k = lane; k < D; k += 32) {
+      float x = __bfloat162float(A[m * A_COLS + k]);
+      ss += x * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) scratch[m] = rsqrtf(ss / D + eps);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * D; i += NT) {
+    const int m = i / D, k = i % D;
+    float x = __bfloat162float(A[m * A_COLS + k]) * scratch[m];
+    A[m * A_COLS + k] = __float2bfloat16(__bfloat162float(g[k]) * bf(x));
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void signal(int* counter) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(counter, 1);
+}
+
+// the program that arrives last at `arrival` (of `total`) returns true, with every other arrival's writes visible
+__device__ bool arrive_last(int* arrival, int total, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(arrival, 1) == total - 1;
+  __syncthreads();
+  const bool last = *flag;
+  if (last) __threadfence();
+  return last;
+}
+
+// ---- the attention of one (row, kv head, chunk) --------------------------------------------------------------
+__device__ void attention(const Params& p, int layer, int m, int g, int chunk, char* scratch, int* flag) {
+  float* qs = reinterpret_cast<float*>(scratch);         // [GQ, HD]
+  float* sc = qs + GQ * HD;                               // [GQ, CH]
+  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(sc + GQ * CH);  // [CH, KST]
+  __nv_bfloat16* vs = ks + CH * KST;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t pos = p.pos[m];
+  const int b = m / p.T;
+  const int s0 = (int)min((int64_t)p.sinks, pos + 1);
+  const int64_t start = p.window > 0 ? max((int64_t)s0, pos - p.window + 1) : (int64_t)s0;
+  const int n = s0 + (int)(pos - start + 1);
+  const int i0 = chunk * CH, cnt = max(0, min(n - i0, CH));
+  const int64_t base = ((((int64_t)layer * p.cache_b + b) * NKV + g) * p.cache_s) * HD;
+  for (int i = tid; i < GQ * HD; i += NT)
+    qs[i] = __bfloat162float(__ldcg(p.q + (int64_t)m * NQ * HD + g * GQ * HD + i)) * p.scale;
+  for (int i = tid; i < cnt * (HD / 2); i += NT) {  // 4-byte pieces of the chunk's K and V rows
+    const int j = i / (HD / 2), d = (i % (HD / 2)) * 2;
+    const int li = i0 + j;
+    const int64_t at = li < s0 ? li : start + (li - s0);
+    const int64_t off = base + at * HD + d;
+    *reinterpret_cast<uint32_t*>(ks + j * KST + d) = __ldcg(reinterpret_cast<const unsigned int*>(p.kc + off));
+    *reinterpret_cast<uint32_t*>(vs + j * KST + d) = __ldcg(reinterpret_cast<const unsigned int*>(p.vc + off));
+  }
+  __syncthreads();
+  for (int i = tid; i < GQ * CH; i += NT) {
+    const int hh = i / CH, j = i % CH;
+    float s = -INFINITY;
+    if (j < cnt) {
+      s = 0.f;
+      const float* qh = qs + hh * HD;
+      const __nv_bfloat16* kr = ks + j * KST;
+#pragma unroll 8
+      for (int d = 0; d < HD; d += 2) {
+        float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kr + d));
+        s += qh[d] * kk.x + qh[d + 1] * kk.y;
+      }
+    }
+    sc[i] = s;
+  }
+  __syncthreads();
+  float* part = p.att_part + ((((int64_t)m * NKV + g) * p.nchunk + chunk) * GQ) * (HD + 2);
+  for (int hh = warp; hh < GQ; hh += NW) {  // max and sum of each head's chunk
+    float mx = -INFINITY;
+    for (int j = lane; j < CH; j += 32) mx = fmaxf(mx, sc[hh * CH + j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int j = lane; j < CH; j += 32) {
+      float e = cnt > 0 ? __expf(sc[hh * CH + j] - mx) : 0.f;
+      sc[hh * CH + j] = e;
+      sum += e;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+      part[hh * (HD + 2) + HD] = mx;
+      part[hh * (HD + 2) + HD + 1] = sum;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < GQ * HD; i += NT) {
+    const int hh = i / HD, d = i % HD;
+    float o = 0.f;
+    for (int j = 0; j < cnt; ++j) o += sc[hh * CH + j] * __bfloat162float(vs[j * KST + d]);
+    part[hh * (HD + 2) + d] = o;
+  }
+  int* arrival = p.arrivals + (int64_t)layer * (p.M * NKV + D / DOWN_N) + m * NKV + g;
+  if (!arrive_last(arrival, p.nchunk, flag)) return;
+  const float* parts = p.att_part + (((int64_t)m * NKV + g) * p.nchunk) * GQ * (HD + 2);
+  for (int i = tid; i < GQ * HD; i += NT) {  // merge the chunks in chunk order
+    const int hh = i / HD, d = i % HD;
+    float mx = -INFINITY;
+    for (int c = 0; c < p.nchunk; ++c) mx = fmaxf(mx, __ldcg(parts + (c * GQ + hh) * (HD + 2) + HD));
+    float num = 0.f, den = 0.f;
+    for (int c = 0; c < p.nchunk; ++c) {
+      const float* pc = parts + (c * GQ + hh) * (HD + 2);
+      const float l = __ldcg(pc + HD + 1);
+      if (l == 0.f) continue;
+      const float w = __expf(__ldcg(pc + HD) - mx);
+      num += w * __ldcg(pc + d);
+      den += w * l;
+    }
+    p.attn[(int64_t)m * NQ * HD + (g * GQ + hh) * HD + d] = __float2bfloat16(num / den);
+  }
+  signal(p.counters + layer * NSTAGE + S_ATT);
+}
+
+// ---- epilogues ---------------------------------------------------------------------------------------------
+__device__ void qkv_out(const Params& p, int layer, int head, int j0, const float* out) {
+  const Layer& L = p.layers[layer];
+  for (int i = threadIdx.x; i < p.M * 4; i += NT) {
+    const int m = i / 4, r = i % 4, d = j0 + r;
+    const int c1 = head * HD + d, c2 = c1 + HD / 2;
+    float x1 = bf(out[m * 32 + r]), x2 = bf(out[m * 32 + r + 4]);
+    if (L.bqkv) {
+      x1 = bf(x1 + __bfloat162float(L.bqkv[c1]));
+      x2 = bf(x2 + __bfloat162float(L.bqkv[c2]));
+    }
+    float y1 = x1, y2 = x2;
+    if (head < NQ + NKV) {  // RoPE (rotate-half): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+      const float cs = p.cos[m * HD + d], sn = p.sin[m * HD + d];
+      y1 = x1 * cs - x2 * sn;
+      y2 = x2 * cs + x1 * sn;
+    }
+    const __nv_bfloat16 o1 = __float2bfloat16(y1), o2 = __float2bfloat16(y2);
+    if (head < NQ) {
+      const int64_t at = (int64_t)m * NQ * HD + c1;
+      p.q[at] = o1;
+      p.q[at + HD / 2] = o2;
+      __nv_bfloat16* cap = p.q_capture[layer];
+      if (cap) {
+        cap[at] = o1;
+        cap[at + HD / 2] = o2;
+      }
+    } else {
+      const bool is_k = head < NQ + NKV;
+      const int gh = is_k ? head - NQ : head - NQ - NKV;
+      const int b = m / p.T;
+      const int64_t at = ((((int64_t)layer * p.cache_b + b) * NKV + gh) * p.cache_s + p.pos[m]) * HD + d;
+      __nv_bfloat16* c = is_k ? p.kc : p.vc;
+      c[at] = o1;
+      c[at + HD / 2] = o2;
+    }
+  }
+}
+
+__device__ void residual_out(const Params& p, int n0, int N, const float* out) {  // h += bf16(out)
+  for (int i = threadIdx.x; i < p.M * N; i += NT) {
+    const int m = i / N, n = i % N;
+    __nv_bfloat16* h = p.h + (int64_t)m * D + n0 + n;
+    *h = __float2bfloat16(__bfloat162float(__ldcg(h)) + bf(out[m * 32 + n]));
+  }
+}
+
+__device__ void gate_up_out(const Params& p, int c0, const float* out) {
+  for (int i = threadIdx.x; i < p.M * 8; i += NT) {
+    const int m = i / 8, n = i % 8;
+    const float g = bf(out[m * 32 + n]), u = bf(out[m * 32 + 8 + n]);
+    p.act[(int64_t)m * I + c0 + n] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+__device__ void down_out(const Params& p, int layer, int n0, int split, const float* out, int* flag) {
+  for (int i = threadIdx.x; i < p.M * DOWN_N; i += NT) {
+    const int m = i / DOWN_N, n = i % DOWN_N;
+    p.down_part[((int64_t)split * p.M + m) * D + n0 + n] = out[m * 32 + n];
+  }
+  int* arrival = p.arrivals + (int64_t)layer * (p.M * NKV + D / DOWN_N) + p.M * NKV + n0 / DOWN_N;
+  if (!arrive_last(arrival, DSPLIT, flag)) return;
+  for (int i = threadIdx.x; i < p.M * DOWN_N; i += NT) {  // the splits in split order
+    const int m = i / DOWN_N, n = i % DOWN_N;
+    float s = 0.f;
+    for (int c = 0; c < DSPLIT; ++c) s += __ldcg(p.down_part + ((int64_t)c * p.M + m) * D + n0 + n);
+    __nv_bfloat16* h = p.h + (int64_t)m * D + n0 + n;
+    *h = __float2bfloat16(__bfloat162float(__ldcg(h)) + bf(s));
+  }
+  signal(p.counters + layer * NSTAGE + S_DOWN);
+}
+
+// what (layer, stage) an instruction waits for, and how many arrivals that stage counts when done
+__device__ __forceinline__ void dependency(const Params& p, int4 ins, int* stage_index, int* need) {
+  const int l = ins.y;
+  switch (ins.x) {
+    case OP_QKV: *stage_index = l > 0 ? (l - 1) * NSTAGE + S_DOWN : -1; *need = D / DOWN_N; break;
+    case OP_ATT: *stage_index = l * NSTAGE + S_QKV; *need = NHEADS * (HD / 8); break;
+    case OP_O: *stage_index = l * NSTAGE + S_ATT; *need = p.M * NKV; break;
+    case OP_GU: *stage_index = l * NSTAGE + S_O; *need = D / 8; break;
+    default: *stage_index = l * NSTAGE + S_GU; *need = I / 8; break;
+  }
+}
+
+__global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
+  extern __shared__ __align__(128) char smem[];
+  char* slots = smem;
+  __nv_bfloat16* A = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);
+  float* red = reinterpret_cast<float*>(smem + NSLOT * SLOT_BYTES + A_BYTES);
+  float* out = red + RED_BYTES / 4;
+  int* misc = reinterpret_cast<int*>(out + OUT_BYTES / 4);  // [0]: arrive_last's flag
+  uint64_t* bars = reinterpret_cast<uint64_t*>(misc + 16);
+
+  const int sm = blockIdx.x;
+  const int4* ins = p.ins + (int64_t)sm * p.ins_stride;
+  const int4* wins = p.wins + (int64_t)sm * p.ins_stride;
+  const int n_ins = p.n_ins[sm], n_w = p.n_wins[sm];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSLOT; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  int issued = 0, consumed = 0;
+  int a_key = -1;  // what A holds: layer * 16 + op (+ split for DOWN)
+  for (int i = 0; i < n_ins; ++i) {
+    const int4 in = ins[i];
+    if (threadIdx.x < 32) {  // keep NSLOT weight tiles in flight, before waiting for this instruction's inputs
+      while (issued < n_w && issued < consumed + NSLOT) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        issue_tile(p, wins[issued], slots + (issued % NSLOT) * SLOT_BYTES, bars + issued % NSLOT);
+        ++issued;
+      }
+    }
+    int dep, need;
+    dependency(p, in, &dep, &need);
+    if (threadIdx.x == 0 && dep >= 0 && ld_acquire(p.counters + dep) < need) {
+      const uint64_t t0 = now_ns();
+      while (ld_acquire(p.counters + dep) < need) {
+        __nanosleep(20);
+        if (now_ns() - t0 > WAIT_LIMIT_NS) __trap();
+      }
+    }
+    __syncthreads();
+
+    const int layer = in.y;
+    const Layer& L = p.layers[layer];
+    if (in.x == OP_ATT) {
+      a_key = -1;  // the attention's scratch overwrites A
+      attention(p, layer, in.z, in.w / p.nchunk, in.w % p.nchunk, reinterpret_cast<char*>(A), misc);
+      __syncthreads();
+      continue;
+    }
+    const int key = layer * 64 + in.x * 8 + (in.x == OP_DOWN ? in.w : 0);
+    if (key != a_key) {
+      switch (in.x) {
+        case OP_QKV: load_rows(A, p.h, D, 0, D, p.M); norm_rows(A, L.ln1, p.M, p.eps, out); break;
+        case OP_O: load_rows(A, p.attn, NQ * HD, 0, D, p.M); break;
+        case OP_GU: load_rows(A, p.h, D, 0, D, p.M); norm_rows(A, L.ln2, p.M, p.eps, out); break;
+        default: load_rows(A, p.act, I, in.w * KC, KC, p.M); break;
+      }
+      a_key = key;
+    }
+    const int slot = consumed % NSLOT;
+    mbar_wait(bars + slot, (consumed / NSLOT) & 1);
+    const __nv_bfloat16* W = reinterpret_cast<const __nv_bfloat16*>(slots + slot * SLOT_BYTES);
+    switch (in.x) {
+      case OP_QKV:
+        gemm(A, A_COLS, W, D + PAD, p.M, 8, D, red, out);
+        qkv_out(p, layer, in.z, in.w, out);
+        signal(p.counters + layer * NSTAGE + S_QKV);
+        break;
+      case OP_O:
+        gemm(A, A_COLS, W, D + PAD, p.M, 8, D, red, out);
+        residual_out(p, in.z, 8, out);
+        signal(p.counters + layer * NSTAGE + S_O);
+        break;
+      case OP_GU:
+        gemm(A, A_COLS, W, D + PAD, p.M, 16, D, red, out);
+        gate_up_out(p, in.z, out);
+        signal(p.counters + layer * NSTAGE + S_GU);
+        break;
+      default:
+        gemm(A, A_COLS, W, KC + PAD, p.M, DOWN_N, KC, red, out);
+        down_out(p, layer, in.z, in.w, out, misc);
+        break;
+    }
+    ++consumed;
+    __syncthreads();  // the slot and `out` are free again
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int draft_layers_smem_bytes() { return SMEM_BYTES; }
+
+// once per process and device, before any launch (outside a CUDA graph capture)
+int draft_layers_configure() {
+  return cudaFuncSetAttribute(draft_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+}
+
+int draft_layers_shape(int* shape) {  // what this build was compiled for
+  shape[0] = D; shape[1] = NQ; shape[2] = NKV; shape[3] = HD; shape[4] = I; shape[5] = DSPLIT;
+  shape[6] = DOWN_N; shape[7] = CH; shape[8] = MAXM; shape[9] = NSLOT;
+  return 10;
+}
+
+// Launch on `stream` (a cudaStream_t); counters and arrivals are zeroed first on the same stream (one memset
+// each: capturable in a CUDA graph). Returns a cudaError_t.
+int draft_layers_launch(const Params* params, int grid, void* stream, int counter_bytes, int arrival_bytes) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(params->counters, 0, counter_bytes, s);
+  if (e != cudaSuccess) return e;
+  e = cudaMemsetAsync(params->arrivals, 0, arrival_bytes, s);
+  if (e != cudaSuccess) return e;
+  draft_layers_kernel<<<grid, NT, SMEM_BYTES, s>>>(*params);
+  return cudaGetLastError();
+}
+
+int draft_layers_params_bytes() { return sizeof(Params); }
+}

@@ -1,0 +1,425 @@
+"""A draft forward's decoder layers in one persistent kernel (csrc/draft_decoder.cu), and its PyTorch reference.
+
+Why: launched as ~5 kernels a layer, the draft's forwards ran at ~4.5x their weight-read time: each kernel costs
+~4 µs besides its bytes (docs/benchmarks.md). The persistent kernel runs one program per SM through an instruction
+list planned here (`plan`), streams each program's next weight tiles into shared memory before it waits for their
+inputs, and replaces kernel boundaries by counters in global memory. The LM head and sampling stay as they are.
+
+Scope: decode forwards (1 or 2 tokens a row, <= 32 token rows) of a streaming draft (sinks + a recent window) on
+sm_90, at the shapes the build supports (`supports`); anything else takes the per-layer kernels, with the reason
+logged once (`Transformer.decode_logits`). The build is one nvcc call per draft shape, cached on disk.
+
+The instruction list (`plan`): per layer, five stages in order (QKV, ATT, O, GU, DOWN, as the kernel's header
+describes), their tiles dealt to the SMs round-robin by one cursor that runs through every stage of every layer,
+so each program's list is in stage order (a program only ever waits for an earlier stage: no deadlock), and
+consecutive stages start on different SMs (balance). `reference_plan` executes the same tiles in PyTorch, in
+stage order: the CPU's check of the plan and of each tile's arithmetic.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OP_QKV, OP_ATT, OP_O, OP_GU, OP_DOWN = range(5)
+MAX_ROWS = 32  # the kernel's MAXM
+DSPLIT = 8  # down_proj's K splits
+DOWN_N = 32  # down_proj columns per instruction
+CHUNK = 128  # attention positions per instruction
+SOURCE = Path(__file__).with_name("csrc") / "draft_decoder.cu"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The draft shapes a build is for."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    inter: int
+
+    @classmethod
+    def of(cls, args) -> "Shape":
+        return cls(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size)
+
+
+def unsupported(shape: Shape) -> str | None:
+    """Why the kernel cannot run this shape (None: it can). Shared memory bounds the hidden size: the kernel holds
+    32 rows of the hidden state and four weight tiles of up to 32 rows."""
+    if shape.head_dim not in (64, 128):
+        return f"head_dim {shape.head_dim} (64 or 128)"
+    if shape.n_heads % shape.n_kv_heads:
+        return "query heads not a multiple of KV heads"
+    if shape.dim % DOWN_N or shape.inter % (DSPLIT * 16) or shape.dim % 16:
+        return f"hidden {shape.dim} / intermediate {shape.inter} not multiples of {DOWN_N} / {DSPLIT * 16}"
+    if smem_bytes(shape) > 227 * 1024:
+        return f"needs {smem_bytes(shape) // 1024} KiB of shared memory a program (227 on sm_90)"
+    return None
+
+
+def smem_bytes(shape: Shape, nslot: int = 4) -> int:
+    """The kernel's SMEM_BYTES (its constants, written again here to refuse a shape before compiling)."""
+    pad, kc = 8, shape.inter // DSPLIT
+    slot = max(16 * (shape.dim + pad), DOWN_N * (kc + pad)) * 2
+    a = MAX_ROWS * (max(shape.dim, kc) + pad) * 2
+    return nslot * slot + a + 8 * 32 * 16 + MAX_ROWS * 32 * 4 + 64 + nslot * 8
+
+
+# ---- the instruction list ------------------------------------------------------------------------------------
+def stage_tiles(shape: Shape, M: int, nchunk: int, layer: int) -> list[list[tuple[int, int, int, int]]]:
+    """The tiles (op, layer, a, b) of one layer's five stages, in stage order (the kernel's encoding)."""
+    heads = shape.n_heads + 2 * shape.n_kv_heads
+    qkv = [(OP_QKV, layer, h, j) for h in range(heads) for j in range(0, shape.head_dim // 2, 4)]
+    att = [(OP_ATT, layer, m, g * nchunk + c) for c in range(nchunk) for m in range(M)
+           for g in range(shape.n_kv_heads)]
+    o = [(OP_O, layer, n, 0) for n in range(0, shape.dim, 8)]
+    gu = [(OP_GU, layer, c, 0) for c in range(0, shape.inter, 8)]
+    down = [(OP_DOWN, layer, n, s) for s in range(DSPLIT) for n in range(0, shape.dim, DOWN_N)]
+    return [qkv, att, o, gu, down]
+
+
+def plan(shape: Shape, n_layers: int, M: int, nchunk: int, n_sms: int) -> list[list[tuple[int, int, int, int]]]:
+    """Each program's instruction list (module docstring)."""
+    lists: list[list] = [[] for _ in range(n_sms)]
+    cursor = 0
+    for layer in range(n_layers):
+        for tiles in stage_tiles(shape, M, nchunk, layer):
+            for t in tiles:
+                lists[cursor % n_sms].append(t)
+                cursor += 1
+    return lists
+
+
+def n_chunks(sinks: int, window: int) -> int:
+    return math.ceil((sinks + window) / CHUNK)
+
+
+# ---- the PyTorch reference of the plan -----------------------------------------------------------------------
+def _bf(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round to the activation dtype and back to fp32 (the kernel's `bf`)."""
+    return x.to(dtype).float()
+
+
+def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, *, T: int, sinks: int, window: int,
+                   q_capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """What the kernel computes, tile by tile in stage order, in PyTorch: h [M, dim] (the embeddings) -> the last
+    layer's residual stream [M, dim]; k_cache / v_cache [L, B, Hkv, S, D] get each layer's new keys and values;
+    q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`.
+    Slow on purpose: it checks `plan`'s tiles and each tile's rounding against the model's own forward."""
+    a = model.args
+    shape, dt = Shape.of(a), h.dtype
+    M, D, HD, NQ, NKV = h.shape[0], a.dim, a.head_dim, a.n_heads, a.n_kv_heads
+    GQ, nchunk = NQ // NKV, n_chunks(sinks, window)
+    h = h.clone()
+    pos = positions.reshape(-1).long()
+    for li, layer in enumerate(model.layers):
+        at, mlp = layer.self_attn, layer.mlp
+        q = torch.empty(M, NQ * HD, dtype=dt, device=h.device)
+        attn = torch.empty_like(q)
+        act = torch.empty(M, a.intermediate_size, dtype=dt, device=h.device)
+        parts: dict = {}
+        x = _norm(h, layer.input_layernorm)
+        for op, _, ta, tb in [t for tiles in stage_tiles(shape, M, nchunk, li) for t in tiles]:
+            if op == OP_QKV:
+                rows = [ta * HD + tb + r for r in range(4)] + [ta * HD + HD // 2 + tb + r for r in range(4)]
+                out = _bf(x.float() @ at.qkv_proj.weight[rows].float().T, dt)
+                if at.qkv_proj.bias is not None:
+                    out = _bf(out + at.qkv_proj.bias[rows].float(), dt)
+                x1, x2 = out[:, :4], out[:, 4:]
+                d = slice(tb, tb + 4)
+                if ta < NQ + NKV:
+                    c, s = cos[:, d].float(), sin[:, d].float()
+                    x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
+                if ta < NQ:
+                    q[:, ta * HD + tb: ta * HD + tb + 4] = x1.to(dt)
+                    q[:, ta * HD + HD // 2 + tb: ta * HD + HD // 2 + tb + 4] = x2.to(dt)
+                else:
+                    cache, g = (k_cache, ta - NQ) if ta < NQ + NKV else (v_cache, ta - NQ - NKV)
+                    for m in range(M):
+                        cache[li, m // T, g, pos[m], d] = x1[m].to(dt)
+                        cache[li, m // T, g, pos[m], HD // 2 + tb: HD // 2 + tb + 4] = x2[m].to(dt)
+            elif op == OP_ATT:
+                m, g, c = ta, tb // nchunk, tb % nchunk
+                parts[(m, g, c)] = _attention_chunk(q[m, g * GQ * HD:(g + 1) * GQ * HD].view(GQ, HD),
+                                                    k_cache[li, m // T, g], v_cache[li, m // T, g], int(pos[m]),
+                                                    c, sinks, window)
+                if c == nchunk - 1:
+                    attn[m, g * GQ * HD:(g + 1) * GQ * HD] = _merge([parts[(m, g, i)] for i in range(nchunk)]).reshape(-1).to(dt)
+            elif op == OP_O:
+                out = _bf(attn.float() @ at.o_proj.weight[ta:ta + 8].float().T, dt)
+                h[:, ta:ta + 8] = (h[:, ta:ta + 8].float() + out).to(dt)
+            elif op == OP_GU:
+                if ta == 0:
+                    x = _norm(h, layer.post_attention_layernorm)
+                inter = a.intermediate_size
+                w = mlp.gate_up_proj.weight
+                g_ = _bf(x.float() @ w[ta:ta + 8].float().T, dt)
+                u_ = _bf(x.float() @ w[inter + ta:inter + ta + 8].float().T, dt)
+                act[:, ta:ta + 8] = (g_ / (1 + torch.exp(-g_)) * u_).to(dt)
+            else:
+                kc = a.intermediate_size // DSPLIT
+                parts[("down", ta, tb)] = act[:, tb * kc:(tb + 1) * kc].float() @ \
+                    mlp.down_proj.weight[ta:ta + DOWN_N, tb * kc:(tb + 1) * kc].float().T
+                if tb == DSPLIT - 1:
+                    s = parts[("down", ta, 0)]
+                    for i in range(1, DSPLIT):
+                        s = s + parts[("down", ta, i)]
+                    h[:, ta:ta + DOWN_N] = (h[:, ta:ta + DOWN_N].float() + _bf(s, dt)).to(dt)
+        if q_capture is not None and li in q_capture:
+            q_capture[li].copy_(q)
+    return h
+
+
+def _norm(h: torch.Tensor, norm) -> torch.Tensor:
+    xf = h.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (norm.weight.float() * _bf(xf * rstd, h.dtype)).to(h.dtype)
+
+
+def _attention_chunk(q, k, v, p: int, chunk: int, sinks: int, window: int):
+    """One ATT instruction: q [GQ, D] over the chunk's positions of p's streaming window -> (o [GQ, D] unnormalized,
+    max [GQ], sum [GQ])."""
+    s0 = min(sinks, p + 1)
+    start = max(s0, p - window + 1) if window > 0 else s0
+    idx = list(range(s0)) + list(range(start, p + 1))
+    idx = idx[chunk * CHUNK:(chunk + 1) * CHUNK]
+    if not idx:
+        z = torch.zeros(q.shape[0], device=q.device)
+        return torch.zeros(q.shape, device=q.device), z - math.inf, z
+    at = torch.tensor(idx, device=q.device)
+    s = (q.float() / math.sqrt(q.shape[1])) @ k[at].float().T
+    mx = s.max(-1).values
+    e = torch.exp(s - mx[:, None])
+    return e @ v[at].float(), mx, e.sum(-1)
+
+
+def _merge(parts):
+    mx = torch.stack([p[1] for p in parts]).max(0).values
+    num = torch.zeros_like(parts[0][0])
+    den = torch.zeros_like(mx)
+    for o, m, s in parts:
+        if bool((s > 0).any()):
+            w = torch.where(s > 0, torch.exp(m - mx), torch.zeros_like(mx))
+            num, den = num + w[:, None] * o, den + w * s
+    return num / den[:, None]
+
+
+# ---- the build -------------------------------------------------------------------------------------------------
+class BuildError(RuntimeError):
+    pass
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and Path(home, "bin", "nvcc").exists():
+        return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc") or (str(Path("/usr/local/cuda/bin/nvcc")) if Path("/usr/local/cuda/bin/nvcc").exists()
+                                    else None)
+
+
+def compile_flags(shape: Shape) -> list[str]:
+    return ["-arch=sm_90a", "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
+            f"-DDIM={shape.dim}", f"-DN_HEADS={shape.n_heads}", f"-DN_KV_HEADS={shape.n_kv_heads}",
+            f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DDSPLIT={DSPLIT}"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DUSTIN_CACHE", Path.home() / ".cache" / "dustin")) / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def library(shape: Shape) -> ctypes.CDLL:
+    """The built kernel for `shape`: compiled on first use (nvcc, ~5 s), kept in the cache directory under a hash
+    of the source and flags. Raises BuildError without nvcc or when the build fails."""
+    flags = compile_flags(shape)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_dir() / f"draft_decoder-{key}.so"
+    if not path.exists():
+        nvcc = _nvcc()
+        if nvcc is None:
+            raise BuildError("nvcc not found (set CUDA_HOME)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            r = subprocess.run([nvcc, *flags, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise BuildError(f"nvcc failed: {r.stderr.strip()[-2000:]}")
+            os.replace(out, path)  # atomic: a concurrent build of the same key writes the same file
+    lib = ctypes.CDLL(str(path))
+    lib.draft_layers_launch.restype = ctypes.c_int
+    lib.draft_layers_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.draft_layers_configure.restype = ctypes.c_int
+    if lib.draft_layers_params_bytes() != ctypes.sizeof(_Params):
+        raise BuildError("the kernel's Params struct and _Params differ")
+    return lib
+
+
+class _Params(ctypes.Structure):  # the kernel's Params, field for field
+    _fields_ = [("layers", ctypes.c_void_p), ("ins", ctypes.c_void_p), ("n_ins", ctypes.c_void_p),
+                ("wins", ctypes.c_void_p), ("n_wins", ctypes.c_void_p), ("ins_stride", ctypes.c_int),
+                ("n_layers", ctypes.c_int), ("M", ctypes.c_int), ("T", ctypes.c_int),
+                ("h", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p), ("cache_b", ctypes.c_int64),
+                ("cache_s", ctypes.c_int64), ("sinks", ctypes.c_int), ("window", ctypes.c_int),
+                ("nchunk", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("q", ctypes.c_void_p), ("q_capture", ctypes.c_void_p), ("attn", ctypes.c_void_p),
+                ("act", ctypes.c_void_p), ("att_part", ctypes.c_void_p), ("down_part", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("arrivals", ctypes.c_void_p)]
+
+
+# ---- the runtime ---------------------------------------------------------------------------------------------------
+class DraftDecoder:
+    """The persistent kernel bound to one fused draft `Transformer` on a GPU: fixed scratch buffers (a captured
+    CUDA graph replays the same pointers), one instruction list per (rows, tokens a row)."""
+
+    def __init__(self, model, sinks: int, window: int) -> None:
+        a = model.args
+        self.shape, self.sinks, self.window = Shape.of(a), sinks, window
+        self.lib = library(self.shape)
+        dev = model.embed_tokens.weight.device
+        self.device, self.dtype, self.n_layers = dev, model.embed_tokens.weight.dtype, a.n_layers
+        self.n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.nchunk = n_chunks(sinks, window)
+        self.eps = model.layers[0].input_layernorm.eps
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        table = []
+        for layer in model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            table.append([ptr(at.qkv_proj.weight), ptr(at.qkv_proj.bias), ptr(at.o_proj.weight),
+                          ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight),
+                          ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)])
+        self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
+        self._keep = model  # the weights the table points at
+        qn, S = a.n_heads * a.head_dim, MAX_ROWS
+        self.q = torch.empty(S, qn, dtype=self.dtype, device=dev)
+        self.attn = torch.empty_like(self.q)
+        self.act = torch.empty(S, a.intermediate_size, dtype=self.dtype, device=dev)
+        self.att_part = torch.empty(S * a.n_kv_heads * self.nchunk * (a.n_heads // a.n_kv_heads) * (a.head_dim + 2),
+                                    dtype=torch.float32, device=dev)
+        self.down_part = torch.empty(DSPLIT * S * a.dim, dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(a.n_layers * 5, dtype=torch.int32, device=dev)
+        self.arrivals = torch.zeros(a.n_layers * (S * a.n_kv_heads + a.dim // DOWN_N), dtype=torch.int32, device=dev)
+        self.captures: dict[int, torch.Tensor] = {}
+        self.capture_table = torch.zeros(a.n_layers, dtype=torch.int64, device=dev)
+        self._plans: dict[int, tuple] = {}
+        err = self.lib.draft_layers_configure()
+        if err:
+            raise BuildError(f"cudaFuncSetAttribute failed ({err})")
+
+    def capture(self, layers) -> dict[int, torch.Tensor]:
+        """Also write the rotated queries of `layers` (for the query observers), [MAX_ROWS, Hq * D] each."""
+        for layer in layers:
+            if layer not in self.captures:
+                self.captures[layer] = torch.empty_like(self.q)
+                self.capture_table[layer] = self.captures[layer].data_ptr()
+        return self.captures
+
+    def _plan(self, M: int):
+        if M not in self._plans:
+            lists = plan(self.shape, self.n_layers, M, self.nchunk, self.n_sms)
+            stride = max(len(x) for x in lists)
+            ins = torch.zeros(self.n_sms, stride, 4, dtype=torch.int32)
+            wins = torch.zeros_like(ins)
+            n_ins = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+            ws = [[t for t in x if t[0] != OP_ATT] for x in lists]
+            n_w = torch.tensor([len(x) for x in ws], dtype=torch.int32)
+            for s in range(self.n_sms):
+                if lists[s]:
+                    ins[s, :len(lists[s])] = torch.tensor(lists[s], dtype=torch.int32)
+                if ws[s]:
+                    wins[s, :len(ws[s])] = torch.tensor(ws[s], dtype=torch.int32)
+            self._plans[M] = tuple(t.to(self.device) for t in (ins, n_ins, wins, n_w)) + (stride,)
+        return self._plans[M]
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, T: int) -> None:
+        """h [M, dim] (contiguous, the embeddings) becomes the last layer's residual stream, in place; positions
+        [M] int64, cos / sin [M, head_dim] fp32; k_cache / v_cache [L, B, Hkv, S, D] get the new keys and values."""
+        M = h.shape[0]
+        ins, n_ins, wins, n_w, stride = self._plan(M)
+        p = _Params(self.layers.data_ptr(), ins.data_ptr(), n_ins.data_ptr(), wins.data_ptr(), n_w.data_ptr(), stride,
+                    self.n_layers, M, T, h.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.sinks,
+                    self.window, self.nchunk, self.eps, 1.0 / math.sqrt(self.shape.head_dim), self.q.data_ptr(),
+                    self.capture_table.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(),
+                    self.att_part.data_ptr(), self.down_part.data_ptr(), self.counters.data_ptr(),
+                    self.arrivals.data_ptr())
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        err = self.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
+                                           self.counters.numel() * 4, self.arrivals.numel() * 4)
+        if err:
+            raise RuntimeError(f"draft_layers kernel launch failed (cudaError {err})")
+
+    # ---- the model's side: which forwards it takes, and the query observers -----------------------------------
+    def takes(self, h: torch.Tensor, ctx) -> bool:
+        """A decode forward of this streaming draft (`Transformer.decode_logits` asks): no sparse plan, the
+        window the kernel was built for, <= MAX_ROWS token rows."""
+        return (ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
+                and h.shape[0] * h.shape[1] <= MAX_ROWS and h.dtype == self.dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """The decoder layers of `Transformer.forward` for h [B, T, dim] (the embeddings) -> [B, T, dim], the
+        query observers called after the kernel with each observed layer's rotated queries (the cache they get
+        holds the same positions as during a layer-by-layer forward: this forward's keys are appended, no later
+        ones)."""
+        B, T, dim = h.shape
+        M = B * T
+        x = h.reshape(M, dim).contiguous()
+        layers = sorted({layer for obs in ctx.observers for layer in obs.layers})
+        captures = self.capture(layers)
+        self(x, ctx.positions.reshape(M).contiguous(), cos.reshape(M, -1).float().contiguous(),
+             sin.reshape(M, -1).float().contiguous(), ctx.cache.k, ctx.cache.v, T)
+        a = self.shape
+        for obs in ctx.observers:
+            for layer in sorted(obs.layers):
+                q = captures[layer][:M].view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+                obs(layer, q, ctx.cache.k[layer], ctx)
+        return x.view(B, T, dim)
+
+
+def attach(model, sinks: int, window: int) -> str | None:
+    """Run `model`'s decode forwards of this streaming window through the persistent kernel where it can
+    (`model.layer_kernel`); returns why not (None: attached). The reason is logged once per reason."""
+    reason = _why_not(model, sinks, window)
+    if reason is None:
+        try:
+            model.layer_kernel = DraftDecoder(model, sinks, window)
+        except (BuildError, OSError) as e:
+            reason = f"build failed: {e}"
+    if reason is not None:
+        _log_once(f"draft decoder layers run layer by layer: {reason}")
+    return reason
+
+
+def _why_not(model, sinks: int, window: int) -> str | None:
+    w = model.embed_tokens.weight
+    if not w.is_cuda:
+        return "not on a GPU"
+    if torch.cuda.get_device_capability(w.device) != (9, 0):
+        return f"the kernel is built for sm_90, this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(w.device)))}"
+    if window <= 0:
+        return "the draft's cache is not streaming (--draft-kv full)"
+    if w.dtype != torch.bfloat16:
+        return f"dtype {w.dtype} (bf16 only)"
+    if not model.projections_fused or not model.unsharded:
+        return "projections not fused, or tensor-parallel layers"
+    return unsupported(Shape.of(model.args))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.warning(message)

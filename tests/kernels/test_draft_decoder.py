@@ -1,0 +1,111 @@
+"""The persistent draft-decoder kernel's plan and arithmetic (dustin/kernels/draft_decoder.py), on the CPU: the
+instruction lists cover every tile once, in an order that cannot deadlock, and executing their tiles in PyTorch
+(`reference_plan`, the kernel's semantics tile by tile) gives the model's own streaming forward. The CUDA build is
+compile-checked where nvcc exists; the kernel itself is checked on the GPU (scripts/gpu_draft_decoder.py)."""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from dustin.attention.context import ForwardContext
+from dustin.cache.kv_cache import KVCache
+from dustin.kernels import draft_decoder as dd
+from dustin.models.args import ModelArgs
+from dustin.models.transformer import Transformer
+
+
+def _model(dtype, *, head_dim=64, bias=True, layers=2):
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=97, dim=256, n_layers=layers, n_heads=4, n_kv_heads=2, intermediate_size=512,
+                     head_dim=head_dim, qkv_bias=bias, family="qwen2")
+    m = Transformer(args)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.05)
+        for layer in m.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return m.fuse_projections().to(dtype).eval()
+
+
+@pytest.mark.parametrize("M,T,n_sms", [(16, 1, 132), (6, 2, 7), (3, 1, 1), (32, 2, 5)])
+def test_plan_covers_every_tile_once_in_stage_order(M, T, n_sms):
+    shape = dd.Shape(896, 14, 2, 64, 4864)
+    nchunk = dd.n_chunks(4, 508)
+    lists = dd.plan(shape, 3, M, nchunk, n_sms)
+    flat = [t for x in lists for t in x]
+    want = [t for layer in range(3) for tiles in dd.stage_tiles(shape, M, nchunk, layer) for t in tiles]
+    assert sorted(flat) == sorted(want) and len(flat) == len(set(flat))
+    for x in lists:  # each program's list is in (layer, stage) order: it only ever waits for earlier stages
+        order = [(t[1], t[0]) for t in x]
+        assert order == sorted(order)
+    # the stage sizes the kernel waits for (`dependency` in the .cu)
+    tiles = dd.stage_tiles(shape, M, nchunk, 0)
+    assert [len(t) for t in tiles] == [18 * 8, M * 2 * nchunk, 896 // 8, 4864 // 8, 896 // 32 * dd.DSPLIT]
+
+
+@pytest.mark.parametrize("dtype,T,window,tol", [(torch.float32, 1, 124, 2e-5), (torch.float32, 2, 300, 2e-5),
+                                                 (torch.bfloat16, 1, 124, 0.05), (torch.bfloat16, 2, 60, 0.05)])
+def test_reference_plan_matches_the_model(dtype, T, window, tol):
+    """Tiles in stage order == the model's layer-by-layer streaming forward: RoPE's half-dim pairs, attention
+    chunks of a window longer than a chunk (merged), sinks, down_proj's K splits, the residual adds; rows at
+    different positions, some inside the sinks."""
+    model = _model(dtype)
+    a = model.args
+    B, S, sinks = 3, 512, 4
+    lengths = torch.tensor([300, 2, 150], dtype=torch.int32)
+    cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, S, dtype, "cpu")
+    torch.manual_seed(1)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    cache2 = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, S, dtype, "cpu")
+    cache2.k.copy_(cache.k)
+    cache2.v.copy_(cache.v)
+    tokens = torch.randint(0, a.vocab_size, (B, T))
+    positions = lengths.long()[:, None] + torch.arange(T)
+    with torch.inference_mode():
+        ctx = ForwardContext(cache, positions, lengths, int(lengths.max()) + T, sinks=sinks, window=window)
+        h = model.embed_tokens(tokens)
+        residual = None
+        cos, sin = model.rotary(positions)
+        for layer in model.layers:
+            h, residual = layer(h, residual, cos, sin, ctx, model.backend)
+        want = (residual + h).reshape(B * T, -1)
+        got = dd.reference_plan(model, model.embed_tokens(tokens).reshape(B * T, -1), positions, cos.reshape(B * T, -1),
+                                sin.reshape(B * T, -1), cache2.k, cache2.v, T=T, sinks=sinks, window=window)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * want.float().abs().max().item(), err
+    for li in range(a.n_layers):
+        for b in range(B):
+            p = positions[b]
+            assert torch.allclose(cache2.k[li, b, :, p].float(), cache.k[li, b, :, p].float(), atol=tol, rtol=tol)
+            assert torch.allclose(cache2.v[li, b, :, p].float(), cache.v[li, b, :, p].float(), atol=tol, rtol=tol)
+
+
+def test_attention_chunks_merge_to_softmax():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 64), torch.randn(700, 64), torch.randn(700, 64)
+    p, sinks, window = 650, 4, 380
+    parts = [dd._attention_chunk(q, k, v, p, c, sinks, window) for c in range(dd.n_chunks(sinks, window))]
+    got = dd._merge(parts)
+    idx = torch.tensor(list(range(sinks)) + list(range(p - window + 1, p + 1)))
+    want = torch.softmax(q @ k[idx].T / math.sqrt(64), -1) @ v[idx]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,ok", [(dd.Shape(896, 14, 2, 64, 4864), True), (dd.Shape(1536, 12, 2, 128, 8960), False),
+                                      (dd.Shape(2048, 32, 8, 64, 8192), False), (dd.Shape(896, 14, 2, 80, 4864), False)])
+def test_supported_shapes(shape, ok):
+    """The 0.5B draft fits; wider drafts exceed shared memory (they keep the per-layer kernels)."""
+    assert (dd.unsupported(shape) is None) == ok
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_kernel_compiles_for_sm90(tmp_path):
+    flags = dd.compile_flags(dd.Shape(896, 14, 2, 64, 4864))
+    r = subprocess.run(["nvcc", *flags, "-o", str(tmp_path / "k.so"), str(dd.SOURCE)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
