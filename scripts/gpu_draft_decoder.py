@@ -152,7 +152,11 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"draft_decoder_{a.draft}.json").write_text(json.dumps(out, indent=1))
-    return 0
+    ok = all(r["logits_rel_err"] < 0.05 and r["argmax_agreement"] >= 0.9 and r["kv_rel_err"] < 0.05
+             and r["cache_untouched_elsewhere"] and r["observer_q_rel_err"] < 0.05 and r["deterministic"]
+             for r in out["rows"])
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 2
 
 
 if __name__ == "__main__":
