@@ -23,10 +23,13 @@
 #                                        # generate 16 x 2k, 512 tokens: vanilla, dustin at auto and at 4
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
+#   bash scripts/device_speed.sh draft   # no weights: the persistent draft-layer kernel's GPU tests (eager and
+#                                        # graphed), its time per forward, `bench e2e` 16 x 16k / 32k with and without
+#                                        # it (random weights of the pair's shapes, acceptance-controlled)
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-if [ "$mode" != random ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
+if [ "$mode" != random ] && [ "$mode" != draft ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
   done
@@ -107,6 +110,14 @@ elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with Y
     --json-out "$OUT/bench_e2e_real_code_64k.json"
   run $((560 - SECONDS)) $e2e --batches 16 --contexts 16384 --methods dustin --budget auto --budget-p 0.99 \
     --budget-max 16384 --json-out "$OUT/bench_e2e_real_auto99_16384.json"
+elif [ "$mode" = draft ]; then
+  run 120 python3 -m pytest -q tests/kernels/test_draft_decoder.py || exit 1
+  run 60 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
+  for flag in "" --draft-kernel; do
+    run $(( (580 - SECONDS) / 2 )) python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b \
+      --contexts 16384,32768 --batches 16 --methods vanilla,dustin --warmup 4 --steps 30 $flag \
+      --json-out "$OUT/bench_e2e_draft${flag:+_kernel}.json"
+  done
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py

@@ -87,8 +87,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=12, help="timed steps")
     p.add_argument("--seed", type=int, default=0, help="--real: which documents the prompts are cut from")
     p.add_argument("--no-graphs", action="store_true", help="eager forwards instead of CUDA graphs")
-    p.add_argument("--no-draft-kernel", action="store_true",
-                   help="the draft's layers as a few kernels each instead of one persistent kernel (A/B)")
+    p.add_argument("--draft-kernel", action="store_true",
+                   help="the draft's decoder layers as one persistent kernel per forward (sm_90; opt-in, A/B)")
     p.add_argument("--no-step-graph", action="store_true",
                    help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
     p.add_argument("--no-overlap", action="store_true",
@@ -155,7 +155,7 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
                                                      step_graph=not getattr(a, "no_step_graph", False),
                                                      overlap=not getattr(a, "no_overlap", False),
                                                      accept_prob=accept_prob,
-                                                     draft_kernel=not getattr(a, "no_draft_kernel", False)),
+                                                     draft_kernel=getattr(a, "draft_kernel", False)),
                             sparse_config=a.config if sparse else None,
                             **budget_settings(a, sparse))
 

@@ -60,10 +60,11 @@ class ExecutionOptions:
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it
     # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
     accept_prob: float | None = None
-    # a streaming draft's decoder layers as one persistent kernel per forward where it runs (sm_90, bf16, the draft
-    # shapes it is built for: dustin/kernels/draft_decoder.py); False: a few kernels a layer. Draft tokens may differ
-    # in rare near-ties (other rounding order), which changes the speed and, under sparse verification, the selection
-    draft_kernel: bool = True
+    # opt-in, not yet validated on a GPU: a streaming draft's decoder layers as one persistent kernel per forward
+    # where it runs (sm_90, bf16, the draft shapes it is built for: dustin/kernels/draft_decoder.py; its GPU checks:
+    # tests/kernels/test_draft_decoder.py, scripts/gpu_draft_decoder.py). False: a few kernels a layer. Its rounding
+    # order differs, so draft tokens may differ in near-ties: the speed and, under sparse verification, the selection
+    draft_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.accept_prob is not None and not 0.0 <= self.accept_prob <= 1.0:

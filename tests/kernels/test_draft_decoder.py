@@ -109,3 +109,83 @@ def test_kernel_compiles_for_sm90(tmp_path):
     flags = dd.compile_flags(dd.Shape(896, 14, 2, 64, 4864))
     r = subprocess.run(["nvcc", *flags, "-o", str(tmp_path / "k.so"), str(dd.SOURCE)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                          reason="the kernel runs on sm_90")
+
+
+@sm90
+@pytest.mark.parametrize("T", [1, 2])
+def test_kernel_matches_the_per_layer_kernels(T):
+    """On the GPU: the persistent kernel against the draft's per-layer kernels, at the 0.5B draft's shapes (4
+    layers of random weights), 16 rows: logits, argmax, the new keys and values, nothing else of the cache
+    written, the observers' queries, and bitwise-equal repeats."""
+    from dataclasses import replace
+
+    from dustin.attention.backend import AttentionBackend
+    from dustin.bench.e2e import _shape
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    args = replace(_shape("qwen2.5-0.5b"), n_layers=4)
+    model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
+    model.fuse_projections().eval()
+    assert dd.attach(model, 4, 508) is None
+    kernel = model.layer_kernel
+    B, S = 16, 2048
+    cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, S, torch.bfloat16, dev)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    lengths = torch.randint(520, S - 4, (B,), dtype=torch.int32)
+    lengths[:3] = torch.tensor([0, 3, 130], dtype=torch.int32)
+    lengths = lengths.to(dev)
+    tokens = torch.randint(0, args.vocab_size, (B, T), device=dev)
+    positions = lengths.long()[:, None] + torch.arange(T, device=dev)
+
+    class Recorder:
+        layers = frozenset({1, 3})
+
+        def __init__(self):
+            self.seen = {}
+
+        def __call__(self, layer, q, k_cache, ctx):
+            self.seen[layer] = q.clone()
+
+    def forward(kern, rec):
+        model.layer_kernel = kern
+        ctx = ForwardContext(cache, positions, lengths, int(lengths.max()) + T, sinks=4, window=508, observers=[rec])
+        return model(tokens, ctx, float_logits=False).float()
+
+    with torch.inference_mode():
+        k0, v0 = cache.k.clone(), cache.v.clone()
+        rec_ref, rec = Recorder(), Recorder()
+        ref = forward(None, rec_ref)
+        k_ref, v_ref = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        got = forward(kernel, rec)
+        k_got, v_got = cache.k.clone(), cache.v.clone()
+        again = forward(kernel, Recorder())
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        graph = torch.cuda.CUDAGraph()  # captured: the launch, its memsets and the observers replay as one graph
+        with torch.cuda.graph(graph):
+            graphed = forward(kernel, Recorder())
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(got, again) and torch.equal(got, graphed)
+    assert torch.equal(cache.k, k_got) and torch.equal(cache.v, v_got)
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert torch.allclose(k_got.float(), k_ref.float(), atol=0.05, rtol=0.02)
+    assert torch.allclose(v_got.float(), v_ref.float(), atol=0.05, rtol=0.02)
+    new = torch.zeros(k0.shape[:-1], dtype=torch.bool, device=dev)
+    for b in range(B):
+        new[:, b, :, positions[b]] = True
+    assert torch.equal(k_got[~new], k0[~new]) and torch.equal(v_got[~new], v0[~new])
+    for layer in Recorder.layers:
+        assert torch.allclose(rec.seen[layer].float(), rec_ref.seen[layer].float(), atol=0.05, rtol=0.02)
