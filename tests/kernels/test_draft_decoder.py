@@ -155,9 +155,11 @@ def test_kernel_matches_the_per_layer_kernels(T):
         def __call__(self, layer, q, k_cache, ctx):
             self.seen[layer] = q.clone()
 
+    max_len = int(lengths.max()) + T  # a host sync: not inside the graph capture below
+
     def forward(kern, rec):
         model.layer_kernel = kern
-        ctx = ForwardContext(cache, positions, lengths, int(lengths.max()) + T, sinks=4, window=508, observers=[rec])
+        ctx = ForwardContext(cache, positions, lengths, max_len, sinks=4, window=508, observers=[rec])
         return model(tokens, ctx, float_logits=False).float()
 
     with torch.inference_mode():
