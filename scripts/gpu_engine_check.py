@@ -69,9 +69,10 @@ def main() -> int:
             "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences, strict=True)],
             "tokens_per_s_graphs": round(g.tokens_per_s, 1), "tokens_per_s_eager": round(e.tokens_per_s, 1)}
     # the fused norm / RoPE kernels against the plain PyTorch ops (bf16: equal up to rare near-ties)
-    plain_eng = Engine(load_model(target, "cuda", torch.bfloat16, be, fused_ops=False, fuse=False),
-                       load_model(draft, "cuda", torch.bfloat16, be, fused_ops=False, fuse=False))
-    plain = plain_eng.generate(prompts, GenerationConfig(max_new_tokens=64, stop_at_eos=False, method="vanilla"))
+    plain_eng = Engine(load_model(target, "cuda", torch.bfloat16, be, fuse=False),
+                       load_model(draft, "cuda", torch.bfloat16, be, fuse=False))
+    plain = plain_eng.generate(prompts, GenerationConfig(max_new_tokens=64, stop_at_eos=False, method="vanilla",
+                                                          options=ExecutionOptions(fused_ops=False)))
     del plain_eng
     div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, plain.sequences, strict=True)]
     report["fused_vs_plain_ops"] = {"first_divergence": div, "top2_gap_there": [

@@ -77,12 +77,12 @@ def main() -> int:
     from dustin.models.loader import load_model
 
     be = AttentionBackend("triton")
-    plain = Engine(load_model(target, "cuda", torch.float32, be, fused_ops=False, fuse=False),
-                   load_model(draft, "cuda", torch.float32, be, fused_ops=False, fuse=False))
+    plain = Engine(load_model(target, "cuda", torch.float32, be, fuse=False),
+                   load_model(draft, "cuda", torch.float32, be, fuse=False))
     for method in ("vanilla", "dustin"):
         kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
         a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
-        eager = ExecutionOptions(cuda_graphs=False)
+        eager = ExecutionOptions(cuda_graphs=False, fused_ops=False)
         b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, options=eager, **kw))
         same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences, strict=True)]
         ok &= all(same)

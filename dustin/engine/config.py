@@ -60,6 +60,9 @@ class ExecutionOptions:
     # benchmarks with random weights only: accept each draft token with this probability instead of checking it
     # against the target ("acceptance-controlled"; see sampling.accept_controlled). None: real verification.
     accept_prob: float | None = None
+    # our fused Triton kernels on the GPU (decode layers in three kernels each, RMSNorm / RoPE / SiLU-mul in one launch
+    # each: `Transformer.set_fused_ops`); False: plain PyTorch ops (A/B, debugging; the same tokens within rounding)
+    fused_ops: bool = True
     # opt-in, not yet validated on a GPU: a streaming draft's decoder layers as one persistent kernel per forward
     # where it runs (sm_90, bf16, the draft shapes it is built for: dustin/kernels/draft_decoder.py; its GPU checks:
     # tests/kernels/test_draft_decoder.py, scripts/gpu_draft_decoder.py). False: a few kernels a layer. Its rounding

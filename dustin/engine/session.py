@@ -175,6 +175,9 @@ class Session:
         self._slot = 0
         self._graph_warm: set[tuple[str, int]] = set()  # (mode, G) whose eager first step ran
         self._warmup_s = 0.0
+        for model in (target, draft):
+            if model is not None:
+                model.set_fused_ops(cfg.options.fused_ops)
         self.runners = {"target": ModelRunner(target, kv.caches["target"], self.use_graphs)}
         if self.spec.speculative:
             self.runners["draft"] = ModelRunner(draft, kv.caches["draft"], self.use_graphs)

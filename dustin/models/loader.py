@@ -53,17 +53,16 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: AttentionBackend | None = None, shard=None, *, fused_ops: bool = True,
-               fuse: bool = True, rope_scaling: str | None = None) -> Transformer:
+               backend: AttentionBackend | None = None, shard=None, *, fuse: bool = True, rope_scaling: str | None = None) -> Transformer:
     """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
     dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
-    no process ever holds the whole checkpoint. fused_ops: see `Transformer`. fuse: concatenate the q/k/v and
+    no process ever holds the whole checkpoint. fuse: concatenate the q/k/v and
     gate/up projections once loaded (and sharded), `Transformer.fuse_projections`; False keeps the checkpoint's
     separate modules (A/B, kernel counts)."""
     folder = Path(folder)
     args = read_args(folder, rope_scaling)
     with torch.device("meta"):
-        model = Transformer(args, backend, fused_ops=fused_ops)
+        model = Transformer(args, backend)
         full = {n: t.shape for n, t in model.state_dict().items()}
         if shard is not None:
             model = shard(model)

@@ -243,18 +243,18 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """Parameter names follow the Hugging Face checkpoints (model.layers.N..., lm_head) until `fuse_projections`.
-    fused_ops=False: plain PyTorch ops instead of the fused RMSNorm / RoPE / SiLU-mul Triton kernels on the GPU
-    (A/B)."""
+    On the GPU its forwards take our fused Triton kernels; `set_fused_ops(False)` keeps plain PyTorch ops (A/B,
+    the engine's `ExecutionOptions.fused_ops`)."""
 
-    def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None, *, fused_ops: bool = True) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.args = args
         # GPU decode / verify forwards of <= decode_linear.MAX_ROWS rows take DecoderLayer.decode_forward (3
         # fused kernels + attention per layer) once the projections are fused; False keeps `forward` (A/B)
-        self.decode_kernels = fused_ops
+        self.decode_kernels = True
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, fused_ops) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, fused_ops)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -263,6 +263,14 @@ class Transformer(nn.Module):
         # the decoder layers of the decode forwards it takes, in one persistent kernel (a draft's
         # dustin.kernels.draft_decoder.DraftDecoder, attached by `draft_decoder.attach`); None: layer by layer
         self.layer_kernel = None
+
+    def set_fused_ops(self, on: bool) -> None:
+        """On the GPU: our fused kernels (the decode-layer kernels, and RMSNorm / RoPE / SiLU-mul in one launch each),
+        or with False the plain PyTorch ops (A/B, debugging). CPU tensors always take the plain ops."""
+        self.decode_kernels = on
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused_ops = on
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
                 float_logits: bool = True) -> torch.Tensor:
