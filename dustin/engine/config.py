@@ -47,8 +47,9 @@ DUSTIN_METHODS = tuple(m for m, s in METHODS.items() if s.policy in DUSTIN_POLIC
 
 @dataclass(frozen=True)
 class ExecutionOptions:
-    """How a batch executes: switches for benchmarks and debugging, all on the fast path by default. None changes
-    a greedy token but `accept_prob`, which replaces verification (benchmarks with random weights)."""
+    """How a batch executes: switches for benchmarks and debugging, on the fast path by default (the persistent draft
+    kernel, opt-in, aside). `accept_prob` replaces verification (benchmarks with random weights); `fused_ops` and
+    `draft_kernel` round in another order, so they may change a token at a near-tie; the others change no token."""
 
     cuda_graphs: bool = True  # replay step forwards as CUDA graphs on the GPU
     # with cuda_graphs: capture the whole speculative step (Γ draft forwards, token choice, estimation, selection,
