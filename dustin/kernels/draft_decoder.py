@@ -61,6 +61,8 @@ def unsupported(shape: Shape) -> str | None:
     32 rows of the hidden state and four weight tiles of up to 32 rows."""
     if shape.head_dim not in (64, 128):
         return f"head_dim {shape.head_dim} (64 or 128)"
+    if shape.n_heads * shape.head_dim != shape.dim:
+        return f"query heads x head_dim ({shape.n_heads * shape.head_dim}) differs from the hidden size {shape.dim}"
     if shape.n_heads % shape.n_kv_heads:
         return "query heads not a multiple of KV heads"
     if shape.dim % DOWN_N or shape.inter % (DSPLIT * 16) or shape.dim % 16:
@@ -136,9 +138,10 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
         for op, _, ta, tb in [t for tiles in stage_tiles(shape, M, nchunk, li) for t in tiles]:
             if op == OP_QKV:
                 rows = [ta * HD + tb + r for r in range(4)] + [ta * HD + HD // 2 + tb + r for r in range(4)]
-                out = _bf(x.float() @ at.qkv_proj.weight[rows].float().T, dt)
+                out = x.float() @ at.qkv_proj.weight[rows].float().T
                 if at.qkv_proj.bias is not None:
-                    out = _bf(out + at.qkv_proj.bias[rows].float(), dt)
+                    out = out + at.qkv_proj.bias[rows].float()
+                out = _bf(out, dt)
                 x1, x2 = out[:, :4], out[:, 4:]
                 d = slice(tb, tb + 4)
                 if ta < NQ + NKV:
@@ -302,6 +305,8 @@ class DraftDecoder:
             table.append([ptr(at.qkv_proj.weight), ptr(at.qkv_proj.bias), ptr(at.o_proj.weight),
                           ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight),
                           ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)])
+        if any(p % 16 for row in table for p in row[:5]):  # the bulk copies read 16-byte aligned rows
+            raise BuildError("a weight is not 16-byte aligned")
         self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
         self._keep = model  # the weights the table points at
         qn, S = a.n_heads * a.head_dim, MAX_ROWS
@@ -316,7 +321,8 @@ class DraftDecoder:
         self.captures: dict[int, torch.Tensor] = {}
         self.capture_table = torch.zeros(a.n_layers, dtype=torch.int64, device=dev)
         self._plans: dict[int, tuple] = {}
-        err = self.lib.draft_layers_configure()
+        with torch.cuda.device(dev):
+            err = self.lib.draft_layers_configure()
         if err:
             raise BuildError(f"cudaFuncSetAttribute failed ({err})")
 
@@ -359,8 +365,9 @@ class DraftDecoder:
                     self.att_part.data_ptr(), self.down_part.data_ptr(), self.counters.data_ptr(),
                     self.arrivals.data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        err = self.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
-                                           self.counters.numel() * 4, self.arrivals.numel() * 4)
+        with torch.cuda.device(self.device):
+            err = self.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
+                                               self.counters.numel() * 4, self.arrivals.numel() * 4)
         if err:
             raise RuntimeError(f"draft_layers kernel launch failed (cudaError {err})")
 
@@ -378,7 +385,7 @@ class DraftDecoder:
         ones)."""
         B, T, dim = h.shape
         M = B * T
-        x = h.reshape(M, dim).contiguous()
+        x = h.reshape(M, dim).clone()  # its own buffer (16-byte aligned), written in place
         layers = sorted({layer for obs in ctx.observers for layer in obs.layers})
         captures = self.capture(layers)
         self(x, ctx.positions.reshape(M).contiguous(), cos.reshape(M, -1).float().contiguous(),

@@ -53,6 +53,7 @@ constexpr int CH = 128;                 // attention positions per chunk
 constexpr int KST = HD + 2;             // K/V rows in shared memory: 33 words apart, conflict-free
 
 static_assert(NQ % NKV == 0, "query heads must be a multiple of KV heads");
+static_assert(NQ * HD == D, "o_proj's K (query heads x head_dim) must equal the hidden size");
 static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
 static_assert(D % 16 == 0 && KC % 16 == 0 && I % DSPLIT == 0 && D % DOWN_N == 0 && I % 8 == 0, "tile shapes");
 
@@ -121,8 +122,8 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
-// A wait that cannot hang the GPU: past 2 s (a bug, never a slow input) the kernel traps, and the launch fails.
-constexpr uint64_t WAIT_LIMIT_NS = 2000000000ull;
+// A wait that cannot hang the GPU: past 5 s (a bug, never a slow input) the kernel traps, and the launch fails.
+constexpr uint64_t WAIT_LIMIT_NS = 5000000000ull;
 
 __device__ __forceinline__ bool mbar_try(uint64_t* bar, uint32_t parity) {
   uint32_t ok;
@@ -296,17 +297,26 @@ __device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* g, int M, float
   __syncthreads();
 }
 
+// every thread's writes, then one arrival: each thread fences its own writes, the barrier orders them before
+// thread 0, whose fence and atomic release them all (the consumer acquires with ld.acquire.gpu, then a barrier)
 __device__ __forceinline__ void signal(int* counter) {
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(counter, 1);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1);
+  }
 }
 
 // the program that arrives last at `arrival` (of `total`) returns true, with every other arrival's writes visible
 __device__ bool arrive_last(int* arrival, int total, int* flag) {
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(arrival, 1) == total - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *flag = atomicAdd(arrival, 1) == total - 1;
+    __threadfence();
+  }
   __syncthreads();
   const bool last = *flag;
   if (last) __threadfence();
@@ -407,11 +417,13 @@ __device__ void qkv_out(const Params& p, int layer, int head, int j0, const floa
   for (int i = threadIdx.x; i < p.M * 4; i += NT) {
     const int m = i / 4, r = i % 4, d = j0 + r;
     const int c1 = head * HD + d, c2 = c1 + HD / 2;
-    float x1 = bf(out[m * 32 + r]), x2 = bf(out[m * 32 + r + 4]);
-    if (L.bqkv) {
-      x1 = bf(x1 + __bfloat162float(L.bqkv[c1]));
-      x2 = bf(x2 + __bfloat162float(L.bqkv[c2]));
+    float x1 = out[m * 32 + r], x2 = out[m * 32 + r + 4];
+    if (L.bqkv) {  // the bias added before the one rounding, as a Linear with bias does
+      x1 += __bfloat162float(L.bqkv[c1]);
+      x2 += __bfloat162float(L.bqkv[c2]);
     }
+    x1 = bf(x1);
+    x2 = bf(x2);
     float y1 = x1, y2 = x2;
     if (head < NQ + NKV) {  // RoPE (rotate-half): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
       const float cs = p.cos[m * HD + d], sn = p.sin[m * HD + d];
@@ -590,16 +602,33 @@ int draft_layers_shape(int* shape) {  // what this build was compiled for
   return 10;
 }
 
-// Launch on `stream` (a cudaStream_t); counters and arrivals are zeroed first on the same stream (one memset
-// each: capturable in a CUDA graph). Returns a cudaError_t.
+// Launch on `stream` (a cudaStream_t) as a cooperative launch: every program waits on others, so all must be
+// resident at once, which only a cooperative launch guarantees (it fails instead of hanging when they cannot be).
+// Counters and arrivals are zeroed first on the same stream (one memset each). All of it is capturable in a CUDA
+// graph. Returns a cudaError_t.
 int draft_layers_launch(const Params* params, int grid, void* stream, int counter_bytes, int arrival_bytes) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemsetAsync(params->counters, 0, counter_bytes, s);
   if (e != cudaSuccess) return e;
   e = cudaMemsetAsync(params->arrivals, 0, arrival_bytes, s);
   if (e != cudaSuccess) return e;
-  draft_layers_kernel<<<grid, NT, SMEM_BYTES, s>>>(*params);
-  return cudaGetLastError();
+  int dev = 0, per_sm = 0, n_sm = 0;
+  if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, draft_layers_kernel, NT, SMEM_BYTES)) != cudaSuccess)
+    return e;
+  if (per_sm < 1 || grid > per_sm * n_sm) return cudaErrorCooperativeLaunchTooLarge;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(NT);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, draft_layers_kernel, *params);
 }
 
 int draft_layers_params_bytes() { return sizeof(Params); }
