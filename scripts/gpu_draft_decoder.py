@@ -83,7 +83,7 @@ def main() -> int:
         positions = lengths.long()[:, None] + torch.arange(T, device=dev)
         ctx = ForwardContext(cache, positions, lengths, a.context + T, sinks=a.sinks, window=a.window)
 
-        def fwd(kern):
+        def fwd(kern, tokens=tokens, ctx=ctx):
             model.layer_kernel = kern
             return model(tokens, ctx, float_logits=False)
 
@@ -92,7 +92,8 @@ def main() -> int:
             x = torch.randn(B * T, args.dim, device=dev, dtype=torch.bfloat16)
             cos, sin = (t.reshape(B * T, -1).contiguous() for t in model.rotary(positions))
             pos = positions.reshape(-1).contiguous()
-            ms_stack = graph_ms(lambda: kernel(x, pos, cos, sin, cache.k, cache.v, T))
+            ms_stack = graph_ms(lambda x=x, pos=pos, cos=cos, sin=sin, T=T:
+                                kernel(x, pos, cos, sin, cache.k, cache.v, T))
         row = {"T": T, "rows": B * T, "ms_forward_per_layer_kernels": round(ms_ref, 4),
                "ms_forward_persistent": round(ms_kernel, 4), "ms_layer_stack_persistent": round(ms_stack, 4),
                "layer_bytes_ms": round(1e3 * layer_bytes / bw, 4)}

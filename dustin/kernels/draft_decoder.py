@@ -124,7 +124,7 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
     Slow on purpose: it checks `plan`'s tiles and each tile's rounding against the model's own forward."""
     a = model.args
     shape, dt = Shape.of(a), h.dtype
-    M, D, HD, NQ, NKV = h.shape[0], a.dim, a.head_dim, a.n_heads, a.n_kv_heads
+    M, HD, NQ, NKV = h.shape[0], a.head_dim, a.n_heads, a.n_kv_heads
     GQ, nchunk = NQ // NKV, n_chunks(sinks, window)
     h = h.clone()
     pos = positions.reshape(-1).long()
@@ -161,7 +161,8 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
                                                     k_cache[li, m // T, g], v_cache[li, m // T, g], int(pos[m]),
                                                     c, sinks, window)
                 if c == nchunk - 1:
-                    attn[m, g * GQ * HD:(g + 1) * GQ * HD] = _merge([parts[(m, g, i)] for i in range(nchunk)]).reshape(-1).to(dt)
+                    merged = _merge([parts[(m, g, i)] for i in range(nchunk)])
+                    attn[m, g * GQ * HD:(g + 1) * GQ * HD] = merged.reshape(-1).to(dt)
             elif op == OP_O:
                 out = _bf(attn.float() @ at.o_proj.weight[ta:ta + 8].float().T, dt)
                 h[:, ta:ta + 8] = (h[:, ta:ta + 8].float() + out).to(dt)
@@ -417,7 +418,8 @@ def _why_not(model, sinks: int, window: int) -> str | None:
     if not w.is_cuda:
         return "not on a GPU"
     if torch.cuda.get_device_capability(w.device) != (9, 0):
-        return f"the kernel is built for sm_90, this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(w.device)))}"
+        major, minor = torch.cuda.get_device_capability(w.device)
+        return f"the kernel is built for sm_90, this GPU is sm_{major}{minor}"
     if window <= 0:
         return "the draft's cache is not streaming (--draft-kv full)"
     if w.dtype != torch.bfloat16:

@@ -53,7 +53,8 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: AttentionBackend | None = None, shard=None, *, fuse: bool = True, rope_scaling: str | None = None) -> Transformer:
+               backend: AttentionBackend | None = None, shard=None, *, fuse: bool = True,
+               rope_scaling: str | None = None) -> Transformer:
     """`shard(model)`, if given, reshapes the model on the meta device (tensor parallelism, see
     dustin/parallel/tp.py); each tensor is then read from the safetensors files as only this rank's slice, so
     no process ever holds the whole checkpoint. fuse: concatenate the q/k/v and
