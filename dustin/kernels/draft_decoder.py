@@ -6,8 +6,9 @@ list planned here (`plan`), streams each program's next weight tiles into shared
 inputs, and replaces kernel boundaries by counters in global memory. The LM head and sampling stay as they are.
 
 Scope: decode forwards (1 or 2 tokens a row, <= 32 token rows) of a streaming draft (sinks + a recent window) on
-sm_90, at the shapes the build supports (`supports`); anything else takes the per-layer kernels, with the reason
-logged once (`Transformer.decode_logits`). The build is one nvcc call per draft shape, cached on disk.
+sm_90, bf16, at the shapes a tiling fits in shared memory (`tiling`: the Qwen2.5-0.5B draft with K whole; Llama-3.2-1B
+and Qwen2.5-1.5B with K in halves). Anything else takes the per-layer kernels, with the reason logged once
+(`attach`). The build is one nvcc call per (shape, tiling), cached on disk.
 
 The instruction list (`plan`): per layer, five stages in order (QKV, ATT, O, GU, DOWN, as the kernel's header
 describes), their tiles dealt to the SMs round-robin by one cursor that runs through every stage of every layer,
@@ -35,9 +36,7 @@ log = logging.getLogger(__name__)
 
 OP_QKV, OP_ATT, OP_O, OP_GU, OP_DOWN = range(5)
 MAX_ROWS = 32  # the kernel's MAXM
-DSPLIT = 8  # down_proj's K splits
-DOWN_N = 32  # down_proj columns per instruction
-CHUNK = 128  # attention positions per instruction
+SMEM_LIMIT = 227 * 1024  # shared memory a program may take on sm_90
 SOURCE = Path(__file__).with_name("csrc") / "draft_decoder.cu"
 
 
@@ -56,57 +55,87 @@ class Shape:
         return cls(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size)
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How a build cuts the work: q/k/v, o_proj and gate/up over `ksplit` pieces of K, down_proj over `dsplit` pieces
+    of `down_n` columns each, the attention in chunks of `chunk` positions."""
+
+    ksplit: int = 1
+    dsplit: int = 8
+    down_n: int = 32
+    chunk: int = 128
+
+
+def smem_bytes(shape: Shape, t: Tiling, nslot: int = 4) -> int:
+    """The kernel's SMEM_BYTES for this shape and tiling (its formula, written again here to choose a tiling before
+    compiling; tests/kernels/test_draft_decoder.py checks it against the build where nvcc exists)."""
+    pad, kq, kc = 8, shape.dim // t.ksplit, shape.inter // t.dsplit
+    slot = max(16 * (kq + pad), t.down_n * (kc + pad)) * 2
+    a = MAX_ROWS * (max(kq, kc) + pad) * 2
+    return nslot * slot + a + 8 * 32 * 16 + MAX_ROWS * 32 * 4 + 64 + nslot * 8
+
+
+def tiling(shape: Shape) -> Tiling | None:
+    """The widest tiles that fit shared memory (fewest instructions): K unsplit if it fits, else in 2 or 4 pieces;
+    down_proj 32 columns an instruction, else 16 or 8. None: nothing fits."""
+    chunk = 8192 // shape.head_dim  # the attention's K/V chunk in shared memory: 128 positions of 64 dims
+    for ksplit in (1, 2, 4):
+        for down_n in (32, 16, 8):
+            t = Tiling(ksplit, 8, down_n, chunk)
+            if _divides(shape, t) and smem_bytes(shape, t) <= SMEM_LIMIT:
+                return t
+    return None
+
+
+def _divides(shape: Shape, t: Tiling) -> bool:
+    return (shape.dim % t.ksplit == 0 and (shape.dim // t.ksplit) % 16 == 0 and shape.inter % (t.dsplit * 16) == 0
+            and shape.dim % t.down_n == 0)
+
+
 def unsupported(shape: Shape) -> str | None:
-    """Why the kernel cannot run this shape (None: it can). Shared memory bounds the hidden size: the kernel holds
-    32 rows of the hidden state and four weight tiles of up to 32 rows."""
+    """Why the kernel cannot run this shape (None: it can)."""
     if shape.head_dim not in (64, 128):
         return f"head_dim {shape.head_dim} (64 or 128)"
     if shape.n_heads * shape.head_dim != shape.dim:
         return f"query heads x head_dim ({shape.n_heads * shape.head_dim}) differs from the hidden size {shape.dim}"
     if shape.n_heads % shape.n_kv_heads:
         return "query heads not a multiple of KV heads"
-    if shape.dim % DOWN_N or shape.inter % (DSPLIT * 16) or shape.dim % 16:
-        return f"hidden {shape.dim} / intermediate {shape.inter} not multiples of {DOWN_N} / {DSPLIT * 16}"
-    if smem_bytes(shape) > 227 * 1024:
-        return f"needs {smem_bytes(shape) // 1024} KiB of shared memory a program (227 on sm_90)"
+    if tiling(shape) is None:
+        return (f"no tiling of hidden {shape.dim} / intermediate {shape.inter} fits {SMEM_LIMIT // 1024} KiB of "
+                f"shared memory (K in up to 4 pieces, multiples of 16)")
     return None
 
 
-def smem_bytes(shape: Shape, nslot: int = 4) -> int:
-    """The kernel's SMEM_BYTES (its constants, written again here to refuse a shape before compiling)."""
-    pad, kc = 8, shape.inter // DSPLIT
-    slot = max(16 * (shape.dim + pad), DOWN_N * (kc + pad)) * 2
-    a = MAX_ROWS * (max(shape.dim, kc) + pad) * 2
-    return nslot * slot + a + 8 * 32 * 16 + MAX_ROWS * 32 * 4 + 64 + nslot * 8
-
-
 # ---- the instruction list ------------------------------------------------------------------------------------
-def stage_tiles(shape: Shape, M: int, nchunk: int, layer: int) -> list[list[tuple[int, int, int, int]]]:
-    """The tiles (op, layer, a, b) of one layer's five stages, in stage order (the kernel's encoding)."""
+def stage_tiles(shape: Shape, t: Tiling, M: int, nchunk: int, layer: int) -> list[list[tuple[int, int, int, int]]]:
+    """The tiles (op, layer, a, b) of one layer's five stages, in stage order (the kernel's encoding: b is the K
+    split of a GEMM instruction; a q/k/v instruction's a is head * head_dim / 2 + its first half-dim)."""
     heads = shape.n_heads + 2 * shape.n_kv_heads
-    qkv = [(OP_QKV, layer, h, j) for h in range(heads) for j in range(0, shape.head_dim // 2, 4)]
+    half = shape.head_dim // 2
+    qkv = [(OP_QKV, layer, h * half + j, s) for s in range(t.ksplit) for h in range(heads) for j in range(0, half, 4)]
     att = [(OP_ATT, layer, m, g * nchunk + c) for c in range(nchunk) for m in range(M)
            for g in range(shape.n_kv_heads)]
-    o = [(OP_O, layer, n, 0) for n in range(0, shape.dim, 8)]
-    gu = [(OP_GU, layer, c, 0) for c in range(0, shape.inter, 8)]
-    down = [(OP_DOWN, layer, n, s) for s in range(DSPLIT) for n in range(0, shape.dim, DOWN_N)]
+    o = [(OP_O, layer, n, s) for s in range(t.ksplit) for n in range(0, shape.dim, 8)]
+    gu = [(OP_GU, layer, c, s) for s in range(t.ksplit) for c in range(0, shape.inter, 8)]
+    down = [(OP_DOWN, layer, n, s) for s in range(t.dsplit) for n in range(0, shape.dim, t.down_n)]
     return [qkv, att, o, gu, down]
 
 
-def plan(shape: Shape, n_layers: int, M: int, nchunk: int, n_sms: int) -> list[list[tuple[int, int, int, int]]]:
+def plan(shape: Shape, t: Tiling, n_layers: int, M: int, nchunk: int,
+         n_sms: int) -> list[list[tuple[int, int, int, int]]]:
     """Each program's instruction list (module docstring)."""
     lists: list[list] = [[] for _ in range(n_sms)]
     cursor = 0
     for layer in range(n_layers):
-        for tiles in stage_tiles(shape, M, nchunk, layer):
-            for t in tiles:
-                lists[cursor % n_sms].append(t)
+        for tiles in stage_tiles(shape, t, M, nchunk, layer):
+            for tile in tiles:
+                lists[cursor % n_sms].append(tile)
                 cursor += 1
     return lists
 
 
-def n_chunks(sinks: int, window: int) -> int:
-    return math.ceil((sinks + window) / CHUNK)
+def n_chunks(t: Tiling, sinks: int, window: int) -> int:
+    return math.ceil((sinks + window) / t.chunk)
 
 
 # ---- the PyTorch reference of the plan -----------------------------------------------------------------------
@@ -117,72 +146,80 @@ def _bf(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, T: int, sinks: int, window: int,
-                   q_capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                   tiles: Tiling | None = None, q_capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """What the kernel computes, tile by tile in stage order, in PyTorch: h [M, dim] (the embeddings) -> the last
     layer's residual stream [M, dim]; k_cache / v_cache [L, B, Hkv, S, D] get each layer's new keys and values;
-    q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`.
-    Slow on purpose: it checks `plan`'s tiles and each tile's rounding against the model's own forward."""
+    q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`;
+    `tiles` the build's tiling (default: `tiling` of the model's shape). Slow on purpose: it checks `plan`'s tiles,
+    the K splits' sums and each tile's rounding against the model's own forward."""
     a = model.args
     shape, dt = Shape.of(a), h.dtype
-    M, HD, NQ, NKV = h.shape[0], a.head_dim, a.n_heads, a.n_kv_heads
-    GQ, nchunk = NQ // NKV, n_chunks(sinks, window)
+    t = tiles or tiling(shape)
+    M, HD, NQ, NKV, inter = h.shape[0], a.head_dim, a.n_heads, a.n_kv_heads, a.intermediate_size
+    GQ, nchunk, half = NQ // NKV, n_chunks(t, sinks, window), a.head_dim // 2
     h = h.clone()
     pos = positions.reshape(-1).long()
     for li, layer in enumerate(model.layers):
         at, mlp = layer.self_attn, layer.mlp
         q = torch.empty(M, NQ * HD, dtype=dt, device=h.device)
         attn = torch.empty_like(q)
-        act = torch.empty(M, a.intermediate_size, dtype=dt, device=h.device)
+        act = torch.empty(M, inter, dtype=dt, device=h.device)
         parts: dict = {}
         x = _norm(h, layer.input_layernorm)
-        for op, _, ta, tb in [t for tiles in stage_tiles(shape, M, nchunk, li) for t in tiles]:
+        for op, _, ta, tb in [tile for stage in stage_tiles(shape, t, M, nchunk, li) for tile in stage]:
+            if op == OP_ATT:
+                m, g, c = ta, tb // nchunk, tb % nchunk
+                parts[(m, g, c)] = _attention_chunk(q[m, g * GQ * HD:(g + 1) * GQ * HD].view(GQ, HD),
+                                                    k_cache[li, m // T, g], v_cache[li, m // T, g], int(pos[m]),
+                                                    c, sinks, window, t.chunk)
+                if c == nchunk - 1:
+                    merged = _merge([parts[(m, g, i)] for i in range(nchunk)])
+                    attn[m, g * GQ * HD:(g + 1) * GQ * HD] = merged.reshape(-1).to(dt)
+                continue
+            if op == OP_GU and ta == 0 and tb == 0:
+                x = _norm(h, layer.post_attention_layernorm)
             if op == OP_QKV:
-                rows = [ta * HD + tb + r for r in range(4)] + [ta * HD + HD // 2 + tb + r for r in range(4)]
-                out = x.float() @ at.qkv_proj.weight[rows].float().T
+                head, j0 = divmod(ta, half)
+                rows = [head * HD + j0 + r for r in range(4)] + [head * HD + half + j0 + r for r in range(4)]
+                src, w, splits = x, at.qkv_proj.weight[rows], t.ksplit
+            elif op == OP_O:
+                src, w, splits = attn, at.o_proj.weight[ta:ta + 8], t.ksplit
+            elif op == OP_GU:
+                src, splits = x, t.ksplit
+                w = torch.cat([mlp.gate_up_proj.weight[ta:ta + 8], mlp.gate_up_proj.weight[inter + ta:inter + ta + 8]])
+            else:
+                src, w, splits = act, mlp.down_proj.weight[ta:ta + t.down_n], t.dsplit
+            kw = src.shape[1] // splits
+            k = slice(tb * kw, (tb + 1) * kw)
+            parts.setdefault((op, ta), []).append(src[:, k].float() @ w[:, k].float().T)
+            if tb < splits - 1:
+                continue
+            out = parts[(op, ta)][0]
+            for more in parts[(op, ta)][1:]:  # the splits in split order
+                out = out + more
+            if op == OP_QKV:
                 if at.qkv_proj.bias is not None:
                     out = out + at.qkv_proj.bias[rows].float()
                 out = _bf(out, dt)
                 x1, x2 = out[:, :4], out[:, 4:]
-                d = slice(tb, tb + 4)
-                if ta < NQ + NKV:
-                    c, s = cos[:, d].float(), sin[:, d].float()
-                    x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
-                if ta < NQ:
-                    q[:, ta * HD + tb: ta * HD + tb + 4] = x1.to(dt)
-                    q[:, ta * HD + HD // 2 + tb: ta * HD + HD // 2 + tb + 4] = x2.to(dt)
+                d = slice(j0, j0 + 4)
+                if head < NQ + NKV:
+                    c, sn = cos[:, d].float(), sin[:, d].float()
+                    x1, x2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+                if head < NQ:
+                    q[:, head * HD + j0: head * HD + j0 + 4] = x1.to(dt)
+                    q[:, head * HD + half + j0: head * HD + half + j0 + 4] = x2.to(dt)
                 else:
-                    cache, g = (k_cache, ta - NQ) if ta < NQ + NKV else (v_cache, ta - NQ - NKV)
+                    cache, g = (k_cache, head - NQ) if head < NQ + NKV else (v_cache, head - NQ - NKV)
                     for m in range(M):
                         cache[li, m // T, g, pos[m], d] = x1[m].to(dt)
-                        cache[li, m // T, g, pos[m], HD // 2 + tb: HD // 2 + tb + 4] = x2[m].to(dt)
-            elif op == OP_ATT:
-                m, g, c = ta, tb // nchunk, tb % nchunk
-                parts[(m, g, c)] = _attention_chunk(q[m, g * GQ * HD:(g + 1) * GQ * HD].view(GQ, HD),
-                                                    k_cache[li, m // T, g], v_cache[li, m // T, g], int(pos[m]),
-                                                    c, sinks, window)
-                if c == nchunk - 1:
-                    merged = _merge([parts[(m, g, i)] for i in range(nchunk)])
-                    attn[m, g * GQ * HD:(g + 1) * GQ * HD] = merged.reshape(-1).to(dt)
-            elif op == OP_O:
-                out = _bf(attn.float() @ at.o_proj.weight[ta:ta + 8].float().T, dt)
-                h[:, ta:ta + 8] = (h[:, ta:ta + 8].float() + out).to(dt)
+                        cache[li, m // T, g, pos[m], half + j0: half + j0 + 4] = x2[m].to(dt)
             elif op == OP_GU:
-                if ta == 0:
-                    x = _norm(h, layer.post_attention_layernorm)
-                inter = a.intermediate_size
-                w = mlp.gate_up_proj.weight
-                g_ = _bf(x.float() @ w[ta:ta + 8].float().T, dt)
-                u_ = _bf(x.float() @ w[inter + ta:inter + ta + 8].float().T, dt)
+                g_, u_ = _bf(out[:, :8], dt), _bf(out[:, 8:], dt)
                 act[:, ta:ta + 8] = (g_ / (1 + torch.exp(-g_)) * u_).to(dt)
-            else:
-                kc = a.intermediate_size // DSPLIT
-                parts[("down", ta, tb)] = act[:, tb * kc:(tb + 1) * kc].float() @ \
-                    mlp.down_proj.weight[ta:ta + DOWN_N, tb * kc:(tb + 1) * kc].float().T
-                if tb == DSPLIT - 1:
-                    s = parts[("down", ta, 0)]
-                    for i in range(1, DSPLIT):
-                        s = s + parts[("down", ta, i)]
-                    h[:, ta:ta + DOWN_N] = (h[:, ta:ta + DOWN_N].float() + _bf(s, dt)).to(dt)
+            else:  # o_proj, down_proj: the residual add
+                n = out.shape[1]
+                h[:, ta:ta + n] = (h[:, ta:ta + n].float() + _bf(out, dt)).to(dt)
         if q_capture is not None and li in q_capture:
             q_capture[li].copy_(q)
     return h
@@ -194,13 +231,13 @@ def _norm(h: torch.Tensor, norm) -> torch.Tensor:
     return (norm.weight.float() * _bf(xf * rstd, h.dtype)).to(h.dtype)
 
 
-def _attention_chunk(q, k, v, p: int, chunk: int, sinks: int, window: int):
-    """One ATT instruction: q [GQ, D] over the chunk's positions of p's streaming window -> (o [GQ, D] unnormalized,
-    max [GQ], sum [GQ])."""
+def _attention_chunk(q, k, v, p: int, chunk: int, sinks: int, window: int, size: int):
+    """One ATT instruction: q [GQ, D] over chunk `chunk` (of `size` positions) of p's streaming window -> (o [GQ, D]
+    unnormalized, max [GQ], sum [GQ])."""
     s0 = min(sinks, p + 1)
     start = max(s0, p - window + 1) if window > 0 else s0
     idx = list(range(s0)) + list(range(start, p + 1))
-    idx = idx[chunk * CHUNK:(chunk + 1) * CHUNK]
+    idx = idx[chunk * size:(chunk + 1) * size]
     if not idx:
         z = torch.zeros(q.shape[0], device=q.device)
         return torch.zeros(q.shape, device=q.device), z - math.inf, z
@@ -235,10 +272,11 @@ def _nvcc() -> str | None:
                                     else None)
 
 
-def compile_flags(shape: Shape) -> list[str]:
+def compile_flags(shape: Shape, t: Tiling) -> list[str]:
     return ["-arch=sm_90a", "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
             f"-DDIM={shape.dim}", f"-DN_HEADS={shape.n_heads}", f"-DN_KV_HEADS={shape.n_kv_heads}",
-            f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DDSPLIT={DSPLIT}"]
+            f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DKSPLIT={t.ksplit}", f"-DDSPLIT={t.dsplit}",
+            f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}"]
 
 
 def cache_dir() -> Path:
@@ -246,10 +284,10 @@ def cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def library(shape: Shape) -> ctypes.CDLL:
-    """The built kernel for `shape`: compiled on first use (nvcc, ~5 s), kept in the cache directory under a hash
-    of the source and flags. Raises BuildError without nvcc or when the build fails."""
-    flags = compile_flags(shape)
+def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
+    """The built kernel for `shape` and tiling `t`: compiled on first use (nvcc, ~5 s), kept in the cache directory
+    under a hash of the source and flags. Raises BuildError without nvcc or when the build fails."""
+    flags = compile_flags(shape, t)
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_dir() / f"draft_decoder-{key}.so"
     if not path.exists():
@@ -267,6 +305,8 @@ def library(shape: Shape) -> ctypes.CDLL:
     lib.draft_layers_launch.restype = ctypes.c_int
     lib.draft_layers_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.draft_layers_configure.restype = ctypes.c_int
+    for f in (lib.draft_layers_smem_bytes, lib.draft_layers_arrivals_per_layer, lib.draft_layers_params_bytes):
+        f.restype = ctypes.c_int
     if lib.draft_layers_params_bytes() != ctypes.sizeof(_Params):
         raise BuildError("the kernel's Params struct and _Params differ")
     return lib
@@ -282,6 +322,7 @@ class _Params(ctypes.Structure):  # the kernel's Params, field for field
                 ("nchunk", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("q", ctypes.c_void_p), ("q_capture", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 ("act", ctypes.c_void_p), ("att_part", ctypes.c_void_p), ("down_part", ctypes.c_void_p),
+                ("qkv_part", ctypes.c_void_p), ("o_part", ctypes.c_void_p), ("gu_part", ctypes.c_void_p),
                 ("counters", ctypes.c_void_p), ("arrivals", ctypes.c_void_p)]
 
 
@@ -293,11 +334,12 @@ class DraftDecoder:
     def __init__(self, model, sinks: int, window: int) -> None:
         a = model.args
         self.shape, self.sinks, self.window = Shape.of(a), sinks, window
-        self.lib = library(self.shape)
+        self.tiles = tiling(self.shape)
+        self.lib = library(self.shape, self.tiles)
         dev = model.embed_tokens.weight.device
         self.device, self.dtype, self.n_layers = dev, model.embed_tokens.weight.dtype, a.n_layers
         self.n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.nchunk = n_chunks(sinks, window)
+        self.nchunk = n_chunks(self.tiles, sinks, window)
         self.eps = model.layers[0].input_layernorm.eps
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         table = []
@@ -316,9 +358,16 @@ class DraftDecoder:
         self.act = torch.empty(S, a.intermediate_size, dtype=self.dtype, device=dev)
         self.att_part = torch.empty(S * a.n_kv_heads * self.nchunk * (a.n_heads // a.n_kv_heads) * (a.head_dim + 2),
                                     dtype=torch.float32, device=dev)
-        self.down_part = torch.empty(DSPLIT * S * a.dim, dtype=torch.float32, device=dev)
+        t, f32 = self.tiles, dict(dtype=torch.float32, device=dev)
+        self.down_part = torch.empty(t.dsplit * S * a.dim, **f32)
+        split = t.ksplit > 1  # K-split q/k/v, o_proj and gate/up write partial sums (else nothing: one word each)
+        heads = a.n_heads + 2 * a.n_kv_heads
+        self.qkv_part = torch.empty(t.ksplit * S * heads * a.head_dim if split else 1, **f32)
+        self.o_part = torch.empty(t.ksplit * S * a.dim if split else 1, **f32)
+        self.gu_part = torch.empty(t.ksplit * S * 2 * a.intermediate_size if split else 1, **f32)
         self.counters = torch.zeros(a.n_layers * 5, dtype=torch.int32, device=dev)
-        self.arrivals = torch.zeros(a.n_layers * (S * a.n_kv_heads + a.dim // DOWN_N), dtype=torch.int32, device=dev)
+        self.arrivals = torch.zeros(a.n_layers * self.lib.draft_layers_arrivals_per_layer(), dtype=torch.int32,
+                                    device=dev)
         self.captures: dict[int, torch.Tensor] = {}
         self.capture_table = torch.zeros(a.n_layers, dtype=torch.int64, device=dev)
         self._plans: dict[int, tuple] = {}
@@ -337,7 +386,7 @@ class DraftDecoder:
 
     def _plan(self, M: int):
         if M not in self._plans:
-            lists = plan(self.shape, self.n_layers, M, self.nchunk, self.n_sms)
+            lists = plan(self.shape, self.tiles, self.n_layers, M, self.nchunk, self.n_sms)
             stride = max(len(x) for x in lists)
             ins = torch.zeros(self.n_sms, stride, 4, dtype=torch.int32)
             wins = torch.zeros_like(ins)
@@ -363,7 +412,8 @@ class DraftDecoder:
                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.sinks,
                     self.window, self.nchunk, self.eps, 1.0 / math.sqrt(self.shape.head_dim), self.q.data_ptr(),
                     self.capture_table.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(),
-                    self.att_part.data_ptr(), self.down_part.data_ptr(), self.counters.data_ptr(),
+                    self.att_part.data_ptr(), self.down_part.data_ptr(), self.qkv_part.data_ptr(),
+                    self.o_part.data_ptr(), self.gu_part.data_ptr(), self.counters.data_ptr(),
                     self.arrivals.data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):

@@ -4,6 +4,7 @@ instruction lists cover every tile once, in an order that cannot deadlock, and e
 compile-checked where nvcc exists; the kernel itself is checked on the GPU (scripts/gpu_draft_decoder.py)."""
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 import subprocess
@@ -18,10 +19,10 @@ from dustin.models.args import ModelArgs
 from dustin.models.transformer import Transformer
 
 
-def _model(dtype, *, head_dim=64, bias=True, layers=2):
+def _model(dtype, *, heads=4, kv_heads=2, head_dim=64, bias=True, layers=2):
     torch.manual_seed(0)
-    args = ModelArgs(vocab_size=97, dim=256, n_layers=layers, n_heads=4, n_kv_heads=2, intermediate_size=512,
-                     head_dim=head_dim, qkv_bias=bias, family="qwen2")
+    args = ModelArgs(vocab_size=97, dim=256, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                     intermediate_size=512, head_dim=head_dim, qkv_bias=bias, family="qwen2")
     m = Transformer(args)
     with torch.no_grad():
         for p in m.parameters():
@@ -32,29 +33,40 @@ def _model(dtype, *, head_dim=64, bias=True, layers=2):
     return m.fuse_projections().to(dtype).eval()
 
 
-@pytest.mark.parametrize("M,T,n_sms", [(16, 1, 132), (6, 2, 7), (3, 1, 1), (32, 2, 5)])
-def test_plan_covers_every_tile_once_in_stage_order(M, T, n_sms):
-    shape = dd.Shape(896, 14, 2, 64, 4864)
-    nchunk = dd.n_chunks(4, 508)
-    lists = dd.plan(shape, 3, M, nchunk, n_sms)
-    flat = [t for x in lists for t in x]
-    want = [t for layer in range(3) for tiles in dd.stage_tiles(shape, M, nchunk, layer) for t in tiles]
+QWEN_05B = dd.Shape(896, 14, 2, 64, 4864)
+QWEN_15B = dd.Shape(1536, 12, 2, 128, 8960)
+LLAMA_1B = dd.Shape(2048, 32, 8, 64, 8192)
+
+
+@pytest.mark.parametrize("shape", [QWEN_05B, QWEN_15B, LLAMA_1B])
+@pytest.mark.parametrize("M,n_sms", [(16, 132), (6, 7), (3, 1), (32, 5)])
+def test_plan_covers_every_tile_once_in_stage_order(shape, M, n_sms):
+    t = dd.tiling(shape)
+    nchunk = dd.n_chunks(t, 4, 508)
+    lists = dd.plan(shape, t, 3, M, nchunk, n_sms)
+    flat = [x for lst in lists for x in lst]
+    want = [x for layer in range(3) for tiles in dd.stage_tiles(shape, t, M, nchunk, layer) for x in tiles]
     assert sorted(flat) == sorted(want) and len(flat) == len(set(flat))
-    for x in lists:  # each program's list is in (layer, stage) order: it only ever waits for earlier stages
-        order = [(t[1], t[0]) for t in x]
+    for lst in lists:  # each program's list is in (layer, stage) order: it only ever waits for earlier stages
+        order = [(x[1], x[0]) for x in lst]
         assert order == sorted(order)
-    # the stage sizes the kernel waits for (`dependency` in the .cu)
-    tiles = dd.stage_tiles(shape, M, nchunk, 0)
-    assert [len(t) for t in tiles] == [18 * 8, M * 2 * nchunk, 896 // 8, 4864 // 8, 896 // 32 * dd.DSPLIT]
+    # per stage, each output group's splits: what the kernel counts (`dependency`, `merge_splits` in the .cu)
+    heads = shape.n_heads + 2 * shape.n_kv_heads
+    tiles = dd.stage_tiles(shape, t, M, nchunk, 0)
+    assert [len(x) for x in tiles] == [heads * shape.head_dim // 8 * t.ksplit, M * shape.n_kv_heads * nchunk,
+                                       shape.dim // 8 * t.ksplit, shape.inter // 8 * t.ksplit,
+                                       shape.dim // t.down_n * t.dsplit]
 
 
 @pytest.mark.parametrize("dtype,T,window,tol", [(torch.float32, 1, 124, 2e-5), (torch.float32, 2, 300, 2e-5),
                                                  (torch.bfloat16, 1, 124, 0.05), (torch.bfloat16, 2, 60, 0.05)])
-def test_reference_plan_matches_the_model(dtype, T, window, tol):
+@pytest.mark.parametrize("tiles,heads", [(None, (4, 2, 64)), (dd.Tiling(2, 8, 16, 128), (4, 2, 64)),
+                                         (dd.Tiling(4, 4, 8, 64), (2, 1, 128))])
+def test_reference_plan_matches_the_model(dtype, T, window, tol, tiles, heads):
     """Tiles in stage order == the model's layer-by-layer streaming forward: RoPE's half-dim pairs, attention
-    chunks of a window longer than a chunk (merged), sinks, down_proj's K splits, the residual adds; rows at
-    different positions, some inside the sinks."""
-    model = _model(dtype)
+    chunks of a window longer than a chunk (merged), sinks, the K splits (added in split order), the residual adds;
+    rows at different positions, some inside the sinks; unsplit and split K, head_dim 64 and 128."""
+    model = _model(dtype, heads=heads[0], kv_heads=heads[1], head_dim=heads[2])
     a = model.args
     B, S, sinks = 3, 512, 4
     lengths = torch.tensor([300, 2, 150], dtype=torch.int32)
@@ -75,8 +87,9 @@ def test_reference_plan_matches_the_model(dtype, T, window, tol):
         for layer in model.layers:
             h, residual = layer(h, residual, cos, sin, ctx, model.backend)
         want = (residual + h).reshape(B * T, -1)
-        got = dd.reference_plan(model, model.embed_tokens(tokens).reshape(B * T, -1), positions, cos.reshape(B * T, -1),
-                                sin.reshape(B * T, -1), cache2.k, cache2.v, T=T, sinks=sinks, window=window)
+        got = dd.reference_plan(model, model.embed_tokens(tokens).reshape(B * T, -1), positions,
+                                cos.reshape(B * T, -1), sin.reshape(B * T, -1), cache2.k, cache2.v, T=T,
+                                sinks=sinks, window=window, tiles=tiles)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= tol * want.float().abs().max().item(), err
     for li in range(a.n_layers):
@@ -90,27 +103,45 @@ def test_attention_chunks_merge_to_softmax():
     torch.manual_seed(2)
     q, k, v = torch.randn(3, 64), torch.randn(700, 64), torch.randn(700, 64)
     p, sinks, window = 650, 4, 380
-    parts = [dd._attention_chunk(q, k, v, p, c, sinks, window) for c in range(dd.n_chunks(sinks, window))]
+    parts = [dd._attention_chunk(q, k, v, p, c, sinks, window, 128) for c in range(4)]
     got = dd._merge(parts)
     idx = torch.tensor(list(range(sinks)) + list(range(p - window + 1, p + 1)))
     want = torch.softmax(q @ k[idx].T / math.sqrt(64), -1) @ v[idx]
     assert torch.allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape,ok", [(dd.Shape(896, 14, 2, 64, 4864), True), (dd.Shape(1536, 12, 2, 128, 8960), False),
-                                      (dd.Shape(2048, 32, 8, 64, 8192), False), (dd.Shape(896, 14, 2, 80, 4864), False),
-                                      (dd.Shape(1024, 8, 2, 64, 4864), False)])
-def test_supported_shapes(shape, ok):
-    """The 0.5B draft fits; wider drafts exceed shared memory, and o_proj's input must be as wide as the hidden
-    state (such shapes keep the per-layer kernels)."""
-    assert (dd.unsupported(shape) is None) == ok
+@pytest.mark.parametrize("shape,want", [
+    (QWEN_05B, dd.Tiling(1, 8, 32, 128)),  # the default draft: K unsplit
+    (QWEN_15B, dd.Tiling(2, 8, 16, 64)),  # Qwen2.5-1.5B as a draft: K in halves, head_dim 128
+    (LLAMA_1B, dd.Tiling(2, 8, 16, 128)),  # Llama-3.2-1B
+    (dd.Shape(8192, 64, 8, 128, 28672), None),  # a 70B's layers fit no tiling
+])
+def test_tiling_fits_shared_memory(shape, want):
+    t = dd.tiling(shape)
+    assert t == want
+    assert (dd.unsupported(shape) is None) == (want is not None)
+    if t is not None:
+        assert dd.smem_bytes(shape, t) <= dd.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("shape", [dd.Shape(896, 14, 2, 80, 4864), dd.Shape(1024, 8, 2, 64, 4864)])
+def test_unsupported_shapes_say_why(shape):
+    """head_dim outside 64 / 128; o_proj's input narrower than the hidden state: the per-layer kernels."""
+    assert dd.unsupported(shape)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-def test_kernel_compiles_for_sm90(tmp_path):
-    flags = dd.compile_flags(dd.Shape(896, 14, 2, 64, 4864))
-    r = subprocess.run(["nvcc", *flags, "-o", str(tmp_path / "k.so"), str(dd.SOURCE)], capture_output=True, text=True)
+@pytest.mark.parametrize("shape", [QWEN_05B, LLAMA_1B])
+def test_kernel_compiles_for_sm90_with_the_planned_shared_memory(shape, tmp_path):
+    """The sm_90 build compiles, and its SMEM_BYTES and Params size are what the host side assumes."""
+    t = dd.tiling(shape)
+    out = tmp_path / "k.so"
+    r = subprocess.run(["nvcc", *dd.compile_flags(shape, t), "-o", str(out), str(dd.SOURCE)], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    lib = ctypes.CDLL(str(out))
+    assert lib.draft_layers_smem_bytes() == dd.smem_bytes(shape, t)
+    assert lib.draft_layers_params_bytes() == ctypes.sizeof(dd._Params)
 
 
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -119,10 +150,11 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
 
 @sm90
 @pytest.mark.parametrize("T", [1, 2])
-def test_kernel_matches_the_per_layer_kernels(T):
-    """On the GPU: the persistent kernel against the draft's per-layer kernels, at the 0.5B draft's shapes (4
-    layers of random weights), 16 rows: logits, argmax, the new keys and values, nothing else of the cache
-    written, the observers' queries, and bitwise-equal repeats."""
+@pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
+def test_kernel_matches_the_per_layer_kernels(T, draft):
+    """On the GPU: the persistent kernel against the draft's per-layer kernels, at a draft's shapes (4 layers of
+    random weights; the 1B's K is split in two), 16 rows: logits, argmax, the new keys and values, nothing else of
+    the cache written, the observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
     from dataclasses import replace
 
     from dustin.attention.backend import AttentionBackend
@@ -130,7 +162,7 @@ def test_kernel_matches_the_per_layer_kernels(T):
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    args = replace(_shape("qwen2.5-0.5b"), n_layers=4)
+    args = replace(_shape(draft), n_layers=4)
     model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -9,14 +9,16 @@
 // memory instead of kernel boundaries. The weight stream never stops at a layer's stages.
 //
 // Stages of layer l and what each waits for (counts in `need`):
-//   QKV  (head, 4 half-dims)       waits DOWN(l-1): RMSNorm(h) in shared memory, q/k/v + bias, RoPE, q out, k/v to cache
-//   ATT  (row, kv head, chunk)     waits QKV(l):    attention over <= CH positions of the row's streaming window;
-//                                                   the chunk that arrives last merges the chunks in a fixed order
-//   O    (8 columns)               waits ATT(l):    h += o_proj(attention)
-//   GU   (8 columns of gate & up)  waits O(l):      act = SiLU(gate) * up of RMSNorm(h)
-//   DOWN (32 columns, K / DSPLIT)  waits GU(l):     partial sums; the split that arrives last adds them in a fixed
-//                                                   order and h += down_proj(act)
-// Every reduction has a fixed order: the result does not depend on which program finished first.
+//   QKV  (head, 4 half-dims, split)  waits DOWN(l-1): RMSNorm(h) in shared memory, q/k/v + bias, RoPE, q out,
+//                                                     k/v to the cache
+//   ATT  (row, kv head, chunk)       waits QKV(l):    attention over <= CH positions of the row's streaming window;
+//                                                     the chunk that arrives last merges the chunks in a fixed order
+//   O    (8 columns, split)          waits ATT(l):    h += o_proj(attention)
+//   GU   (8 columns of gate & up, split) waits O(l):  act = SiLU(gate) * up of RMSNorm(h)
+//   DOWN (DOWN_N columns, split)     waits GU(l):     h += down_proj(act)
+// A GEMM instruction covers 1/KSPLIT of K (1/DSPLIT for down_proj): with more than one split, each writes its
+// partial sums and the split that arrives last adds them in split order, then runs the epilogue. Every reduction
+// has a fixed order: the result does not depend on which program finished first.
 //
 // Shapes are compile-time (-D flags, one build per draft shape). Rounding follows the PyTorch model: each
 // projection's output rounds to bf16 before its bias / RoPE / SiLU / residual add (done in fp32, rounded once).
@@ -35,6 +37,15 @@
 #ifndef DSPLIT
 #define DSPLIT 8
 #endif
+#ifndef KSPLIT
+#define KSPLIT 1
+#endif
+#ifndef DOWN_COLS
+#define DOWN_COLS 32
+#endif
+#ifndef CHUNK_POS
+#define CHUNK_POS 128
+#endif
 #ifndef NSLOT
 #define NSLOT 4
 #endif
@@ -47,28 +58,38 @@ constexpr int NHEADS = NQ + 2 * NKV;    // q | k | v heads of the fused projecti
 constexpr int MAXM = 32;                // token rows
 constexpr int NT = 256, NW = 8;         // threads, warps
 constexpr int PAD = 8;                  // bf16 of padding per shared-memory row: rows 16 B apart in banks
+constexpr int KQ = D / KSPLIT;          // q/k/v, o_proj and gate/up's K per split
 constexpr int KC = I / DSPLIT;          // down_proj's K per split
-constexpr int DOWN_N = 32;              // down_proj columns per instruction
-constexpr int CH = 128;                 // attention positions per chunk
-constexpr int KST = HD + 2;             // K/V rows in shared memory: 33 words apart, conflict-free
+constexpr int DOWN_N = DOWN_COLS;       // down_proj columns per instruction
+constexpr int CH = CHUNK_POS;           // attention positions per chunk
+constexpr int KST = HD + 2;             // K/V rows in shared memory: an odd number of words apart, conflict-free
 
 static_assert(NQ % NKV == 0, "query heads must be a multiple of KV heads");
 static_assert(NQ * HD == D, "o_proj's K (query heads x head_dim) must equal the hidden size");
 static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
-static_assert(D % 16 == 0 && KC % 16 == 0 && I % DSPLIT == 0 && D % DOWN_N == 0 && I % 8 == 0, "tile shapes");
+static_assert(D % KSPLIT == 0 && KQ % 16 == 0 && I % DSPLIT == 0 && KC % 16 == 0 && I % 8 == 0, "K splits");
+static_assert((DOWN_N == 8 || DOWN_N == 16 || DOWN_N == 32) && D % DOWN_N == 0, "down_proj columns");
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int SLOT_BYTES = cmax(cmax(8 * (D + PAD), 16 * (D + PAD)), DOWN_N * (KC + PAD)) * 2;
-constexpr int A_COLS = cmax(D, KC) + PAD;
+constexpr int SLOT_BYTES = cmax(16 * (KQ + PAD), DOWN_N * (KC + PAD)) * 2;
+constexpr int A_COLS = cmax(KQ, KC) + PAD;
 constexpr int A_BYTES = MAXM * A_COLS * 2;
 constexpr int ATT_BYTES = (GQ * HD + GQ * CH) * 4 + 2 * CH * KST * 2;
 static_assert(ATT_BYTES <= A_BYTES, "attention scratch must fit the activation buffer");
 constexpr int RED_BYTES = NW * 32 * 4 * 4;  // each warp's 16x8 accumulator fragment
 constexpr int OUT_BYTES = MAXM * 32 * 4;    // an instruction's [M, N <= 32] fp32 result
 constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + A_BYTES + RED_BYTES + OUT_BYTES + 64 + NSLOT * 8;
+static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: a larger KSPLIT or fewer down_proj columns");
 
 enum Op : int { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4 };
 enum Stage : int { S_QKV = 0, S_ATT = 1, S_O = 2, S_GU = 3, S_DOWN = 4, NSTAGE = 5 };
+
+// each GEMM stage's output groups (one per instruction column block) and their widths (columns per instruction)
+constexpr int G_QKV = NHEADS * (HD / 8), G_O = D / 8, G_GU = I / 8, G_DOWN = D / DOWN_N;
+constexpr int W_QKV = 8, W_O = 8, W_GU = 16, W_DOWN = DOWN_N;
+// a layer's arrival counters: the attention's (row, kv head), then each GEMM stage's groups
+constexpr int ARR_QKV = MAXM * NKV, ARR_O = ARR_QKV + G_QKV, ARR_GU = ARR_O + G_O, ARR_DOWN = ARR_GU + G_GU;
+constexpr int ARR_LAYER = ARR_DOWN + G_DOWN;
 
 struct Layer {  // device pointers of one layer's weights (fused projections, nn.Linear's [N, K] layout)
   const __nv_bfloat16 *wqkv, *bqkv, *wo, *wgu, *wd, *ln1, *ln2;
@@ -99,8 +120,11 @@ struct Params {
   __nv_bfloat16* act;     // [M, I]
   float* att_part;        // [M, NKV, nchunk, GQ, HD + 2]: o, then (max, sum)
   float* down_part;       // [DSPLIT, M, D]
+  float* qkv_part;        // with KSPLIT > 1: [KSPLIT, M, G_QKV * 8]
+  float* o_part;          // [KSPLIT, M, D]
+  float* gu_part;         // [KSPLIT, M, 2 * I]
   int* counters;          // [n_layers, NSTAGE] zeroed before each launch
-  int* arrivals;          // [n_layers, M * NKV + D / DOWN_N] zeroed before each launch
+  int* arrivals;          // [n_layers, ARR_LAYER] zeroed before each launch
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -188,16 +212,19 @@ struct Tile {
 __device__ __forceinline__ Tile tile_of(const Params& p, int4 ins) {
   const Layer& L = p.layers[ins.y];
   switch (ins.x) {
-    case OP_QKV: return {L.wqkv, 8, D, 0, D};
-    case OP_O: return {L.wo, 8, D, 0, D};
-    case OP_GU: return {L.wgu, 16, D, 0, D};
+    case OP_QKV: return {L.wqkv, 8, KQ, ins.w * KQ, D};
+    case OP_O: return {L.wo, 8, KQ, ins.w * KQ, D};
+    case OP_GU: return {L.wgu, 16, KQ, ins.w * KQ, D};
     default: return {L.wd, DOWN_N, KC, ins.w * KC, I};
   }
 }
 
 __device__ __forceinline__ int row_of(int4 ins, int r) {
   switch (ins.x) {
-    case OP_QKV: return ins.z * HD + (r < 4 ? ins.w + r : HD / 2 + ins.w + r - 4);  // RoPE's pairs: r, r + 4
+    case OP_QKV: {  // z = head * HD / 2 + j0; RoPE's pairs are tile rows r and r + 4
+      const int head = ins.z / (HD / 2), j0 = ins.z % (HD / 2);
+      return head * HD + (r < 4 ? j0 + r : HD / 2 + j0 + r - 4);
+    }
     case OP_O: return ins.z + r;
     case OP_GU: return r < 8 ? ins.z + r : I + ins.z + r - 8;  // gate rows, then up rows
     default: return ins.z + r;
@@ -275,13 +302,15 @@ __device__ void load_rows(__nv_bfloat16* A, const __nv_bfloat16* src, int ld, in
   __syncthreads();
 }
 
-// A = RMSNorm(h) in place: weight * bf16(x * rstd), as the PyTorch model rounds
-__device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* g, int M, float eps, float* scratch) {
+// A (columns k0 .. k0 + KQ of h) = RMSNorm(h) there, in place: weight * bf16(x * rstd), as the PyTorch model
+// rounds; rstd from the whole row (A itself when it holds the whole row, else h through L2)
+__device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* h, const __nv_bfloat16* g, int k0, int M, float eps,
+                          float* scratch) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int m = warp; m < M; m += NW) {
     float ss = 0.f;
     for (int k = lane; k < D; k += 32) {
-      float x = __bfloat162float(A[m * A_COLS + k]);
+      float x = KSPLIT == 1 ? __bfloat162float(A[m * A_COLS + k]) : __bfloat162float(__ldcg(h + (int64_t)m * D + k));
       ss += x * x;
     }
 #pragma unroll
@@ -289,10 +318,10 @@ __device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* g, int M, float
     if (lane == 0) scratch[m] = rsqrtf(ss / D + eps);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < M * D; i += NT) {
-    const int m = i / D, k = i % D;
+  for (int i = threadIdx.x; i < M * KQ; i += NT) {
+    const int m = i / KQ, k = i % KQ;
     float x = __bfloat162float(A[m * A_COLS + k]) * scratch[m];
-    A[m * A_COLS + k] = __float2bfloat16(__bfloat162float(g[k]) * bf(x));
+    A[m * A_COLS + k] = __float2bfloat16(__bfloat162float(g[k0 + k]) * bf(x));
   }
   __syncthreads();
 }
@@ -390,7 +419,7 @@ __device__ void attention(const Params& p, int layer, int m, int g, int chunk, c
     for (int j = 0; j < cnt; ++j) o += sc[hh * CH + j] * __bfloat162float(vs[j * KST + d]);
     part[hh * (HD + 2) + d] = o;
   }
-  int* arrival = p.arrivals + (int64_t)layer * (p.M * NKV + D / DOWN_N) + m * NKV + g;
+  int* arrival = p.arrivals + (int64_t)layer * ARR_LAYER + m * NKV + g;
   if (!arrive_last(arrival, p.nchunk, flag)) return;
   const float* parts = p.att_part + (((int64_t)m * NKV + g) * p.nchunk) * GQ * (HD + 2);
   for (int i = tid; i < GQ * HD; i += NT) {  // merge the chunks in chunk order
@@ -412,7 +441,8 @@ __device__ void attention(const Params& p, int layer, int m, int g, int chunk, c
 }
 
 // ---- epilogues ---------------------------------------------------------------------------------------------
-__device__ void qkv_out(const Params& p, int layer, int head, int j0, const float* out) {
+__device__ void qkv_out(const Params& p, int layer, int z, const float* out) {
+  const int head = z / (HD / 2), j0 = z % (HD / 2);
   const Layer& L = p.layers[layer];
   for (int i = threadIdx.x; i < p.M * 4; i += NT) {
     const int m = i / 4, r = i % 4, d = j0 + r;
@@ -468,32 +498,35 @@ __device__ void gate_up_out(const Params& p, int c0, const float* out) {
   }
 }
 
-__device__ void down_out(const Params& p, int layer, int n0, int split, const float* out, int* flag) {
-  for (int i = threadIdx.x; i < p.M * DOWN_N; i += NT) {
-    const int m = i / DOWN_N, n = i % DOWN_N;
-    p.down_part[((int64_t)split * p.M + m) * D + n0 + n] = out[m * 32 + n];
+// With several splits: this split's partial sums to `part` [splits, M, groups * W], and the split that arrives last
+// adds every split's in split order into `out`. Returns whether this program holds the sum (and runs the epilogue).
+__device__ bool merge_splits(const Params& p, float* part, int* arrival, int group, int groups, int W, int split,
+                             int splits, float* out, int* flag) {
+  const int cols = groups * W;
+  for (int i = threadIdx.x; i < p.M * W; i += NT) {
+    const int m = i / W, n = i % W;
+    part[((int64_t)split * p.M + m) * cols + group * W + n] = out[m * 32 + n];
   }
-  int* arrival = p.arrivals + (int64_t)layer * (p.M * NKV + D / DOWN_N) + p.M * NKV + n0 / DOWN_N;
-  if (!arrive_last(arrival, DSPLIT, flag)) return;
-  for (int i = threadIdx.x; i < p.M * DOWN_N; i += NT) {  // the splits in split order
-    const int m = i / DOWN_N, n = i % DOWN_N;
+  if (!arrive_last(arrival, splits, flag)) return false;
+  for (int i = threadIdx.x; i < p.M * W; i += NT) {
+    const int m = i / W, n = i % W;
     float s = 0.f;
-    for (int c = 0; c < DSPLIT; ++c) s += __ldcg(p.down_part + ((int64_t)c * p.M + m) * D + n0 + n);
-    __nv_bfloat16* h = p.h + (int64_t)m * D + n0 + n;
-    *h = __float2bfloat16(__bfloat162float(__ldcg(h)) + bf(s));
+    for (int c = 0; c < splits; ++c) s += __ldcg(part + ((int64_t)c * p.M + m) * cols + group * W + n);
+    out[m * 32 + n] = s;
   }
-  signal(p.counters + layer * NSTAGE + S_DOWN);
+  __syncthreads();
+  return true;
 }
 
 // what (layer, stage) an instruction waits for, and how many arrivals that stage counts when done
 __device__ __forceinline__ void dependency(const Params& p, int4 ins, int* stage_index, int* need) {
   const int l = ins.y;
   switch (ins.x) {
-    case OP_QKV: *stage_index = l > 0 ? (l - 1) * NSTAGE + S_DOWN : -1; *need = D / DOWN_N; break;
-    case OP_ATT: *stage_index = l * NSTAGE + S_QKV; *need = NHEADS * (HD / 8); break;
+    case OP_QKV: *stage_index = l > 0 ? (l - 1) * NSTAGE + S_DOWN : -1; *need = G_DOWN; break;
+    case OP_ATT: *stage_index = l * NSTAGE + S_QKV; *need = G_QKV; break;
     case OP_O: *stage_index = l * NSTAGE + S_ATT; *need = p.M * NKV; break;
-    case OP_GU: *stage_index = l * NSTAGE + S_O; *need = D / 8; break;
-    default: *stage_index = l * NSTAGE + S_GU; *need = I / 8; break;
+    case OP_GU: *stage_index = l * NSTAGE + S_O; *need = G_O; break;
+    default: *stage_index = l * NSTAGE + S_GU; *need = G_GU; break;
   }
 }
 
@@ -546,40 +579,57 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
       __syncthreads();
       continue;
     }
-    const int key = layer * 64 + in.x * 8 + (in.x == OP_DOWN ? in.w : 0);
+    const int split = in.w, key = layer * 256 + in.x * 32 + split;
     if (key != a_key) {
       switch (in.x) {
-        case OP_QKV: load_rows(A, p.h, D, 0, D, p.M); norm_rows(A, L.ln1, p.M, p.eps, out); break;
-        case OP_O: load_rows(A, p.attn, NQ * HD, 0, D, p.M); break;
-        case OP_GU: load_rows(A, p.h, D, 0, D, p.M); norm_rows(A, L.ln2, p.M, p.eps, out); break;
-        default: load_rows(A, p.act, I, in.w * KC, KC, p.M); break;
+        case OP_QKV:
+          load_rows(A, p.h, D, split * KQ, KQ, p.M);
+          norm_rows(A, p.h, L.ln1, split * KQ, p.M, p.eps, out);
+          break;
+        case OP_O: load_rows(A, p.attn, D, split * KQ, KQ, p.M); break;
+        case OP_GU:
+          load_rows(A, p.h, D, split * KQ, KQ, p.M);
+          norm_rows(A, p.h, L.ln2, split * KQ, p.M, p.eps, out);
+          break;
+        default: load_rows(A, p.act, I, split * KC, KC, p.M); break;
       }
       a_key = key;
     }
     const int slot = consumed % NSLOT;
     mbar_wait(bars + slot, (consumed / NSLOT) & 1);
     const __nv_bfloat16* W = reinterpret_cast<const __nv_bfloat16*>(slots + slot * SLOT_BYTES);
+    const bool down = in.x == OP_DOWN;
+    const int N = in.x == OP_GU ? W_GU : down ? W_DOWN : 8, K = down ? KC : KQ;
+    gemm(A, A_COLS, W, K + PAD, p.M, N, K, red, out);
+    bool holds = true;  // this program has the instruction's whole sum in `out`
+    int* arr = p.arrivals + (int64_t)layer * ARR_LAYER;
     switch (in.x) {
-      case OP_QKV:
-        gemm(A, A_COLS, W, D + PAD, p.M, 8, D, red, out);
-        qkv_out(p, layer, in.z, in.w, out);
-        signal(p.counters + layer * NSTAGE + S_QKV);
+      case OP_QKV: {
+        const int g = in.z / 4;
+        if (KSPLIT > 1) holds = merge_splits(p, p.qkv_part, arr + ARR_QKV + g, g, G_QKV, W_QKV, split, KSPLIT, out, misc);
+        if (holds) qkv_out(p, layer, in.z, out);
         break;
-      case OP_O:
-        gemm(A, A_COLS, W, D + PAD, p.M, 8, D, red, out);
-        residual_out(p, in.z, 8, out);
-        signal(p.counters + layer * NSTAGE + S_O);
+      }
+      case OP_O: {
+        const int g = in.z / 8;
+        if (KSPLIT > 1) holds = merge_splits(p, p.o_part, arr + ARR_O + g, g, G_O, W_O, split, KSPLIT, out, misc);
+        if (holds) residual_out(p, in.z, 8, out);
         break;
-      case OP_GU:
-        gemm(A, A_COLS, W, D + PAD, p.M, 16, D, red, out);
-        gate_up_out(p, in.z, out);
-        signal(p.counters + layer * NSTAGE + S_GU);
+      }
+      case OP_GU: {
+        const int g = in.z / 8;
+        if (KSPLIT > 1) holds = merge_splits(p, p.gu_part, arr + ARR_GU + g, g, G_GU, W_GU, split, KSPLIT, out, misc);
+        if (holds) gate_up_out(p, in.z, out);
         break;
-      default:
-        gemm(A, A_COLS, W, KC + PAD, p.M, DOWN_N, KC, red, out);
-        down_out(p, layer, in.z, in.w, out, misc);
+      }
+      default: {
+        const int g = in.z / DOWN_N;
+        holds = merge_splits(p, p.down_part, arr + ARR_DOWN + g, g, G_DOWN, W_DOWN, split, DSPLIT, out, misc);
+        if (holds) residual_out(p, in.z, DOWN_N, out);
         break;
+      }
     }
+    if (holds) signal(p.counters + layer * NSTAGE + in.x);
     ++consumed;
     __syncthreads();  // the slot and `out` are free again
   }
@@ -591,6 +641,8 @@ extern "C" {
 
 int draft_layers_smem_bytes() { return SMEM_BYTES; }
 
+int draft_layers_arrivals_per_layer() { return ARR_LAYER; }
+
 // once per process and device, before any launch (outside a CUDA graph capture)
 int draft_layers_configure() {
   return cudaFuncSetAttribute(draft_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
@@ -598,8 +650,8 @@ int draft_layers_configure() {
 
 int draft_layers_shape(int* shape) {  // what this build was compiled for
   shape[0] = D; shape[1] = NQ; shape[2] = NKV; shape[3] = HD; shape[4] = I; shape[5] = DSPLIT;
-  shape[6] = DOWN_N; shape[7] = CH; shape[8] = MAXM; shape[9] = NSLOT;
-  return 10;
+  shape[6] = DOWN_N; shape[7] = CH; shape[8] = MAXM; shape[9] = NSLOT; shape[10] = KSPLIT;
+  return 11;
 }
 
 // Launch on `stream` (a cudaStream_t) as a cooperative launch: every program waits on others, so all must be
