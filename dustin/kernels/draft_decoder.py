@@ -110,11 +110,11 @@ def unsupported(shape: Shape) -> str | None:
 def stage_tiles(shape: Shape, t: Tiling, M: int, nchunk: int, layer: int) -> list[list[tuple[int, int, int, int]]]:
     """The tiles (op, layer, a, b) of one layer's five stages, in stage order (the kernel's encoding: b is the K
     split of a GEMM instruction; a q/k/v instruction's a is head * head_dim / 2 + its first half-dim)."""
-    heads = shape.n_heads + 2 * shape.n_kv_heads
-    half = shape.head_dim // 2
-    qkv = [(OP_QKV, layer, h * half + j, s) for s in range(t.ksplit) for h in range(heads) for j in range(0, half, 4)]
-    att = [(OP_ATT, layer, m, g * nchunk + c) for c in range(nchunk) for m in range(M)
-           for g in range(shape.n_kv_heads)]
+    half, gq, nq, nkv = shape.head_dim // 2, shape.n_heads // shape.n_kv_heads, shape.n_heads, shape.n_kv_heads
+    # KV head g's q heads, its k head and its v head together, g = 0 first: the attention of g waits only for those
+    heads = [h for g in range(nkv) for h in [*range(g * gq, (g + 1) * gq), nq + g, nq + nkv + g]]
+    qkv = [(OP_QKV, layer, h * half + j, s) for s in range(t.ksplit) for h in heads for j in range(0, half, 4)]
+    att = [(OP_ATT, layer, m, g * nchunk + c) for g in range(nkv) for c in range(nchunk) for m in range(M)]
     o = [(OP_O, layer, n, s) for s in range(t.ksplit) for n in range(0, shape.dim, 8)]
     gu = [(OP_GU, layer, c, s) for s in range(t.ksplit) for c in range(0, shape.inter, 8)]
     down = [(OP_DOWN, layer, n, s) for s in range(t.dsplit) for n in range(0, shape.dim, t.down_n)]
@@ -305,7 +305,8 @@ def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
     lib.draft_layers_launch.restype = ctypes.c_int
     lib.draft_layers_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.draft_layers_configure.restype = ctypes.c_int
-    for f in (lib.draft_layers_smem_bytes, lib.draft_layers_arrivals_per_layer, lib.draft_layers_params_bytes):
+    for f in (lib.draft_layers_smem_bytes, lib.draft_layers_arrivals_per_layer, lib.draft_layers_counters_per_layer,
+              lib.draft_layers_params_bytes):
         f.restype = ctypes.c_int
     if lib.draft_layers_params_bytes() != ctypes.sizeof(_Params):
         raise BuildError("the kernel's Params struct and _Params differ")
@@ -365,7 +366,8 @@ class DraftDecoder:
         self.qkv_part = torch.empty(t.ksplit * S * heads * a.head_dim if split else 1, **f32)
         self.o_part = torch.empty(t.ksplit * S * a.dim if split else 1, **f32)
         self.gu_part = torch.empty(t.ksplit * S * 2 * a.intermediate_size if split else 1, **f32)
-        self.counters = torch.zeros(a.n_layers * 5, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(a.n_layers * self.lib.draft_layers_counters_per_layer(), dtype=torch.int32,
+                                    device=dev)
         self.arrivals = torch.zeros(a.n_layers * self.lib.draft_layers_arrivals_per_layer(), dtype=torch.int32,
                                     device=dev)
         self.captures: dict[int, torch.Tensor] = {}

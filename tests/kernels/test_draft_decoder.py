@@ -58,6 +58,92 @@ def test_plan_covers_every_tile_once_in_stage_order(shape, M, n_sms):
                                        shape.dim // t.down_n * t.dsplit]
 
 
+def _simulate(shape, t, n_layers, M, nchunk, n_sms):
+    """Run every program's instruction list as the kernel would, with its counters and arrivals (the rules of
+    `dependency`, `counter_of`, `merge_splits` and the attention's merge in the .cu, written again here): an
+    instruction runs when its counter has reached its need, programs in any interleaving. Checks that everything
+    runs (no deadlock, the needs are reachable) and that each instruction runs only after all it reads is written."""
+    gq, nq, nkv, hd = shape.n_heads // shape.n_kv_heads, shape.n_heads, shape.n_kv_heads, shape.head_dim
+    kc = shape.inter // t.dsplit
+    kv_group = lambda head: head // gq if head < nq else (head - nq) % nkv  # noqa: E731
+    need = {"down": shape.dim // t.down_n, "qkv": (gq + 2) * (hd // 8), "att": M * nkv, "o": shape.dim // 8,
+            "gu": kc // 8}
+    counters, arrivals, done = {}, {}, set()  # done: (layer, what, index) of outputs written
+    lists = dd.plan(shape, t, n_layers, M, nchunk, n_sms)
+    at = [0] * n_sms
+
+    def ready(op, layer, a, b):
+        if op == dd.OP_QKV:
+            key, n = (layer - 1, "down"), need["down"]
+        elif op == dd.OP_ATT:
+            key, n = (layer, "qkv", b // nchunk), need["qkv"]
+        elif op == dd.OP_O:
+            key, n = (layer, "att"), need["att"]
+        elif op == dd.OP_GU:
+            key, n = (layer, "o"), need["o"]
+        else:
+            key, n = (layer, "gu", b), need["gu"]
+        return layer == 0 and op == dd.OP_QKV or counters.get(key, 0) >= n
+
+    def inputs_written(op, layer, a, b):
+        if op == dd.OP_QKV:
+            return layer == 0 or all((layer - 1, "h-down", n) in done for n in range(0, shape.dim, t.down_n))
+        if op == dd.OP_ATT:
+            g = b // nchunk
+            heads = [*range(g * gq, (g + 1) * gq), nq + g, nq + nkv + g]
+            return all((layer, "qkv", h * (hd // 2) + j) in done for h in heads for j in range(0, hd // 2, 4))
+        if op == dd.OP_O:
+            return all((layer, "attn", (m, g)) in done for m in range(M) for g in range(nkv))
+        if op == dd.OP_GU:
+            return all((layer, "h-o", n) in done for n in range(0, shape.dim, 8))
+        return all((layer, "act", c) in done for c in range(b * kc, (b + 1) * kc, 8))
+
+    def run(op, layer, a, b):
+        if op == dd.OP_ATT:
+            m, g = a, b // nchunk
+            arrivals[(layer, "att", m, g)] = arrivals.get((layer, "att", m, g), 0) + 1
+            if arrivals[(layer, "att", m, g)] == nchunk:
+                done.add((layer, "attn", (m, g)))
+                counters[(layer, "att")] = counters.get((layer, "att"), 0) + 1
+            return
+        splits = t.dsplit if op == dd.OP_DOWN else t.ksplit
+        arrivals[(layer, op, a)] = arrivals.get((layer, op, a), 0) + 1
+        if arrivals[(layer, op, a)] < splits:
+            return
+        if op == dd.OP_QKV:
+            done.add((layer, "qkv", a))
+            key = (layer, "qkv", kv_group(a // (hd // 2)))
+        elif op == dd.OP_O:
+            done.add((layer, "h-o", a))
+            key = (layer, "o")
+        elif op == dd.OP_GU:
+            done.add((layer, "act", a))
+            key = (layer, "gu", a // kc)
+        else:
+            done.add((layer, "h-down", a))
+            key = (layer, "down")
+        counters[key] = counters.get(key, 0) + 1
+
+    progress = True
+    while progress:
+        progress = False
+        for sm in range(n_sms):
+            while at[sm] < len(lists[sm]) and ready(*lists[sm][at[sm]]):
+                ins = lists[sm][at[sm]]
+                assert inputs_written(*ins), ins
+                run(*ins)
+                at[sm] += 1
+                progress = True
+    assert all(at[sm] == len(lists[sm]) for sm in range(n_sms)), "deadlock"
+
+
+@pytest.mark.parametrize("shape", [QWEN_05B, QWEN_15B, LLAMA_1B])
+@pytest.mark.parametrize("M,n_sms", [(16, 132), (32, 132), (3, 7)])
+def test_counters_let_every_instruction_run_after_its_inputs(shape, M, n_sms):
+    t = dd.tiling(shape)
+    _simulate(shape, t, 2, M, dd.n_chunks(t, 4, 508), n_sms)
+
+
 @pytest.mark.parametrize("dtype,T,window,tol", [(torch.float32, 1, 124, 2e-5), (torch.float32, 2, 300, 2e-5),
                                                  (torch.bfloat16, 1, 124, 0.05), (torch.bfloat16, 2, 60, 0.05)])
 @pytest.mark.parametrize("tiles,heads", [(None, (4, 2, 64)), (dd.Tiling(2, 8, 16, 128), (4, 2, 64)),

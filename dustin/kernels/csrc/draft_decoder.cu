@@ -5,7 +5,7 @@
 // Why: a draft forward launched as ~5 kernels a layer costs ~4 us a kernel besides its bytes (docs/benchmarks.md),
 // so the draft ran at ~4.5x its weight-read time. Here each program walks an instruction list planned on the host
 // (dustin/kernels/draft_decoder.py), streams the weight tiles of its next instructions into a ring of shared-memory
-// slots with bulk copies *before* it waits for their inputs, and waits on per-(layer, stage) counters in global
+// slots with bulk copies *before* it waits for their inputs, and waits on counters of what it reads in global
 // memory instead of kernel boundaries. The weight stream never stops at a layer's stages.
 //
 // Stages of layer l and what each waits for (counts in `need`):
@@ -82,11 +82,15 @@ constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + A_BYTES + RED_BYTES + OUT_BYTES 
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: a larger KSPLIT or fewer down_proj columns");
 
 enum Op : int { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4 };
-enum Stage : int { S_QKV = 0, S_ATT = 1, S_O = 2, S_GU = 3, S_DOWN = 4, NSTAGE = 5 };
 
 // each GEMM stage's output groups (one per instruction column block) and their widths (columns per instruction)
 constexpr int G_QKV = NHEADS * (HD / 8), G_O = D / 8, G_GU = I / 8, G_DOWN = D / DOWN_N;
 constexpr int W_QKV = 8, W_O = 8, W_GU = 16, W_DOWN = DOWN_N;
+// A layer's dependency counters, as fine as the data allows: the attention of KV head g waits only for the q/k/v of
+// its heads (C_QKV + g); down_proj's split s only for the gate/up columns of its K piece (C_GU + s). o_proj needs
+// every head's attention, and the norms before q/k/v and gate/up need whole rows of h: those wait for a stage.
+constexpr int C_QKV = 0, C_ATT = NKV, C_O = NKV + 1, C_GU = NKV + 2, C_DOWN = C_GU + DSPLIT, C_LAYER = C_DOWN + 1;
+constexpr int NEED_ATT = (GQ + 2) * (HD / 8);  // q/k/v column groups of one KV head's heads
 // a layer's arrival counters: the attention's (row, kv head), then each GEMM stage's groups
 constexpr int ARR_QKV = MAXM * NKV, ARR_O = ARR_QKV + G_QKV, ARR_GU = ARR_O + G_O, ARR_DOWN = ARR_GU + G_GU;
 constexpr int ARR_LAYER = ARR_DOWN + G_DOWN;
@@ -123,7 +127,7 @@ struct Params {
   float* qkv_part;        // with KSPLIT > 1: [KSPLIT, M, G_QKV * 8]
   float* o_part;          // [KSPLIT, M, D]
   float* gu_part;         // [KSPLIT, M, 2 * I]
-  int* counters;          // [n_layers, NSTAGE] zeroed before each launch
+  int* counters;          // [n_layers, C_LAYER] zeroed before each launch
   int* arrivals;          // [n_layers, ARR_LAYER] zeroed before each launch
 };
 
@@ -437,7 +441,7 @@ __device__ void attention(const Params& p, int layer, int m, int g, int chunk, c
     }
     p.attn[(int64_t)m * NQ * HD + (g * GQ + hh) * HD + d] = __float2bfloat16(num / den);
   }
-  signal(p.counters + layer * NSTAGE + S_ATT);
+  signal(p.counters + layer * C_LAYER + C_ATT);
 }
 
 // ---- epilogues ---------------------------------------------------------------------------------------------
@@ -518,15 +522,28 @@ __device__ bool merge_splits(const Params& p, float* part, int* arrival, int gro
   return true;
 }
 
+// the counter (of its layer) a GEMM instruction's epilogue advances
+__device__ __forceinline__ int counter_of(int4 ins) {
+  switch (ins.x) {
+    case OP_QKV: {
+      const int head = ins.z / (HD / 2);
+      return C_QKV + (head < NQ ? head / GQ : head < NQ + NKV ? head - NQ : head - NQ - NKV);
+    }
+    case OP_O: return C_O;
+    case OP_GU: return C_GU + ins.z / KC;
+    default: return C_DOWN;
+  }
+}
+
 // what (layer, stage) an instruction waits for, and how many arrivals that stage counts when done
 __device__ __forceinline__ void dependency(const Params& p, int4 ins, int* stage_index, int* need) {
   const int l = ins.y;
   switch (ins.x) {
-    case OP_QKV: *stage_index = l > 0 ? (l - 1) * NSTAGE + S_DOWN : -1; *need = G_DOWN; break;
-    case OP_ATT: *stage_index = l * NSTAGE + S_QKV; *need = G_QKV; break;
-    case OP_O: *stage_index = l * NSTAGE + S_ATT; *need = p.M * NKV; break;
-    case OP_GU: *stage_index = l * NSTAGE + S_O; *need = G_O; break;
-    default: *stage_index = l * NSTAGE + S_GU; *need = G_GU; break;
+    case OP_QKV: *stage_index = l > 0 ? (l - 1) * C_LAYER + C_DOWN : -1; *need = G_DOWN; break;
+    case OP_ATT: *stage_index = l * C_LAYER + C_QKV + ins.w / p.nchunk; *need = NEED_ATT; break;
+    case OP_O: *stage_index = l * C_LAYER + C_ATT; *need = p.M * NKV; break;
+    case OP_GU: *stage_index = l * C_LAYER + C_O; *need = G_O; break;
+    default: *stage_index = l * C_LAYER + C_GU + ins.w; *need = KC / 8; break;
   }
 }
 
@@ -629,7 +646,7 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
         break;
       }
     }
-    if (holds) signal(p.counters + layer * NSTAGE + in.x);
+    if (holds) signal(p.counters + layer * C_LAYER + counter_of(in));
     ++consumed;
     __syncthreads();  // the slot and `out` are free again
   }
@@ -642,6 +659,8 @@ extern "C" {
 int draft_layers_smem_bytes() { return SMEM_BYTES; }
 
 int draft_layers_arrivals_per_layer() { return ARR_LAYER; }
+
+int draft_layers_counters_per_layer() { return C_LAYER; }
 
 // once per process and device, before any launch (outside a CUDA graph capture)
 int draft_layers_configure() {
