@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 OP_QKV, OP_ATT, OP_O, OP_GU, OP_DOWN = range(5)
-MAX_ROWS = 32  # the kernel's MAXM
+ROWS = (32, 64)  # a build for forwards of <= 32 token rows, and one for <= 64 where a tiling fits
 SMEM_LIMIT = 227 * 1024  # shared memory a program may take on sm_90
 SOURCE = Path(__file__).with_name("csrc") / "draft_decoder.cu"
 
@@ -58,12 +58,13 @@ class Shape:
 @dataclass(frozen=True)
 class Tiling:
     """How a build cuts the work: q/k/v, o_proj and gate/up over `ksplit` pieces of K, down_proj over `dsplit` pieces
-    of `down_n` columns each, the attention in chunks of `chunk` positions."""
+    of `down_n` columns each, the attention in chunks of `chunk` positions; for forwards of up to `rows` token rows."""
 
     ksplit: int = 1
     dsplit: int = 8
     down_n: int = 32
     chunk: int = 128
+    rows: int = 32
 
 
 def smem_bytes(shape: Shape, t: Tiling, nslot: int = 4) -> int:
@@ -71,19 +72,21 @@ def smem_bytes(shape: Shape, t: Tiling, nslot: int = 4) -> int:
     compiling; tests/kernels/test_draft_decoder.py checks it against the build where nvcc exists)."""
     pad, kq, kc = 8, shape.dim // t.ksplit, shape.inter // t.dsplit
     slot = max(16 * (kq + pad), t.down_n * (kc + pad)) * 2
-    a = MAX_ROWS * (max(kq, kc) + pad) * 2
-    return nslot * slot + a + 8 * 32 * 16 + MAX_ROWS * 32 * 4 + 64 + nslot * 8
+    a = t.rows * (max(kq, kc) + pad) * 2
+    return nslot * slot + a + 8 * 32 * 16 + t.rows * 32 * 4 + 64 + nslot * 8
 
 
-def tiling(shape: Shape) -> Tiling | None:
-    """The widest tiles that fit shared memory (fewest instructions): K unsplit if it fits, else in 2 or 4 pieces;
-    down_proj 32 columns an instruction, else 16 or 8. None: nothing fits."""
+def tiling(shape: Shape, rows: int = 32) -> Tiling | None:
+    """The widest tiles that fit shared memory for forwards of up to `rows` token rows (fewest instructions): K
+    unsplit if it fits, else in 2 or 4 pieces; down_proj's K in 8 pieces, else 16; 32 columns an instruction, else
+    16 or 8. None: nothing fits."""
     chunk = 8192 // shape.head_dim  # the attention's K/V chunk in shared memory: 128 positions of 64 dims
     for ksplit in (1, 2, 4):
-        for down_n in (32, 16, 8):
-            t = Tiling(ksplit, 8, down_n, chunk)
-            if _divides(shape, t) and smem_bytes(shape, t) <= SMEM_LIMIT:
-                return t
+        for dsplit in (8, 16):
+            for down_n in (32, 16, 8):
+                t = Tiling(ksplit, dsplit, down_n, chunk, rows)
+                if _divides(shape, t) and smem_bytes(shape, t) <= SMEM_LIMIT:
+                    return t
     return None
 
 
@@ -276,7 +279,7 @@ def compile_flags(shape: Shape, t: Tiling) -> list[str]:
     return ["-arch=sm_90a", "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
             f"-DDIM={shape.dim}", f"-DN_HEADS={shape.n_heads}", f"-DN_KV_HEADS={shape.n_kv_heads}",
             f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DKSPLIT={t.ksplit}", f"-DDSPLIT={t.dsplit}",
-            f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}"]
+            f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}", f"-DMAX_TOKEN_ROWS={t.rows}"]
 
 
 def cache_dir() -> Path:
@@ -328,19 +331,32 @@ class _Params(ctypes.Structure):  # the kernel's Params, field for field
 
 
 # ---- the runtime ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Build:
+    tiles: Tiling
+    lib: ctypes.CDLL
+    nchunk: int
+
+
 class DraftDecoder:
-    """The persistent kernel bound to one fused draft `Transformer` on a GPU: fixed scratch buffers (a captured
-    CUDA graph replays the same pointers), one instruction list per (rows, tokens a row)."""
+    """The persistent kernel bound to one fused draft `Transformer` on a GPU: a build for forwards of <= 32 token
+    rows and, where a tiling fits, one for <= 64; fixed scratch buffers shared by both (a captured CUDA graph replays
+    the same pointers); one instruction list per number of rows."""
 
     def __init__(self, model, sinks: int, window: int) -> None:
         a = model.args
         self.shape, self.sinks, self.window = Shape.of(a), sinks, window
-        self.tiles = tiling(self.shape)
-        self.lib = library(self.shape, self.tiles)
+        self.builds: dict[int, _Build] = {}
+        for rows in ROWS:
+            t = tiling(self.shape, rows)
+            if t is not None:
+                self.builds[rows] = _Build(t, library(self.shape, t), n_chunks(t, sinks, window))
+        if 32 not in self.builds:
+            raise BuildError(unsupported(self.shape) or "no tiling")
+        self.max_rows = max(self.builds)
         dev = model.embed_tokens.weight.device
         self.device, self.dtype, self.n_layers = dev, model.embed_tokens.weight.dtype, a.n_layers
         self.n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.nchunk = n_chunks(self.tiles, sinks, window)
         self.eps = model.layers[0].input_layernorm.eps
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         table = []
@@ -353,42 +369,46 @@ class DraftDecoder:
             raise BuildError("a weight is not 16-byte aligned")
         self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
         self._keep = model  # the weights the table points at
-        qn, S = a.n_heads * a.head_dim, MAX_ROWS
-        self.q = torch.empty(S, qn, dtype=self.dtype, device=dev)
+        S, qn, heads = self.max_rows, a.n_heads * a.head_dim, a.n_heads + 2 * a.n_kv_heads
+        bf16, f32 = dict(dtype=self.dtype, device=dev), dict(dtype=torch.float32, device=dev)
+        self.q = torch.empty(S, qn, **bf16)
         self.attn = torch.empty_like(self.q)
-        self.act = torch.empty(S, a.intermediate_size, dtype=self.dtype, device=dev)
-        self.att_part = torch.empty(S * a.n_kv_heads * self.nchunk * (a.n_heads // a.n_kv_heads) * (a.head_dim + 2),
-                                    dtype=torch.float32, device=dev)
-        t, f32 = self.tiles, dict(dtype=torch.float32, device=dev)
-        self.down_part = torch.empty(t.dsplit * S * a.dim, **f32)
-        split = t.ksplit > 1  # K-split q/k/v, o_proj and gate/up write partial sums (else nothing: one word each)
-        heads = a.n_heads + 2 * a.n_kv_heads
-        self.qkv_part = torch.empty(t.ksplit * S * heads * a.head_dim if split else 1, **f32)
-        self.o_part = torch.empty(t.ksplit * S * a.dim if split else 1, **f32)
-        self.gu_part = torch.empty(t.ksplit * S * 2 * a.intermediate_size if split else 1, **f32)
-        self.counters = torch.zeros(a.n_layers * self.lib.draft_layers_counters_per_layer(), dtype=torch.int32,
-                                    device=dev)
-        self.arrivals = torch.zeros(a.n_layers * self.lib.draft_layers_arrivals_per_layer(), dtype=torch.int32,
-                                    device=dev)
+        self.act = torch.empty(S, a.intermediate_size, **bf16)
+        builds = self.builds.values()
+        nchunk = max(b.nchunk for b in builds)
+        self.att_part = torch.empty(S * a.n_kv_heads * nchunk * (a.n_heads // a.n_kv_heads) * (a.head_dim + 2), **f32)
+        self.down_part = torch.empty(max(b.tiles.dsplit for b in builds) * S * a.dim, **f32)
+        ks = max(b.tiles.ksplit for b in builds)  # K-split q/k/v, o_proj and gate/up write partial sums
+        self.qkv_part = torch.empty(ks * S * heads * a.head_dim if ks > 1 else 1, **f32)
+        self.o_part = torch.empty(ks * S * a.dim if ks > 1 else 1, **f32)
+        self.gu_part = torch.empty(ks * S * 2 * a.intermediate_size if ks > 1 else 1, **f32)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(a.n_layers * max(b.lib.draft_layers_counters_per_layer() for b in builds), **i32)
+        self.arrivals = torch.zeros(a.n_layers * max(b.lib.draft_layers_arrivals_per_layer() for b in builds), **i32)
         self.captures: dict[int, torch.Tensor] = {}
         self.capture_table = torch.zeros(a.n_layers, dtype=torch.int64, device=dev)
         self._plans: dict[int, tuple] = {}
         with torch.cuda.device(dev):
-            err = self.lib.draft_layers_configure()
-        if err:
-            raise BuildError(f"cudaFuncSetAttribute failed ({err})")
+            for b in builds:
+                err = b.lib.draft_layers_configure()
+                if err:
+                    raise BuildError(f"cudaFuncSetAttribute failed ({err})")
 
     def capture(self, layers) -> dict[int, torch.Tensor]:
-        """Also write the rotated queries of `layers` (for the query observers), [MAX_ROWS, Hq * D] each."""
+        """Also write the rotated queries of `layers` (for the query observers), [max_rows, Hq * D] each."""
         for layer in layers:
             if layer not in self.captures:
                 self.captures[layer] = torch.empty_like(self.q)
                 self.capture_table[layer] = self.captures[layer].data_ptr()
         return self.captures
 
+    def build_for(self, M: int) -> _Build:
+        return self.builds[min(r for r in self.builds if r >= M)]
+
     def _plan(self, M: int):
         if M not in self._plans:
-            lists = plan(self.shape, self.tiles, self.n_layers, M, self.nchunk, self.n_sms)
+            b = self.build_for(M)
+            lists = plan(self.shape, b.tiles, self.n_layers, M, b.nchunk, self.n_sms)
             stride = max(len(x) for x in lists)
             ins = torch.zeros(self.n_sms, stride, 4, dtype=torch.int32)
             wins = torch.zeros_like(ins)
@@ -408,28 +428,29 @@ class DraftDecoder:
         """h [M, dim] (contiguous, the embeddings) becomes the last layer's residual stream, in place; positions
         [M] int64, cos / sin [M, head_dim] fp32; k_cache / v_cache [L, B, Hkv, S, D] get the new keys and values."""
         M = h.shape[0]
+        b = self.build_for(M)
         ins, n_ins, wins, n_w, stride = self._plan(M)
         p = _Params(self.layers.data_ptr(), ins.data_ptr(), n_ins.data_ptr(), wins.data_ptr(), n_w.data_ptr(), stride,
                     self.n_layers, M, T, h.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.sinks,
-                    self.window, self.nchunk, self.eps, 1.0 / math.sqrt(self.shape.head_dim), self.q.data_ptr(),
+                    self.window, b.nchunk, self.eps, 1.0 / math.sqrt(self.shape.head_dim), self.q.data_ptr(),
                     self.capture_table.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(),
                     self.att_part.data_ptr(), self.down_part.data_ptr(), self.qkv_part.data_ptr(),
                     self.o_part.data_ptr(), self.gu_part.data_ptr(), self.counters.data_ptr(),
                     self.arrivals.data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):
-            err = self.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
-                                               self.counters.numel() * 4, self.arrivals.numel() * 4)
+            err = b.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
+                                            self.counters.numel() * 4, self.arrivals.numel() * 4)
         if err:
             raise RuntimeError(f"draft_layers kernel launch failed (cudaError {err})")
 
     # ---- the model's side: which forwards it takes, and the query observers -----------------------------------
     def takes(self, h: torch.Tensor, ctx) -> bool:
         """A decode forward of this streaming draft (`Transformer.decode_logits` asks): no sparse plan, the
-        window the kernel was built for, <= MAX_ROWS token rows."""
+        window the kernel was built for, <= max_rows token rows."""
         return (ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
-                and h.shape[0] * h.shape[1] <= MAX_ROWS and h.dtype == self.dtype)
+                and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """The decoder layers of `Transformer.forward` for h [B, T, dim] (the embeddings) -> [B, T, dim], the

@@ -311,12 +311,16 @@ class Transformer(nn.Module):
         return logits.float() if float_logits else logits
 
     def _takes_decode_kernels(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Decode and verify forwards on a GPU: few rows, new tokens appended to every row's cache (no prefill,
-        no packed chunks), fused projections, and no tensor parallelism (its all-reduce sits between o_proj /
-        down_proj and the residual add)."""
+        """Decode and verify forwards on a GPU: new tokens appended to every row's cache (no prefill, no packed
+        chunks), fused projections, no tensor parallelism (its all-reduce sits between o_proj / down_proj and the
+        residual add), and either the persistent layer kernel takes them or they have few rows."""
         from dustin.kernels.decode_linear import MAX_ROWS
-        return (self.decode_kernels and h.is_cuda and not ctx.fresh and ctx.packed is None and ctx.rows is None
-                and h.shape[0] * h.shape[1] <= MAX_ROWS and self.projections_fused and self.unsharded)
+        if not (h.is_cuda and not ctx.fresh and ctx.packed is None and ctx.rows is None and self.projections_fused
+                and self.unsharded):
+            return False
+        if self.layer_kernel is not None and self.layer_kernel.takes(h, ctx):
+            return True
+        return self.decode_kernels and h.shape[0] * h.shape[1] <= MAX_ROWS
 
     @property
     def unsharded(self) -> bool:

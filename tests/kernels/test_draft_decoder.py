@@ -138,9 +138,9 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms):
 
 
 @pytest.mark.parametrize("shape", [QWEN_05B, QWEN_15B, LLAMA_1B])
-@pytest.mark.parametrize("M,n_sms", [(16, 132), (32, 132), (3, 7)])
+@pytest.mark.parametrize("M,n_sms", [(16, 132), (32, 132), (3, 7), (64, 132), (48, 5)])
 def test_counters_let_every_instruction_run_after_its_inputs(shape, M, n_sms):
-    t = dd.tiling(shape)
+    t = dd.tiling(shape, 32 if M <= 32 else 64)
     _simulate(shape, t, 2, M, dd.n_chunks(t, 4, 508), n_sms)
 
 
@@ -196,16 +196,19 @@ def test_attention_chunks_merge_to_softmax():
     assert torch.allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape,want", [
-    (QWEN_05B, dd.Tiling(1, 8, 32, 128)),  # the default draft: K unsplit
-    (QWEN_15B, dd.Tiling(2, 8, 16, 64)),  # Qwen2.5-1.5B as a draft: K in halves, head_dim 128
-    (LLAMA_1B, dd.Tiling(2, 8, 16, 128)),  # Llama-3.2-1B
-    (dd.Shape(8192, 64, 8, 128, 28672), None),  # a 70B's layers fit no tiling
+@pytest.mark.parametrize("shape,rows,want", [
+    (QWEN_05B, 32, dd.Tiling(1, 8, 32, 128)),  # the default draft: K unsplit
+    (QWEN_05B, 64, dd.Tiling(2, 8, 16, 128, 64)),  # its 64-row build: K in halves
+    (QWEN_15B, 32, dd.Tiling(2, 8, 16, 64)),  # Qwen2.5-1.5B as a draft: K in halves, head_dim 128
+    (LLAMA_1B, 32, dd.Tiling(2, 8, 16, 128)),  # Llama-3.2-1B
+    (LLAMA_1B, 64, dd.Tiling(4, 8, 8, 128, 64)),
+    (dd.Shape(8192, 64, 8, 128, 28672), 32, None),  # a 70B's layers fit no tiling
 ])
-def test_tiling_fits_shared_memory(shape, want):
-    t = dd.tiling(shape)
+def test_tiling_fits_shared_memory(shape, rows, want):
+    t = dd.tiling(shape, rows)
     assert t == want
-    assert (dd.unsupported(shape) is None) == (want is not None)
+    if rows == 32:
+        assert (dd.unsupported(shape) is None) == (want is not None)
     if t is not None:
         assert dd.smem_bytes(shape, t) <= dd.SMEM_LIMIT
 
@@ -217,10 +220,10 @@ def test_unsupported_shapes_say_why(shape):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-@pytest.mark.parametrize("shape", [QWEN_05B, LLAMA_1B])
-def test_kernel_compiles_for_sm90_with_the_planned_shared_memory(shape, tmp_path):
+@pytest.mark.parametrize("shape,rows", [(QWEN_05B, 32), (QWEN_05B, 64), (LLAMA_1B, 32)])
+def test_kernel_compiles_for_sm90_with_the_planned_shared_memory(shape, rows, tmp_path):
     """The sm_90 build compiles, and its SMEM_BYTES and Params size are what the host side assumes."""
-    t = dd.tiling(shape)
+    t = dd.tiling(shape, rows)
     out = tmp_path / "k.so"
     r = subprocess.run(["nvcc", *dd.compile_flags(shape, t), "-o", str(out), str(dd.SOURCE)], capture_output=True,
                        text=True)
@@ -235,12 +238,13 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
 
 
 @sm90
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("B,T", [(16, 1), (16, 2), (32, 2), (7, 1)])
 @pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
-def test_kernel_matches_the_per_layer_kernels(T, draft):
-    """On the GPU: the persistent kernel against the draft's per-layer kernels, at a draft's shapes (4 layers of
-    random weights; the 1B's K is split in two), 16 rows: logits, argmax, the new keys and values, nothing else of
-    the cache written, the observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
+def test_kernel_matches_the_per_layer_kernels(B, T, draft):
+    """On the GPU: the persistent kernel against the draft's per-layer kernels (their layer-by-layer forward for
+    64 token rows), at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T token rows (the
+    64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache written, the
+    observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
     from dataclasses import replace
 
     from dustin.attention.backend import AttentionBackend
@@ -256,7 +260,7 @@ def test_kernel_matches_the_per_layer_kernels(T, draft):
     model.fuse_projections().eval()
     assert dd.attach(model, 4, 508) is None
     kernel = model.layer_kernel
-    B, S = 16, 2048
+    S = 2048
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, S, torch.bfloat16, dev)
     cache.k.normal_(0, 1)
     cache.v.normal_(0, 1)

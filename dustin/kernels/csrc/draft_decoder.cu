@@ -46,6 +46,9 @@
 #ifndef CHUNK_POS
 #define CHUNK_POS 128
 #endif
+#ifndef MAX_TOKEN_ROWS
+#define MAX_TOKEN_ROWS 32
+#endif
 #ifndef NSLOT
 #define NSLOT 4
 #endif
@@ -55,7 +58,7 @@ namespace {
 constexpr int D = DIM, NQ = N_HEADS, NKV = N_KV_HEADS, HD = HEAD_DIM, I = INTER;
 constexpr int GQ = NQ / NKV;            // query heads per KV head
 constexpr int NHEADS = NQ + 2 * NKV;    // q | k | v heads of the fused projection
-constexpr int MAXM = 32;                // token rows
+constexpr int MAXM = MAX_TOKEN_ROWS;    // token rows (32 or 64: a build each)
 constexpr int NT = 256, NW = 8;         // threads, warps
 constexpr int PAD = 8;                  // bf16 of padding per shared-memory row: rows 16 B apart in banks
 constexpr int KQ = D / KSPLIT;          // q/k/v, o_proj and gate/up's K per split
@@ -65,6 +68,7 @@ constexpr int CH = CHUNK_POS;           // attention positions per chunk
 constexpr int KST = HD + 2;             // K/V rows in shared memory: an odd number of words apart, conflict-free
 
 static_assert(NQ % NKV == 0, "query heads must be a multiple of KV heads");
+static_assert(MAXM % 16 == 0 && MAXM <= 64, "token rows: 16, 32, 48 or 64");
 static_assert(NQ * HD == D, "o_proj's K (query heads x head_dim) must equal the hidden size");
 static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
 static_assert(D % KSPLIT == 0 && KQ % 16 == 0 && I % DSPLIT == 0 && KC % 16 == 0 && I % 8 == 0, "K splits");
@@ -247,35 +251,56 @@ __device__ void issue_tile(const Params& p, int4 ins, char* slot, uint64_t* bar)
 }
 
 // ---- the GEMM of one instruction: out[M, N] = A[M, K] @ W[N, K]^T, A and W in shared memory -------------------
-// Warps split (m tile, n block) pairs, then K; their fragments are added in warp order (deterministic).
+// One (16-row m tile, 8-column n block) pair's fragment, over the k steps part, part + per, ...
+__device__ __forceinline__ void mma_pair(const __nv_bfloat16* A, int a_ld, const __nv_bfloat16* W, int w_ld, int m0,
+                                         int n0, int K, int part, int per, float* c) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, cc = (lane & 3) * 2;
+  const __nv_bfloat16* a0 = A + (m0 + g) * a_ld + cc;
+  const __nv_bfloat16* a1 = a0 + 8 * a_ld;
+  const __nv_bfloat16* w0 = W + (n0 + g) * w_ld + cc;
+  const int steps = K / 16;
+#pragma unroll 4
+  for (int s = part; s < steps; s += per) {
+    const int k = s * 16;
+    uint32_t a[4];
+    a[0] = *reinterpret_cast<const uint32_t*>(a0 + k);
+    a[1] = *reinterpret_cast<const uint32_t*>(a1 + k);
+    a[2] = *reinterpret_cast<const uint32_t*>(a0 + k + 8);
+    a[3] = *reinterpret_cast<const uint32_t*>(a1 + k + 8);
+    uint32_t b0 = *reinterpret_cast<const uint32_t*>(w0 + k);
+    uint32_t b1 = *reinterpret_cast<const uint32_t*>(w0 + k + 8);
+    mma16816(c, a, b0, b1);
+  }
+}
+
+__device__ __forceinline__ void store_pair(float* out, int m0, int n0, const float* s) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, cc = (lane & 3) * 2;
+  out[(m0 + g) * 32 + n0 + cc] = s[0];
+  out[(m0 + g) * 32 + n0 + cc + 1] = s[1];
+  out[(m0 + g + 8) * 32 + n0 + cc] = s[2];
+  out[(m0 + g + 8) * 32 + n0 + cc + 1] = s[3];
+}
+
+// Warps take (m tile, n block) pairs; with fewer pairs than warps, `per` warps split each pair's K and their
+// fragments are added in warp order (deterministic).
 __device__ void gemm(const __nv_bfloat16* A, int a_ld, const __nv_bfloat16* W, int w_ld, int M, int N, int K,
                      float* red, float* out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int mt = (M + 15) / 16, nb = N / 8, pairs = mt * nb, per = NW / pairs;  // pairs in {1, 2, 4, 8}
+  const int mt = (M + 15) / 16, nb = N / 8, pairs = mt * nb;
+  const int per = pairs >= NW ? 1 : NW / pairs;
+  if (per == 1) {  // whole pairs a warp: no reduction
+    for (int pair = warp; pair < pairs; pair += NW) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_pair(A, a_ld, W, w_ld, (pair / nb) * 16, (pair % nb) * 8, K, 0, 1, c);
+      store_pair(out, (pair / nb) * 16, (pair % nb) * 8, c);
+    }
+    __syncthreads();
+    return;
+  }
   const int pair = warp / per, part = warp % per;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-  if (pair < pairs) {
-    const int m0 = (pair / nb) * 16, n0 = (pair % nb) * 8;
-    const int g = lane >> 2, cc = (lane & 3) * 2;
-    const __nv_bfloat16* a0 = A + (m0 + g) * a_ld + cc;
-    const __nv_bfloat16* a1 = a0 + 8 * a_ld;
-    const __nv_bfloat16* w0 = W + (n0 + g) * w_ld + cc;
-    const int steps = K / 16;
-#pragma unroll 4
-    for (int s = part; s < steps; s += per) {
-      const int k = s * 16;
-      uint32_t a[4];
-      a[0] = *reinterpret_cast<const uint32_t*>(a0 + k);
-      a[1] = *reinterpret_cast<const uint32_t*>(a1 + k);
-      a[2] = *reinterpret_cast<const uint32_t*>(a0 + k + 8);
-      a[3] = *reinterpret_cast<const uint32_t*>(a1 + k + 8);
-      uint32_t b0 = *reinterpret_cast<const uint32_t*>(w0 + k);
-      uint32_t b1 = *reinterpret_cast<const uint32_t*>(w0 + k + 8);
-      mma16816(c, a, b0, b1);
-    }
-  }
-  float4* r = reinterpret_cast<float4*>(red) + warp * 32 + lane;
-  *r = make_float4(c[0], c[1], c[2], c[3]);
+  if (pair < pairs) mma_pair(A, a_ld, W, w_ld, (pair / nb) * 16, (pair % nb) * 8, K, part, per, c);
+  reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(c[0], c[1], c[2], c[3]);
   __syncthreads();
   if (part == 0 && pair < pairs) {
     float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -283,12 +308,7 @@ __device__ void gemm(const __nv_bfloat16* A, int a_ld, const __nv_bfloat16* W, i
       float4 v = reinterpret_cast<float4*>(red)[w * 32 + lane];
       s[0] += v.x; s[1] += v.y; s[2] += v.z; s[3] += v.w;
     }
-    const int m0 = (pair / nb) * 16, n0 = (pair % nb) * 8;
-    const int g = lane >> 2, cc = (lane & 3) * 2;
-    out[(m0 + g) * 32 + n0 + cc] = s[0];
-    out[(m0 + g) * 32 + n0 + cc + 1] = s[1];
-    out[(m0 + g + 8) * 32 + n0 + cc] = s[2];
-    out[(m0 + g + 8) * 32 + n0 + cc + 1] = s[3];
+    store_pair(out, (pair / nb) * 16, (pair % nb) * 8, s);
   }
   __syncthreads();
 }
