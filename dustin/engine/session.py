@@ -184,7 +184,7 @@ class Session:
             sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
             draft.layer_kernel = None
             if cfg.options.draft_kernel and self.device.type == "cuda" and window > 0:
-                draft_decoder.attach(draft, sinks, window)
+                draft_decoder.attach(draft, sinks, window, rows=(self.B, 2 * self.B))  # a step's draft forwards
             self.draft_step: DraftStep = EagerDraftStep(self.runners["draft"], self.sampler, self.V, self.gamma,
                                                         sinks, window)
         self.target_cache = self.runners["target"].cache

@@ -116,10 +116,11 @@ def stage_tiles(shape: Shape, t: Tiling, M: int, nchunk: int, layer: int) -> lis
     half, gq, nq, nkv = shape.head_dim // 2, shape.n_heads // shape.n_kv_heads, shape.n_heads, shape.n_kv_heads
     # KV head g's q heads, its k head and its v head together, g = 0 first: the attention of g waits only for those
     heads = [h for g in range(nkv) for h in [*range(g * gq, (g + 1) * gq), nq + g, nq + nkv + g]]
-    qkv = [(OP_QKV, layer, h * half + j, s) for s in range(t.ksplit) for h in heads for j in range(0, half, 4)]
+    # a group's K splits side by side (split innermost): a group completes as early in its stage as it can
+    qkv = [(OP_QKV, layer, h * half + j, s) for h in heads for j in range(0, half, 4) for s in range(t.ksplit)]
     att = [(OP_ATT, layer, m, g * nchunk + c) for g in range(nkv) for c in range(nchunk) for m in range(M)]
-    o = [(OP_O, layer, n, s) for s in range(t.ksplit) for n in range(0, shape.dim, 8)]
-    gu = [(OP_GU, layer, c, s) for s in range(t.ksplit) for c in range(0, shape.inter, 8)]
+    o = [(OP_O, layer, n, s) for n in range(0, shape.dim, 8) for s in range(t.ksplit)]
+    gu = [(OP_GU, layer, c, s) for c in range(0, shape.inter, 8) for s in range(t.ksplit)]
     down = [(OP_DOWN, layer, n, s) for s in range(t.dsplit) for n in range(0, shape.dim, t.down_n)]
     return [qkv, att, o, gu, down]
 
@@ -402,6 +403,13 @@ class DraftDecoder:
                 self.capture_table[layer] = self.captures[layer].data_ptr()
         return self.captures
 
+    def prepare(self, rows) -> None:
+        """Build and upload the instruction lists of these numbers of token rows now: a list made the first time a
+        forward of that many rows runs inside a CUDA graph capture would copy to the device during the capture."""
+        for M in rows:
+            if 0 < M <= self.max_rows:
+                self._plan(M)
+
     def build_for(self, M: int) -> _Build:
         return self.builds[min(r for r in self.builds if r >= M)]
 
@@ -472,13 +480,15 @@ class DraftDecoder:
         return x.view(B, T, dim)
 
 
-def attach(model, sinks: int, window: int) -> str | None:
+def attach(model, sinks: int, window: int, rows=()) -> str | None:
     """Run `model`'s decode forwards of this streaming window through the persistent kernel where it can
-    (`model.layer_kernel`); returns why not (None: attached). The reason is logged once per reason."""
+    (`model.layer_kernel`), with the instruction lists of `rows` (numbers of token rows) made now; returns why not
+    (None: attached). The reason is logged once per reason."""
     reason = _why_not(model, sinks, window)
     if reason is None:
         try:
             model.layer_kernel = DraftDecoder(model, sinks, window)
+            model.layer_kernel.prepare(rows)
         except (BuildError, OSError) as e:
             reason = f"build failed: {e}"
     if reason is not None:

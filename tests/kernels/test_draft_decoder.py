@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import random
 import shutil
 import subprocess
 
@@ -58,90 +59,99 @@ def test_plan_covers_every_tile_once_in_stage_order(shape, M, n_sms):
                                        shape.dim // t.down_n * t.dsplit]
 
 
-def _simulate(shape, t, n_layers, M, nchunk, n_sms):
-    """Run every program's instruction list as the kernel would, with its counters and arrivals (the rules of
-    `dependency`, `counter_of`, `merge_splits` and the attention's merge in the .cu, written again here): an
-    instruction runs when its counter has reached its need, programs in any interleaving. Checks that everything
-    runs (no deadlock, the needs are reachable) and that each instruction runs only after all it reads is written."""
+def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
+    """Every program's instruction list under the kernel's rules (`dependency`, `counter_of`, `merge_splits` and the
+    attention's merge in the .cu, written again here), programs interleaved at random. An instruction reads all its
+    inputs once its counter has reached its need, and writes its outputs (and arrives, and signals) at some later
+    moment. Each read checks the version of what it reads: written by the right producer, not yet overwritten (a
+    read-after-write or write-after-read hazard fails here). At the end nothing is left (no deadlock) and each
+    counter holds exactly its need."""
+    rng = random.Random(seed)
     gq, nq, nkv, hd = shape.n_heads // shape.n_kv_heads, shape.n_heads, shape.n_kv_heads, shape.head_dim
-    kc = shape.inter // t.dsplit
+    kc, half = shape.inter // t.dsplit, hd // 2
     kv_group = lambda head: head // gq if head < nq else (head - nq) % nkv  # noqa: E731
     need = {"down": shape.dim // t.down_n, "qkv": (gq + 2) * (hd // 8), "att": M * nkv, "o": shape.dim // 8,
             "gu": kc // 8}
-    counters, arrivals, done = {}, {}, set()  # done: (layer, what, index) of outputs written
-    lists = dd.plan(shape, t, n_layers, M, nchunk, n_sms)
-    at = [0] * n_sms
+    counters, arrivals, version = {}, {}, {}
+    h_cols = range(0, shape.dim, 8)
 
-    def ready(op, layer, a, b):
-        if op == dd.OP_QKV:
-            key, n = (layer - 1, "down"), need["down"]
-        elif op == dd.OP_ATT:
-            key, n = (layer, "qkv", b // nchunk), need["qkv"]
-        elif op == dd.OP_O:
-            key, n = (layer, "att"), need["att"]
-        elif op == dd.OP_GU:
-            key, n = (layer, "o"), need["o"]
-        else:
-            key, n = (layer, "gu", b), need["gu"]
-        return layer == 0 and op == dd.OP_QKV or counters.get(key, 0) >= n
+    def wait_for(op, layer, a, b):
+        return [None, ((layer, "qkv", b // nchunk), "qkv"), ((layer, "att"), "att"), ((layer, "o"), "o"),
+                ((layer, "gu", b), "gu")][op] if op else (((layer - 1, "down"), "down") if layer else None)
 
-    def inputs_written(op, layer, a, b):
+    def reads(op, layer, a, b):  # (what, the version it must hold)
         if op == dd.OP_QKV:
-            return layer == 0 or all((layer - 1, "h-down", n) in done for n in range(0, shape.dim, t.down_n))
+            return [(("h", c), ("down", layer - 1)) for c in h_cols]
         if op == dd.OP_ATT:
             g = b // nchunk
             heads = [*range(g * gq, (g + 1) * gq), nq + g, nq + nkv + g]
-            return all((layer, "qkv", h * (hd // 2) + j) in done for h in heads for j in range(0, hd // 2, 4))
+            return [(("qkv", h, j), layer) for h in heads for j in range(0, half, 4)]
         if op == dd.OP_O:
-            return all((layer, "attn", (m, g)) in done for m in range(M) for g in range(nkv))
+            return [(("attn", m, g), layer) for m in range(M) for g in range(nkv)]
         if op == dd.OP_GU:
-            return all((layer, "h-o", n) in done for n in range(0, shape.dim, 8))
-        return all((layer, "act", c) in done for c in range(b * kc, (b + 1) * kc, 8))
+            return [(("h", c), ("o", layer)) for c in h_cols]
+        return [(("act", c), layer) for c in range(b * kc, (b + 1) * kc, 8)]
 
-    def run(op, layer, a, b):
+    def check(items):
+        for what, want in items:
+            assert version.get(what, ("down", -1) if what[0] == "h" else None) == want, (what, want)
+
+    def write(op, layer, a, b):
         if op == dd.OP_ATT:
             m, g = a, b // nchunk
             arrivals[(layer, "att", m, g)] = arrivals.get((layer, "att", m, g), 0) + 1
             if arrivals[(layer, "att", m, g)] == nchunk:
-                done.add((layer, "attn", (m, g)))
+                version[("attn", m, g)] = layer
                 counters[(layer, "att")] = counters.get((layer, "att"), 0) + 1
             return
-        splits = t.dsplit if op == dd.OP_DOWN else t.ksplit
         arrivals[(layer, op, a)] = arrivals.get((layer, op, a), 0) + 1
-        if arrivals[(layer, op, a)] < splits:
+        if arrivals[(layer, op, a)] < (t.dsplit if op == dd.OP_DOWN else t.ksplit):
             return
         if op == dd.OP_QKV:
-            done.add((layer, "qkv", a))
-            key = (layer, "qkv", kv_group(a // (hd // 2)))
-        elif op == dd.OP_O:
-            done.add((layer, "h-o", a))
-            key = (layer, "o")
+            version[("qkv", a // half, a % half)] = layer  # the tile's 4 half-dim pairs
+            key = (layer, "qkv", kv_group(a // half))
         elif op == dd.OP_GU:
-            done.add((layer, "act", a))
+            version[("act", a)] = layer
             key = (layer, "gu", a // kc)
-        else:
-            done.add((layer, "h-down", a))
-            key = (layer, "down")
+        else:  # o_proj, down_proj: the residual add reads its own columns of h, then writes them
+            stage, before = ("o", ("down", layer - 1)) if op == dd.OP_O else ("down", ("o", layer))
+            cols = range(a, a + (8 if op == dd.OP_O else t.down_n), 8)
+            check([(("h", c), before) for c in cols])
+            for c in cols:
+                version[("h", c)] = (stage, layer)
+            key = (layer, stage)
         counters[key] = counters.get(key, 0) + 1
 
-    progress = True
-    while progress:
-        progress = False
-        for sm in range(n_sms):
-            while at[sm] < len(lists[sm]) and ready(*lists[sm][at[sm]]):
-                ins = lists[sm][at[sm]]
-                assert inputs_written(*ins), ins
-                run(*ins)
-                at[sm] += 1
-                progress = True
-    assert all(at[sm] == len(lists[sm]) for sm in range(n_sms)), "deadlock"
+    lists = dd.plan(shape, t, n_layers, M, nchunk, n_sms)
+    at, pending = [0] * n_sms, [None] * n_sms
+    while True:
+        movable = [sm for sm in range(n_sms) if pending[sm] is not None or at[sm] < len(lists[sm])]
+        if not movable:
+            break
+        rng.shuffle(movable)
+        for sm in movable:
+            if pending[sm] is not None:  # its writes land now
+                write(*pending[sm])
+                pending[sm] = None
+                break
+            ins = lists[sm][at[sm]]
+            dep = wait_for(*ins)
+            if dep is None or counters.get(dep[0], 0) >= need[dep[1]]:
+                check(reads(*ins))
+                pending[sm], at[sm] = ins, at[sm] + 1
+                break
+        else:
+            raise AssertionError("deadlock")
+    for key, n in counters.items():
+        assert n == need[key[1]], (key, n)
 
 
 @pytest.mark.parametrize("shape", [QWEN_05B, QWEN_15B, LLAMA_1B])
 @pytest.mark.parametrize("M,n_sms", [(16, 132), (32, 132), (3, 7), (64, 132), (48, 5)])
-def test_counters_let_every_instruction_run_after_its_inputs(shape, M, n_sms):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_counters_let_every_instruction_run_after_its_inputs(shape, M, n_sms, seed):
     t = dd.tiling(shape, 32 if M <= 32 else 64)
-    _simulate(shape, t, 2, M, dd.n_chunks(t, 4, 508), n_sms)
+    _simulate(shape, t, 2, M, dd.n_chunks(t, 4, 508), n_sms, seed)
 
 
 @pytest.mark.parametrize("dtype,T,window,tol", [(torch.float32, 1, 124, 2e-5), (torch.float32, 2, 300, 2e-5),

@@ -333,9 +333,21 @@ __device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* h, const __nv_b
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int m = warp; m < M; m += NW) {
     float ss = 0.f;
-    for (int k = lane; k < D; k += 32) {
-      float x = KSPLIT == 1 ? __bfloat162float(A[m * A_COLS + k]) : __bfloat162float(__ldcg(h + (int64_t)m * D + k));
-      ss += x * x;
+    if (KSPLIT == 1) {
+      for (int k = lane; k < D; k += 32) {
+        const float x = __bfloat162float(A[m * A_COLS + k]);
+        ss += x * x;
+      }
+    } else {  // the whole row through L2, 8 values a load
+      for (int k = lane * 8; k < D; k += 256) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(h + (int64_t)m * D + k));
+        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 x = __bfloat1622float2(x2[i]);
+          ss += x.x * x.x + x.y * x.y;
+        }
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
