@@ -10,6 +10,8 @@ import json
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from dustin.errors import InputError
 
@@ -41,6 +43,46 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del src, dst
     return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Each program sums ITERS consecutive blocks of x in fp32 and writes one partial sum."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_all(x: torch.Tensor, block: int = 4096, iters: int = 64) -> torch.Tensor:
+    """The sum of a contiguous tensor in fp32, streamed by a Triton kernel that only reads it (a partial sum per
+    program, added by PyTorch): the read-only kernel of `read_bandwidth`. Its reference is x.float().sum()."""
+    n = x.numel()
+    grid = triton.cdiv(n, block * iters)
+    parts = torch.empty(grid, dtype=torch.float32, device=x.device)
+    _read_kernel[(grid,)](x, parts, n, BLOCK=block, ITERS=iters)
+    return parts.sum()
+
+
+def read_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int = 10) -> float:
+    """Bytes/s a read-only kernel reaches on the device: a sum of `nbytes` of bf16 in fp32 (each byte read once,
+    one number written), the faster of PyTorch's reduction and a streaming Triton kernel, median of `iters`. This is
+    the rate a decode step's weight and KV reads are held to: a copy's rate counts its writes too, and a step can
+    read faster than a copy moves (one vanilla row once measured 103% of the copy rate). On a CPU, 64 MB through
+    torch.sum: a check of the plumbing, not of the hardware."""
+    if not device.startswith("cuda"):
+        x = torch.ones((nbytes or 64 << 20) // 2, dtype=torch.bfloat16)
+        x.sum(dtype=torch.float32)
+        t0 = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        return x.numel() * 2 / (time.perf_counter() - t0)
+    nbytes = nbytes or 4 << 30
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    best = max(nbytes / _time(lambda: x.sum(dtype=torch.float32), iters), nbytes / _time(lambda: read_all(x), iters))
+    del x
+    return best
 
 
 def _time(fn, iters: int) -> float:

@@ -29,9 +29,11 @@ cut to fit (the row keeps the requested context and records `prompt_tokens`); on
 Per (batch, context, method): `--warmup` steps (CUDA-graph capture, Triton compiles; their wall time is reported as
 `warmup_s`), then `--steps` timed steps (each ends in the engine's one host sync). Reported: ms per step with the
 session's phase timer, measured τ, tokens/s over the batch, the speedup in tokens/s over our own vanilla decoding of
-the same shapes, and the byte roofline (`dustin.bench.roofline`): the bytes a step must read and the measured copy
-bandwidth's time for them as a % of the step. On a CPU the bandwidth is a rough 16 MB memcpy
-(`copy_bandwidth_cpu`): those rows check the plumbing, not the hardware.
+the same shapes, and the byte roofline (`dustin.bench.roofline`): the bytes a step must read, and the time a
+read-only kernel measured in the same run takes for them (`dustin.bench.decode.read_bandwidth`) as a % of the step.
+Where the draft's phase is timed on its own (`--no-step-graph`, or eager forwards), a speculative row also reports
+the draft's ms per forward (its phase / Γ) and the read GB/s it achieves (its bytes / its phase). On a CPU the
+bandwidth is a 64 MB sum: those rows check the plumbing, not the hardware.
 """
 from __future__ import annotations
 
@@ -256,7 +258,7 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
         c = core.gamma_rule.costs  # the cost model the rows chose by: ms of a step of each Γ at the row's context
         row["step_costs_ms"] = {g: round(1e3 * c.seconds(g, context), 3) for g in c.gammas}
     # the bytes a step must read (at the mean context of the timed steps; not under --gamma auto, whose steps differ)
-    if getattr(a, "copy_bw", None) and core.gamma_rule is None:
+    if getattr(a, "read_bw", None) and core.gamma_rule is None:
         from dustin.bench.roofline import step_bytes
 
         mean_ctx = context + st.produced // (2 * batch)
@@ -264,10 +266,15 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
                        sparse_cfg=s.policy.cfg, target_args=engine.target_args)
         row["bytes_per_step"] = {"target": b.target, "draft": b.draft, "estimate": b.estimate, "total": b.total}
         # 4 significant digits: on a CPU a step reads its bytes in ~0.01% of its time (1 decimal rounded to 0)
-        share = b.seconds(a.copy_bw) / (elapsed / a.steps)
+        share = b.seconds(a.read_bw) / (elapsed / a.steps)
         row["fraction_of_bw_limit"] = float(f"{share:.4g}")
-        row["roofline_ms_per_step"] = float(f"{1e3 * b.seconds(a.copy_bw):.4g}")
+        row["roofline_ms_per_step"] = float(f"{1e3 * b.seconds(a.read_bw):.4g}")
         row["pct_of_byte_roofline"] = float(f"{100 * share:.4g}")
+        draft_ms = row["phases_ms_per_step"].get("draft")
+        if draft_ms and b.draft:  # the draft's phase timed apart: its cost per forward and the rate it reads at
+            row["draft_ms_per_forward"] = round(draft_ms / a.gamma, 4)
+            row["draft_read_gb_s"] = round(b.draft / (draft_ms / 1e3) / 1e9, 1)
+            row["draft_pct_of_read_bw"] = round(100 * b.draft / (draft_ms / 1e3) / a.read_bw, 1)
     if profiled:
         row["kernels_per_step"] = _kernels_per_step(core, profiled)
     return row
@@ -322,13 +329,10 @@ def _fits(engine, batch: int, context: int, a) -> bool:
     return engine.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
 
 
-def _copy_bandwidth(device: str) -> float:
-    """Bytes/s of a copy (read + write) on the device: the bandwidth of the byte roofline."""
-    if device.startswith("cuda"):
-        from dustin.bench.decode import copy_bandwidth
-        return copy_bandwidth()  # the limit a vanilla step (weights + KV per rank) is held to
-    from dustin.bench.attention import copy_bandwidth_cpu
-    return copy_bandwidth_cpu()
+def _read_bandwidth(device: str) -> float:
+    """Bytes/s of a read-only kernel on the device: the bandwidth of the byte roofline (a step only reads)."""
+    from dustin.bench.decode import read_bandwidth
+    return read_bandwidth(device)
 
 
 def _plan(a) -> dict:
@@ -406,7 +410,7 @@ def run(a) -> int:
 
     init_distributed()  # under torchrun: join the group first, so that only rank 0 prints
     plan = _plan(a)
-    a.copy_bw = _copy_bandwidth(a.device)
+    a.read_bw = _read_bandwidth(a.device)
     results: list[dict] = []
     if a.real:
         meta = {"label": "real weights", "models": {"target": plan["target"], "draft": plan["draft"]}}
@@ -502,7 +506,7 @@ def _header(engine, base: dict, a) -> None:
     if not is_main_process():
         return
     dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
-    bw = f" | copy bandwidth {a.copy_bw / 1e9:.1f} GB/s" if a.copy_bw else ""
+    bw = f" | read bandwidth {a.read_bw / 1e9:.1f} GB/s" if a.read_bw else ""
     label = "real weights, greedy verification" if a.real else "acceptance-controlled"
     print(f"# {base['target']} target (TP {base['tp']}) + {base['draft']} draft | {dev}{bw} | {label} "
           f"| {time.strftime('%Y-%m-%d')}", flush=True)

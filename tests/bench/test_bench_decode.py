@@ -114,3 +114,13 @@ def test_bench_decode_writes_nothing_it_was_not_told_to(on_cpu, tmp_path, monkey
     assert code == 0, capsys.readouterr().err
     assert "| tiny-bench | 2 | 64 |" in capsys.readouterr().out
     assert list(out_dir.iterdir()) == [] and list(cwd.iterdir()) == []
+
+
+def test_read_kernel_sums_what_it_reads():
+    """`read_all` (the read-only kernel behind `read_bandwidth`) against its reference, at a size that leaves the
+    last program a partial block (Triton's CPU interpreter)."""
+    from dustin.bench.decode import read_all, read_bandwidth
+
+    x = torch.randn(3 * 4096 * 2 + 77, dtype=torch.bfloat16)
+    assert torch.allclose(read_all(x, block=4096, iters=2), x.float().sum(), rtol=1e-4, atol=1e-2)
+    assert read_bandwidth("cpu", nbytes=1 << 20) > 0
