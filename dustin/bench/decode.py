@@ -80,9 +80,7 @@ def read_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int =
         return x.numel() * 2 / (time.perf_counter() - t0)
     nbytes = nbytes or 4 << 30
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    best = max(nbytes / _time(lambda: x.sum(dtype=torch.float32), iters), nbytes / _time(lambda: read_all(x), iters))
-    del x
-    return best
+    return max(nbytes / _time(lambda: x.sum(dtype=torch.float32), iters), nbytes / _time(lambda: read_all(x), iters))
 
 
 def _time(fn, iters: int) -> float:
