@@ -25,7 +25,8 @@
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
 #   bash scripts/device_speed.sh draft   # no weights: the persistent draft-layer kernel's GPU tests (eager and
 #                                        # graphed), its time per forward, `bench e2e` 16 x 16k / 32k with and without
-#                                        # it (random weights of the pair's shapes, acceptance-controlled)
+#                                        # it, and 16 x 16k with per-forward graphs (the draft's ms per forward);
+#                                        # random weights of the pair's shapes, acceptance-controlled
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
@@ -113,10 +114,12 @@ elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with Y
 elif [ "$mode" = draft ]; then
   run 120 python3 -m pytest -q tests/kernels/test_draft_decoder.py || exit 1
   run 60 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
-  for flag in "" --draft-kernel; do
-    run $(( (580 - SECONDS) / 2 )) python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b \
-      --contexts 16384,32768 --batches 16 --methods vanilla,dustin --warmup 4 --steps 30 $flag \
+  e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
+  for flag in "" --draft-kernel; do  # the step graph; then per-forward graphs, whose phases time the draft apart
+    run $(( (560 - SECONDS) / 2 )) $e2e --contexts 16384,32768 --methods vanilla,dustin --steps 30 $flag \
       --json-out "$OUT/bench_e2e_draft${flag:+_kernel}.json"
+    run 60 $e2e --contexts 16384 --methods dustin --steps 20 --no-step-graph $flag \
+      --json-out "$OUT/bench_e2e_draft_phase${flag:+_kernel}.json"
   done
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
