@@ -182,9 +182,12 @@ class Session:
         if self.spec.speculative:
             self.runners["draft"] = ModelRunner(draft, kv.caches["draft"], self.use_graphs)
             sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
-            draft.layer_kernel = None
-            if cfg.options.draft_kernel and self.device.type == "cuda" and window > 0:
-                draft_decoder.attach(draft, sinks, window, rows=(self.B, 2 * self.B))  # a step's draft forwards
+            # the persistent layer kernel (opt-in); never for the warm-up's fake twin, which leaves the models as
+            # they were (dustin/engine/warmup.py), so a real session's kernel stays attached
+            if not draft_decoder.is_fake(kv.caches["draft"].k):
+                draft.layer_kernel = None
+                if cfg.options.draft_kernel and self.device.type == "cuda" and window > 0:
+                    draft_decoder.attach(draft, sinks, window, rows=(self.B, 2 * self.B))  # a step's draft forwards
             self.draft_step: DraftStep = EagerDraftStep(self.runners["draft"], self.sampler, self.V, self.gamma,
                                                         sinks, window)
         self.target_cache = self.runners["target"].cache

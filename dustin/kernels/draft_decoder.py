@@ -456,8 +456,9 @@ class DraftDecoder:
     # ---- the model's side: which forwards it takes, and the query observers -----------------------------------
     def takes(self, h: torch.Tensor, ctx) -> bool:
         """A decode forward of this streaming draft (`Transformer.decode_logits` asks): no sparse plan, the
-        window the kernel was built for, <= max_rows token rows."""
-        return (ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
+        window the kernel was built for, <= max_rows token rows; never fake tensors (the warm-up's dry run: a
+        launch would read address 0)."""
+        return (not is_fake(h) and ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
                 and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
@@ -478,6 +479,12 @@ class DraftDecoder:
                 q = captures[layer][:M].view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
                 obs(layer, q, ctx.cache.k[layer], ctx)
         return x.view(B, T, dim)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (no storage): what the kernel warm-up's dry run passes (dustin/engine/warmup.py)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
 
 
 def attach(model, sinks: int, window: int, rows=()) -> str | None:

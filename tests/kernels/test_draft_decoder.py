@@ -325,3 +325,35 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
     assert torch.equal(k_got[~new], k0[~new]) and torch.equal(v_got[~new], v0[~new])
     for layer in Recorder.layers:
         assert torch.allclose(rec.seen[layer].float(), rec_ref.seen[layer].float(), atol=0.05, rtol=0.02)
+
+
+@sm90
+def test_engine_with_the_kernel_keeps_full_verification_exact():
+    """On the GPU, end to end: an engine core with the kernel (its background warm-up's fake twin included, which
+    must neither launch it nor detach it) gives magicdec's tokens equal to vanilla's (full verification is exact
+    whatever the draft proposes), and dustin runs; random weights of the pair's shapes, 2 layers each."""
+    from dataclasses import replace
+
+    from dustin.bench.e2e import _shape, build_engine
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
+    from dustin.engine.core import EngineCore
+    from dustin.engine.request import SamplingParams
+
+    engine = build_engine(replace(_shape("qwen2.5-1.5b"), n_layers=2), replace(_shape("qwen2.5-0.5b"), n_layers=2),
+                          "cuda")
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(40 + 9 * i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(method, kernel):
+        cfg = GenerationConfig(method=method, max_slots=4, max_context=256, options=ExecutionOptions(
+            draft_kernel=kernel), **({"budget": 64} if method == "dustin" else {}))
+        core = EngineCore(engine, cfg)
+        out = core.generate(prompts, greedy)
+        return out, engine.draft.layer_kernel
+
+    want, _ = run("vanilla", False)
+    got, kernel = run("magicdec", True)  # streaming draft, full verification
+    assert kernel is not None and got == want
+    out, kernel = run("dustin", True)
+    assert kernel is not None and all(len(o) == 24 for o in out)
+    torch.cuda.synchronize()
