@@ -1,6 +1,6 @@
 """Time one draft forward with the persistent decoder-layer kernel (dustin/kernels/draft_decoder.py) against the
 per-layer kernels, both as CUDA graphs, random weights of a draft's shapes; and the layer stack alone against its
-weights' bytes at the copy bandwidth. Its exactness is tests/kernels/test_draft_decoder.py (run it first).
+weights' bytes at the read-only bandwidth (`read_bandwidth`). Its exactness is tests/kernels/test_draft_decoder.py (run it first).
 
     PYTHONPATH=. python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
 
@@ -44,7 +44,7 @@ def main() -> int:
 
     from dustin.attention.backend import AttentionBackend
     from dustin.attention.context import ForwardContext
-    from dustin.bench.decode import copy_bandwidth
+    from dustin.bench.decode import read_bandwidth
     from dustin.bench.e2e import _shape
     from dustin.cache.kv_cache import KVCache
     from dustin.kernels import draft_decoder as dd
@@ -67,16 +67,16 @@ def main() -> int:
     B = a.batch
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, a.context + 8, torch.bfloat16, dev)
     lengths = torch.full((B,), a.context, dtype=torch.int32, device=dev)
-    bw = copy_bandwidth()
-    reason = dd.attach(model, a.sinks, a.window)
-    print(f"# {a.draft} B={B} ctx={a.context} | {torch.cuda.get_device_name()} | copy {bw / 1e12:.2f} TB/s | "
+    bw = read_bandwidth()
+    reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B))
+    print(f"# {a.draft} B={B} ctx={a.context} | {torch.cuda.get_device_name()} | read {bw / 1e12:.2f} TB/s | "
           f"{time.strftime('%Y-%m-%d')} | random weights", flush=True)
     if reason:
         print(f"not attached: {reason}")
         return 1
     kernel = model.layer_kernel
     layer_bytes = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "layers." in n)
-    out = {"draft": a.draft, "batch": B, "context": a.context, "device": torch.cuda.get_device_name(), "copy_bw": bw,
+    out = {"draft": a.draft, "batch": B, "context": a.context, "device": torch.cuda.get_device_name(), "read_bw": bw,
            "layer_bytes": layer_bytes, "date": time.strftime("%Y-%m-%d"), "rows": []}
     for T in (1, 2):
         tokens = torch.randint(0, args.vocab_size, (B, T), device=dev)

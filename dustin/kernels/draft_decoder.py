@@ -341,17 +341,18 @@ class _Build:
 
 class DraftDecoder:
     """The persistent kernel bound to one fused draft `Transformer` on a GPU: a build for forwards of <= 32 token
-    rows and, where a tiling fits, one for <= 64; fixed scratch buffers shared by both (a captured CUDA graph replays
-    the same pointers); one instruction list per number of rows."""
+    rows and, when `rows` asks for more and a tiling fits, one for <= 64 (each build is an nvcc call on first use);
+    fixed scratch buffers shared by both (a captured CUDA graph replays the same pointers); one instruction list per
+    number of rows, those of `rows` made now."""
 
-    def __init__(self, model, sinks: int, window: int) -> None:
+    def __init__(self, model, sinks: int, window: int, rows=()) -> None:
         a = model.args
         self.shape, self.sinks, self.window = Shape.of(a), sinks, window
         self.builds: dict[int, _Build] = {}
-        for rows in ROWS:
-            t = tiling(self.shape, rows)
-            if t is not None:
-                self.builds[rows] = _Build(t, library(self.shape, t), n_chunks(t, sinks, window))
+        for size in ROWS:
+            t = tiling(self.shape, size)
+            if t is not None and (size == ROWS[0] or any(r > ROWS[0] for r in rows)):
+                self.builds[size] = _Build(t, library(self.shape, t), n_chunks(t, sinks, window))
         if 32 not in self.builds:
             raise BuildError(unsupported(self.shape) or "no tiling")
         self.max_rows = max(self.builds)
@@ -394,6 +395,7 @@ class DraftDecoder:
                 err = b.lib.draft_layers_configure()
                 if err:
                     raise BuildError(f"cudaFuncSetAttribute failed ({err})")
+        self.prepare(rows)
 
     def capture(self, layers) -> dict[int, torch.Tensor]:
         """Also write the rotated queries of `layers` (for the query observers), [max_rows, Hq * D] each."""
@@ -494,8 +496,7 @@ def attach(model, sinks: int, window: int, rows=()) -> str | None:
     reason = _why_not(model, sinks, window)
     if reason is None:
         try:
-            model.layer_kernel = DraftDecoder(model, sinks, window)
-            model.layer_kernel.prepare(rows)
+            model.layer_kernel = DraftDecoder(model, sinks, window, rows)
         except (BuildError, OSError) as e:
             reason = f"build failed: {e}"
     if reason is not None:

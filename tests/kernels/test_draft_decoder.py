@@ -268,7 +268,7 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
     model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508) is None
+    assert dd.attach(model, 4, 508, rows=(B * T,)) is None
     kernel = model.layer_kernel
     S = 2048
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, S, torch.bfloat16, dev)
