@@ -1,6 +1,7 @@
 """Time one draft forward with the persistent decoder-layer kernel (dustin/kernels/draft_decoder.py) against the
 per-layer kernels, both as CUDA graphs, random weights of a draft's shapes; and the layer stack alone against its
-weights' bytes at the read-only bandwidth (`read_bandwidth`). Its exactness is tests/kernels/test_draft_decoder.py (run it first).
+weights' bytes at the read-only bandwidth (`read_bandwidth`). Its exactness is tests/kernels/test_draft_decoder.py
+(run it first).
 
     PYTHONPATH=. python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
 
