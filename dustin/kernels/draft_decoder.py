@@ -458,10 +458,12 @@ class DraftDecoder:
     # ---- the model's side: which forwards it takes, and the query observers -----------------------------------
     def takes(self, h: torch.Tensor, ctx) -> bool:
         """A decode forward of this streaming draft (`Transformer.decode_logits` asks): no sparse plan, the
-        window the kernel was built for, <= max_rows token rows; never fake tensors (the warm-up's dry run: a
+        window the kernel was built for, <= max_rows token rows, a contiguous cache; never fake tensors (the warm-up's dry run: a
         launch would read address 0)."""
+        k, v = ctx.cache.k, ctx.cache.v  # addressed as contiguous [L, B, Hkv, S, D], rows read 16 bytes at a time
         return (not is_fake(h) and ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
-                and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype)
+                and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype == k.dtype
+                and k.is_contiguous() and v.is_contiguous() and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """The decoder layers of `Transformer.forward` for h [B, T, dim] (the embeddings) -> [B, T, dim], the

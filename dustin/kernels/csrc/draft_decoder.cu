@@ -404,13 +404,17 @@ __device__ void attention(const Params& p, int layer, int m, int g, int chunk, c
   const int64_t base = ((((int64_t)layer * p.cache_b + b) * NKV + g) * p.cache_s) * HD;
   for (int i = tid; i < GQ * HD; i += NT)
     qs[i] = __bfloat162float(__ldcg(p.q + (int64_t)m * NQ * HD + g * GQ * HD + i)) * p.scale;
-  for (int i = tid; i < cnt * (HD / 2); i += NT) {  // 4-byte pieces of the chunk's K and V rows
-    const int j = i / (HD / 2), d = (i % (HD / 2)) * 2;
+  for (int i = tid; i < cnt * (HD / 8); i += NT) {  // 16-byte pieces of the chunk's K and V rows (rows 16-byte
+    const int j = i / (HD / 8), d = (i % (HD / 8)) * 8;  // aligned in the cache; 4-byte stores: KST is odd words)
     const int li = i0 + j;
     const int64_t at = li < s0 ? li : start + (li - s0);
     const int64_t off = base + at * HD + d;
-    *reinterpret_cast<uint32_t*>(ks + j * KST + d) = __ldcg(reinterpret_cast<const unsigned int*>(p.kc + off));
-    *reinterpret_cast<uint32_t*>(vs + j * KST + d) = __ldcg(reinterpret_cast<const unsigned int*>(p.vc + off));
+    const uint4 kv = __ldcg(reinterpret_cast<const uint4*>(p.kc + off));
+    const uint4 vv = __ldcg(reinterpret_cast<const uint4*>(p.vc + off));
+    uint32_t* kd = reinterpret_cast<uint32_t*>(ks + j * KST + d);
+    uint32_t* vd = reinterpret_cast<uint32_t*>(vs + j * KST + d);
+    kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+    vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
   }
   __syncthreads();
   for (int i = tid; i < GQ * CH; i += NT) {
