@@ -458,8 +458,8 @@ class DraftDecoder:
     # ---- the model's side: which forwards it takes, and the query observers -----------------------------------
     def takes(self, h: torch.Tensor, ctx) -> bool:
         """A decode forward of this streaming draft (`Transformer.decode_logits` asks): no sparse plan, the
-        window the kernel was built for, <= max_rows token rows, a contiguous cache; never fake tensors (the warm-up's dry run: a
-        launch would read address 0)."""
+        window the kernel was built for, <= max_rows token rows, a contiguous cache; never fake tensors (the
+        warm-up's dry run: a launch would read address 0)."""
         k, v = ctx.cache.k, ctx.cache.v  # addressed as contiguous [L, B, Hkv, S, D], rows read 16 bytes at a time
         return (not is_fake(h) and ctx.sparse is None and ctx.sinks == self.sinks and ctx.window == self.window
                 and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype == k.dtype
