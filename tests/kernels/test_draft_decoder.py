@@ -316,7 +316,11 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
     assert torch.equal(got, again) and torch.equal(got, graphed)
     assert torch.equal(cache.k, k_got) and torch.equal(cache.v, v_got)
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # the kernel's greedy token is the reference's, or within rounding of its best (random weights' logits are
+    # nearly flat: a near-tie may go either way)
+    chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (ref.amax(-1) - chosen <= 0.01 * ref.abs().max()).all()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
     assert torch.allclose(k_got.float(), k_ref.float(), atol=0.05, rtol=0.02)
     assert torch.allclose(v_got.float(), v_ref.float(), atol=0.05, rtol=0.02)
     new = torch.zeros(k0.shape[:-1], dtype=torch.bool, device=dev)
