@@ -361,3 +361,19 @@ def test_engine_with_the_kernel_keeps_full_verification_exact():
     out, kernel = run("dustin", True)
     assert kernel is not None and all(len(o) == 24 for o in out)
     torch.cuda.synchronize()
+
+
+def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
+    """`ExecutionOptions(draft_kernel=True)` where the kernel cannot run (a CPU): nothing attached, the same tokens
+    as without it, and `attach` says why."""
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
+    from dustin.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]))
+    prompts = [[5, 9, 14, 3, 22, 7], [11, 4, 8]]
+    kw = dict(method="dustin", budget=24, draft_window=32, max_new_tokens=12, stop_at_eos=False)
+    off = engine.generate(prompts, GenerationConfig(**kw))
+    on = engine.generate(prompts, GenerationConfig(**kw, options=ExecutionOptions(draft_kernel=True)))
+    assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
+    assert engine.draft.layer_kernel is None
+    assert dd.attach(engine.draft, 4, 28) == "not on a GPU"
