@@ -5,16 +5,17 @@ Why: launched as ~5 kernels a layer, the draft's forwards ran at ~4.5x their wei
 list planned here (`plan`), streams each program's next weight tiles into shared memory before it waits for their
 inputs, and replaces kernel boundaries by counters in global memory. The LM head and sampling stay as they are.
 
-Scope: decode forwards (1 or 2 tokens a row, <= 32 token rows) of a streaming draft (sinks + a recent window) on
-sm_90, bf16, at the shapes a tiling fits in shared memory (`tiling`: the Qwen2.5-0.5B draft with K whole; Llama-3.2-1B
-and Qwen2.5-1.5B with K in halves). Anything else takes the per-layer kernels, with the reason logged once
-(`attach`). The build is one nvcc call per (shape, tiling), cached on disk.
+Scope: decode forwards (1 or 2 tokens a row, <= 64 token rows: a build for <= 32 and one for <= 64) of a streaming
+draft (sinks + a recent window) on sm_90, bf16, at the shapes a tiling fits in shared memory (`tiling`: the
+Qwen2.5-0.5B draft with K whole; Llama-3.2-1B and Qwen2.5-1.5B with K in halves). Anything else takes the per-layer
+kernels, with the reason logged once (`attach`). The build is one nvcc call per (shape, tiling), cached on disk.
 
 The instruction list (`plan`): per layer, five stages in order (QKV, ATT, O, GU, DOWN, as the kernel's header
 describes), their tiles dealt to the SMs round-robin by one cursor that runs through every stage of every layer,
 so each program's list is in stage order (a program only ever waits for an earlier stage: no deadlock), and
 consecutive stages start on different SMs (balance). `reference_plan` executes the same tiles in PyTorch, in
-stage order: the CPU's check of the plan and of each tile's arithmetic.
+stage order: the CPU's check of the plan and of each tile's arithmetic; tests/kernels/test_draft_decoder.py also
+simulates the kernel's counters over every program's list.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // One persistent kernel for a draft forward's decoder layers (sm_90): every layer's q/k/v projection with RoPE
 // and the KV-cache write, the streaming attention, o_proj, gate/up with SiLU, down_proj and the residual adds,
-// for up to MAXM token rows, in one launch of one program per SM.
+// for up to MAXM (32 or 64) token rows, in one launch of one program per SM.
 //
 // Why: a draft forward launched as ~5 kernels a layer costs ~4 us a kernel besides its bytes (docs/benchmarks.md),
 // so the draft ran at ~4.5x its weight-read time. Here each program walks an instruction list planned on the host
@@ -8,20 +8,21 @@
 // slots with bulk copies *before* it waits for their inputs, and waits on counters of what it reads in global
 // memory instead of kernel boundaries. The weight stream never stops at a layer's stages.
 //
-// Stages of layer l and what each waits for (counts in `need`):
-//   QKV  (head, 4 half-dims, split)  waits DOWN(l-1): RMSNorm(h) in shared memory, q/k/v + bias, RoPE, q out,
-//                                                     k/v to the cache
-//   ATT  (row, kv head, chunk)       waits QKV(l):    attention over <= CH positions of the row's streaming window;
-//                                                     the chunk that arrives last merges the chunks in a fixed order
-//   O    (8 columns, split)          waits ATT(l):    h += o_proj(attention)
-//   GU   (8 columns of gate & up, split) waits O(l):  act = SiLU(gate) * up of RMSNorm(h)
-//   DOWN (DOWN_N columns, split)     waits GU(l):     h += down_proj(act)
+// Stages of layer l and what each waits for (`dependency`, `counter_of`; counts in `need`):
+//   QKV  (head, 4 half-dims, split)  waits all of DOWN(l-1): RMSNorm(h) in shared memory, q/k/v + bias, RoPE, q out,
+//                                    k/v to the cache
+//   ATT  (row, kv head, chunk)       waits QKV(l) of that KV head's q, k and v heads: attention over <= CH positions
+//                                    of the row's streaming window; the chunk that arrives last merges the chunks
+//   O    (8 columns, split)          waits all of ATT(l): h += o_proj(attention)
+//   GU   (8 columns of gate & up, split) waits all of O(l): act = SiLU(gate) * up of RMSNorm(h)
+//   DOWN (DOWN_N columns, split)     waits GU(l) of its split's columns: h += down_proj(act)
 // A GEMM instruction covers 1/KSPLIT of K (1/DSPLIT for down_proj): with more than one split, each writes its
 // partial sums and the split that arrives last adds them in split order, then runs the epilogue. Every reduction
 // has a fixed order: the result does not depend on which program finished first.
 //
-// Shapes are compile-time (-D flags, one build per draft shape). Rounding follows the PyTorch model: each
-// projection's output rounds to bf16 before its bias / RoPE / SiLU / residual add (done in fp32, rounded once).
+// Shapes and the tiling are compile-time (-D flags, one build per draft shape, tiling and MAXM). Rounding follows
+// the PyTorch model: each projection's output (bias included) rounds to bf16 before RoPE / SiLU / the residual add
+// (done in fp32, rounded once).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
