@@ -499,12 +499,47 @@ def attach(model, sinks: int, window: int, rows=()) -> str | None:
     reason = _why_not(model, sinks, window)
     if reason is None:
         try:
-            model.layer_kernel = DraftDecoder(model, sinks, window, rows)
+            kernel = DraftDecoder(model, sinks, window, rows)
+            reason = self_check(model, kernel)
+            if reason is None:
+                model.layer_kernel = kernel
         except (BuildError, OSError) as e:
             reason = f"build failed: {e}"
     if reason is not None:
         _log_once(f"draft decoder layers run layer by layer: {reason}")
     return reason
+
+
+@torch.inference_mode()
+def self_check(model, kernel: DraftDecoder, rows: int = 4, tol: float = 0.02) -> str | None:
+    """One forward of `rows` random tokens over a small random cache through the kernel and through the per-layer
+    kernels, on the model's own weights: None when the logits agree (to `tol` of their largest), else why not. A
+    kernel that computes wrong numbers on this GPU, driver or build is never used (it would be silently wrong)."""
+    from dustin.attention.context import ForwardContext
+    from dustin.cache.kv_cache import KVCache
+
+    a, dev = model.args, kernel.device
+    n = kernel.sinks + kernel.window + 100  # a window that is full, past the sinks
+    gen = torch.Generator(device=dev).manual_seed(0)
+    outs = []
+    for layer_kernel in (None, kernel):
+        cache = KVCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, n + 1, kernel.dtype, dev)
+        gen.manual_seed(0)
+        cache.k.normal_(generator=gen)
+        cache.v.normal_(generator=gen)
+        lengths = torch.full((rows,), n, dtype=torch.int32, device=dev)
+        tokens = torch.randint(0, a.vocab_size, (rows, 1), device=dev, generator=gen)
+        ctx = ForwardContext(cache, lengths.long()[:, None], lengths, n + 1, sinks=kernel.sinks, window=kernel.window)
+        before, model.layer_kernel = model.layer_kernel, layer_kernel
+        try:
+            outs.append(model(tokens, ctx, float_logits=True))
+        finally:
+            model.layer_kernel = before
+    ref, got = outs
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    if not err <= tol:  # NaN fails too
+        return f"self-check failed: logits differ from the per-layer kernels by {err:.3g} of their largest"
+    return None
 
 
 def _why_not(model, sinks: int, window: int) -> str | None:
