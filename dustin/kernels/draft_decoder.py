@@ -151,12 +151,14 @@ def _bf(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, *, T: int, sinks: int, window: int,
-                   tiles: Tiling | None = None, q_capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                   tiles: Tiling | None = None, q_capture: dict[int, torch.Tensor] | None = None,
+                   trace: dict | None = None) -> torch.Tensor:
     """What the kernel computes, tile by tile in stage order, in PyTorch: h [M, dim] (the embeddings) -> the last
     layer's residual stream [M, dim]; k_cache / v_cache [L, B, Hkv, S, D] get each layer's new keys and values;
     q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`;
-    `tiles` the build's tiling (default: `tiling` of the model's shape). Slow on purpose: it checks `plan`'s tiles,
-    the K splits' sums and each tile's rounding against the model's own forward."""
+    `tiles` the build's tiling (default: `tiling` of the model's shape); `trace` gets the last layer's scratch as the
+    kernel leaves it (q, attn, act: where a GPU check localizes a wrong stage). Slow on purpose: it checks `plan`'s
+    tiles, the K splits' sums and each tile's rounding against the model's own forward."""
     a = model.args
     shape, dt = Shape.of(a), h.dtype
     t = tiles or tiling(shape)
@@ -227,6 +229,8 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
                 h[:, ta:ta + n] = (h[:, ta:ta + n].float() + _bf(out, dt)).to(dt)
         if q_capture is not None and li in q_capture:
             q_capture[li].copy_(q)
+        if trace is not None:
+            trace.update(q=q, attn=attn, act=act)
     return h
 
 

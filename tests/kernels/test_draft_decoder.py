@@ -332,6 +332,53 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
 
 
 @sm90
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
+def test_kernel_stages_of_one_layer(T, draft):
+    """On the GPU, one layer through the kernel against `reference_plan`, stage by stage: its scratch after the
+    launch holds the layer's q, attention output and SiLU(gate)·up, the cache its k and v, h the layer's output. A
+    failure names the first stage that differs."""
+    from dataclasses import replace
+
+    from dustin.attention.backend import AttentionBackend
+    from dustin.bench.e2e import _shape
+
+    dev, B = torch.device("cuda"), 16
+    torch.manual_seed(0)
+    args = replace(_shape(draft), n_layers=1)
+    model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
+    model.fuse_projections().eval()
+    assert dd.attach(model, 4, 508, rows=(B * T,)) is None
+    kernel, M = model.layer_kernel, B * T
+    cache = KVCache(1, B, args.n_kv_heads, args.head_dim, 1024, torch.bfloat16, dev)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    lengths = torch.randint(0, 1000, (B,), dtype=torch.int32, device=dev)
+    positions = lengths.long()[:, None] + torch.arange(T, device=dev)
+    with torch.inference_mode():
+        x = model.embed_tokens(torch.randint(0, args.vocab_size, (B, T), device=dev)).reshape(M, -1)
+        cos, sin = (t.reshape(M, -1).contiguous() for t in model.rotary(positions))
+        h = x.clone()
+        kernel(h, positions.reshape(-1).contiguous(), cos, sin, cache.k, cache.v, T)
+        torch.cuda.synchronize()
+        trace, k_ref, v_ref = {}, k0.clone(), v0.clone()
+        want = dd.reference_plan(model, x, positions, cos, sin, k_ref, v_ref, T=T, sinks=4, window=508,
+                                 tiles=kernel.build_for(M).tiles, trace=trace)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+    errors = {"q": rel(kernel.q[:M], trace["q"]), "k": rel(cache.k, k_ref), "v": rel(cache.v, v_ref),
+              "attn": rel(kernel.attn[:M], trace["attn"]), "act": rel(kernel.act[:M], trace["act"]),
+              "h": rel(h, want)}
+    assert all(e <= 0.02 for e in errors.values()), errors
+
+
+@sm90
 def test_engine_with_the_kernel_keeps_full_verification_exact():
     """On the GPU, end to end: an engine core with the kernel (its background warm-up's fake twin included, which
     must neither launch it nor detach it) gives magicdec's tokens equal to vanilla's (full verification is exact
