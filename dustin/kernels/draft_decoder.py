@@ -516,9 +516,11 @@ def attach(model, sinks: int, window: int, rows=()) -> str | None:
 
 @torch.inference_mode()
 def self_check(model, kernel: DraftDecoder, rows: int = 4, tol: float = 0.02) -> str | None:
-    """One forward of `rows` random tokens over a small random cache through the kernel and through the per-layer
-    kernels, on the model's own weights: None when the logits agree (to `tol` of their largest), else why not. A
-    kernel that computes wrong numbers on this GPU, driver or build is never used (it would be silently wrong)."""
+    """One forward of `rows` random tokens over a small random cache through the per-layer kernels, through the
+    kernel, and through the kernel captured in a CUDA graph and replayed, on the model's own weights: None when the
+    kernel's logits agree with the per-layer kernels' (to `tol` of their largest) and the replay's equal the
+    launch's, else why not. A kernel that computes wrong numbers on this GPU, driver or build, or cannot be
+    captured, is never used (it would be silently wrong, or break the step graph)."""
     from dustin.attention.context import ForwardContext
     from dustin.cache.kv_cache import KVCache
 
@@ -526,7 +528,7 @@ def self_check(model, kernel: DraftDecoder, rows: int = 4, tol: float = 0.02) ->
     n = kernel.sinks + kernel.window + 100  # a window that is full, past the sinks
     gen = torch.Generator(device=dev).manual_seed(0)
     outs = []
-    for layer_kernel in (None, kernel):
+    for layer_kernel in (None, kernel, kernel):  # the per-layer kernels, the kernel, the kernel in a CUDA graph
         cache = KVCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, n + 1, kernel.dtype, dev)
         gen.manual_seed(0)
         cache.k.normal_(generator=gen)
@@ -536,13 +538,24 @@ def self_check(model, kernel: DraftDecoder, rows: int = 4, tol: float = 0.02) ->
         ctx = ForwardContext(cache, lengths.long()[:, None], lengths, n + 1, sinks=kernel.sinks, window=kernel.window)
         before, model.layer_kernel = model.layer_kernel, layer_kernel
         try:
-            outs.append(model(tokens, ctx, float_logits=True))
+            if len(outs) < 2:
+                outs.append(model(tokens, ctx, float_logits=True))
+            else:  # the step graphs capture it: the launch must be capturable and replay the same numbers
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = model(tokens, ctx, float_logits=True)
+                graph.replay()
+                outs.append(out)
+        except RuntimeError as e:
+            return f"self-check failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         finally:
             model.layer_kernel = before
-    ref, got = outs
+    ref, got, graphed = outs
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     if not err <= tol:  # NaN fails too
         return f"self-check failed: logits differ from the per-layer kernels by {err:.3g} of their largest"
+    if not torch.equal(graphed, got):
+        return "self-check failed: a CUDA graph's replay of the kernel gives other logits than its launch"
     return None
 
 
