@@ -47,7 +47,9 @@ run() {  # run <seconds> <command...>: logged, cut at the deadline (and at END)
   [ "$t" -lt 10 ] && { echo "== skip (${t}s left): ${*:2}" | tee -a "$log"; return 0; }
   echo "== $(date -u +%H:%M:%S) [$SECONDS s] ${*:2}" | tee -a "$log"
   timeout "$t" "${@:2}" >> "$log" 2>&1
-  echo "== rc $? [$SECONDS s]" | tee -a "$log"
+  local rc=$?
+  echo "== rc $rc [$SECONDS s]" | tee -a "$log"
+  return $rc
 }
 oneshot() {  # oneshot <context> <new tokens> <method args>...: one-shot `dustin generate`, a fresh process each
   # (16 real code prompts of <context> tokens); stdout is the result JSON (token ids, tokens/s, capture_s)
@@ -112,7 +114,9 @@ elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with Y
   run $((560 - SECONDS)) $e2e --batches 16 --contexts 16384 --methods dustin --budget auto --budget-p 0.99 \
     --budget-max 16384 --json-out "$OUT/bench_e2e_real_auto99_16384.json"
 elif [ "$mode" = draft ]; then
-  run 120 python3 -m pytest -q tests/kernels/test_draft_decoder.py || exit 1
+  # the GPU tests only (the conftest's Triton interpreter off); each new build compiles with nvcc first
+  run 300 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_draft_decoder.py -k "matches or stages or \
+engine_with" -p no:cacheprovider || exit 1
   run 60 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
   e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
   for flag in "" --draft-kernel; do  # the step graph; then per-forward graphs, whose phases time the draft apart
