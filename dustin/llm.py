@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine, GenerationResult
 from dustin.engine.pair import check_prompts
 from dustin.engine.request import Logprob, SamplingParams
@@ -83,11 +83,13 @@ class LLM:
 
     def __init__(self, target: str | Path = "default", draft: str | Path | None = "default", *,
                  method: str = DEFAULT_METHOD, gamma: int = GAMMA, budget: int | None = None, config: str | None = None,
-                 draft_window: int = DRAFT_WINDOW, device: str = "auto", dtype: str = "auto") -> None:
+                 draft_window: int = DRAFT_WINDOW, device: str = "auto", dtype: str = "auto",
+                 options: ExecutionOptions | None = None) -> None:
         # GenerationConfig's own checks (unknown method, gamma out of [1, 15], budget < 21, bad window) run here,
-        # before the (slow) load; generate() derives every batch's config from this one
+        # before the (slow) load; generate() derives every batch's config from this one. options: how batches
+        # execute (`ExecutionOptions`: e.g. draft_kernel=True, the draft's layers as one persistent kernel)
         self.base_config = GenerationConfig(method=method, gamma=gamma, budget=budget, sparse_config=config,
-                                            draft_window=draft_window)
+                                            draft_window=draft_window, options=options or ExecutionOptions())
         speculative = METHODS[method].speculative
         if speculative and draft is None:
             raise InputError(f"method {method!r} needs a draft model")

@@ -250,3 +250,15 @@ def test_readme_example_runs(capsys, real_pair_cli):
     assert len(out.strip().splitlines()) > 2  # the texts were printed too
     with capsys.disabled():
         print(f"\nREADME example: {took:.1f} s\n{out}")
+
+
+def test_execution_options_reach_the_engine(tiny_pair):
+    """`LLM(options=...)` is the config's `ExecutionOptions` for every batch: with every draft accepted
+    (acceptance-controlled, a benchmark switch) each step makes Γ + 1 tokens."""
+    from dustin.engine.config import ExecutionOptions
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), str(draft), method="classic", gamma=3, device="cpu", dtype="fp32",
+              options=ExecutionOptions(accept_prob=1.0))
+    out = llm.generate(_prompts([40], seed=2), SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert out[0].metrics.tau == 4.0
