@@ -58,8 +58,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--top", type=int, default=14, help="kernels printed per method (the JSON keeps all)")
-    p.add_argument("--no-decode-kernels", action="store_true",
-                   help="decode/verify forwards through the unfused layer (A/B of dustin/kernels/decode_linear.py)")
+    p.add_argument("--no-fused-ops", action="store_true",
+                   help="plain PyTorch ops instead of our fused kernels: the decode-layer kernels of "
+                        "dustin/kernels/decode_linear.py and the fused norm / RoPE / SiLU (ExecutionOptions.fused_ops)")
     p.add_argument("--tag", default="", help="appended to the JSON's name (A/B runs of one setting)")
     e2e.add_arguments(p)
     a = p.parse_args()
@@ -71,7 +72,6 @@ def main() -> int:
     d_args = replace(d_args, max_position_embeddings=max(d_args.max_position_embeddings, reach))
     a.tau = a.tau if a.tau is not None else e2e.DEFAULT_TAU
     engine = e2e.build_engine(t_args, d_args, "cuda")
-    engine.target.decode_kernels = engine.draft.decode_kernels = not a.no_decode_kernels
     bw = a.copy_bw = copy_bandwidth()
     pdl = use_pdl(torch.device("cuda", torch.cuda.current_device()))
     print(f"# {a.pair} B={a.batch} ctx={a.context} tau={a.tau} gamma={a.gamma} | {torch.cuda.get_device_name()} "
@@ -110,7 +110,7 @@ def main() -> int:
         for k in row["top_kernels"][:a.top]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:6.1f}  {k['name']}")
     if os.environ.get("OUT"):
-        tag = (("_no_overlap" if a.no_overlap else "") + ("_no_decode_kernels" if a.no_decode_kernels else "")
+        tag = (("_no_overlap" if a.no_overlap else "") + ("_no_fused_ops" if a.no_fused_ops else "")
                + ("_pdl" if pdl else "") + (f"_{a.tag}" if a.tag else ""))
         Path(os.environ["OUT"], f"anatomy_{t_name}{tag}.json").write_text(json.dumps(
             {"pair": a.pair, "batch": a.batch, "context": a.context, "tau": a.tau, "copy_bw": bw,

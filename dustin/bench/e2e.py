@@ -157,7 +157,8 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
                                                      step_graph=not getattr(a, "no_step_graph", False),
                                                      overlap=not getattr(a, "no_overlap", False),
                                                      accept_prob=accept_prob,
-                                                     draft_kernel=getattr(a, "draft_kernel", False)),
+                                                     draft_kernel=getattr(a, "draft_kernel", False),
+                                                     fused_ops=not getattr(a, "no_fused_ops", False)),
                             sparse_config=a.config if sparse else None,
                             **budget_settings(a, sparse))
 
