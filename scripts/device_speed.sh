@@ -27,10 +27,11 @@
 #                                        # graphed), its time per forward, `bench e2e` 16 x 16k / 32k with and without
 #                                        # it, and 16 x 16k with per-forward graphs (the draft's ms per forward);
 #                                        # random weights of the pair's shapes, acceptance-controlled
+#   bash scripts/device_speed.sh draft8b # no weights: Llama-3.1-8B + 3.2-1B shapes, 32k x 16, with and without it
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-if [ "$mode" != random ] && [ "$mode" != draft ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
+if [ "$mode" != random ] && [ "$mode" != draft ] && [ "$mode" != draft8b ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
   done
@@ -113,6 +114,12 @@ elif [ "$mode" = long ]; then  # after `round` on a warm machine: 64k x 8 with Y
     --json-out "$OUT/bench_e2e_real_code_64k.json"
   run $((560 - SECONDS)) $e2e --batches 16 --contexts 16384 --methods dustin --budget auto --budget-p 0.99 \
     --budget-max 16384 --json-out "$OUT/bench_e2e_real_auto99_16384.json"
+elif [ "$mode" = draft8b ]; then
+  for flag in "" --draft-kernel; do
+    run $(( (580 - SECONDS) / 2 )) python3 -m dustin bench e2e --device cuda --pairs llama-3.1-8b:llama-3.2-1b \
+      --contexts 32768 --batches 16 --methods vanilla,dustin --warmup 3 --steps 12 $flag \
+      --json-out "$OUT/bench_e2e_llama8b${flag:+_kernel}.json"
+  done
 elif [ "$mode" = draft ]; then
   # the GPU tests only (the conftest's Triton interpreter off); each new build compiles with nvcc first
   run 300 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_draft_decoder.py -k "matches or stages or \
