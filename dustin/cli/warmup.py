@@ -8,7 +8,8 @@ specializations loads them from there instead of compiling. The specializations 
 and its sparse config, Γ, the batch size (grid sizes of the estimation and attention kernels) and, for short
 contexts, the KV capacity; this command plans them as `dustin generate` would for `--batch-sizes` prompts of
 `--context` positions (prompt + new tokens) with `dustin/engine/warmup.py`'s dry run and compiles each one (with
-its launcher), on a GPU (nothing runs on it but the model load).
+its launcher), on a GPU (nothing runs on it but the model load). With a draft it also builds the draft's
+persistent layer kernel (`ExecutionOptions(draft_kernel=True)`) with nvcc into $DUSTIN_HOME/kernels.
 """
 from __future__ import annotations
 
@@ -75,5 +76,8 @@ def run(args) -> int:
             print(json.dumps({"method": method, "batch": batch, "capacity": cap, **stats}))
             if stats["errors"]:
                 print(f"dustin: warning: {stats['errors']} kernel(s) failed to compile: {stats['first_error']}")
+    if engine.draft is not None:  # the draft's persistent layer kernel (opt-in), built with nvcc into its cache
+        from dustin.kernels import draft_decoder
+        print(json.dumps({"draft_kernel": draft_decoder.build_all(draft_decoder.Shape.of(engine.draft.args))}))
     torch.cuda.synchronize()
     return 0

@@ -289,13 +289,14 @@ def compile_flags(shape: Shape, t: Tiling) -> list[str]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DUSTIN_CACHE", Path.home() / ".cache" / "dustin")) / "kernels"
+    """$DUSTIN_HOME/kernels (~/.cache/dustin/kernels): where the builds are kept."""
+    from dustin.models.fetch import dustin_home
+    return dustin_home() / "kernels"
 
 
-@functools.lru_cache(maxsize=None)
-def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
-    """The built kernel for `shape` and tiling `t`: compiled on first use (nvcc, ~5 s), kept in the cache directory
-    under a hash of the source and flags. Raises BuildError without nvcc or when the build fails."""
+def build(shape: Shape, t: Tiling) -> Path:
+    """The kernel's shared library for `shape` and tiling `t`: compiled by nvcc unless the cache directory holds it
+    (under a hash of the source and flags; ~5-10 s). Raises BuildError without nvcc or when the build fails."""
     flags = compile_flags(shape, t)
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_dir() / f"draft_decoder-{key}.so"
@@ -310,7 +311,26 @@ def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
             if r.returncode != 0:
                 raise BuildError(f"nvcc failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, path)  # atomic: a concurrent build of the same key writes the same file
-    lib = ctypes.CDLL(str(path))
+    return path
+
+
+def build_all(shape: Shape) -> dict[int, str]:
+    """Every build a draft of `shape` may use (`dustin warmup`): token rows -> the library's path, or why not."""
+    out = {}
+    for rows in ROWS:
+        t = tiling(shape, rows)
+        try:
+            out[rows] = str(build(shape, t)) if t is not None else f"unsupported: {unsupported(shape)}"
+        except BuildError as e:
+            out[rows] = f"build failed: {e}"
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
+    """The built kernel for `shape` and tiling `t` (`build`), loaded. Raises BuildError without nvcc or when the
+    build fails."""
+    lib = ctypes.CDLL(str(build(shape, t)))
     lib.draft_layers_launch.restype = ctypes.c_int
     lib.draft_layers_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.draft_layers_configure.restype = ctypes.c_int

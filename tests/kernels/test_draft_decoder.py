@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -424,3 +425,16 @@ def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
     assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
     assert engine.draft.layer_kernel is None
     assert dd.attach(engine.draft, 4, 28) == "not on a GPU"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_build_all_fills_the_cache_once(tmp_path, monkeypatch):
+    """`build_all` (what `dustin warmup` runs) compiles each build a shape may use into the cache directory, once:
+    a second call finds them there (the same files, not rewritten)."""
+    monkeypatch.setenv("DUSTIN_HOME", str(tmp_path))
+    first = dd.build_all(QWEN_05B)
+    assert set(first) == set(dd.ROWS) and all(Path(p).is_file() for p in first.values()), first
+    stamps = {p: Path(p).stat().st_mtime_ns for p in first.values()}
+    assert dd.build_all(QWEN_05B) == first
+    assert {p: Path(p).stat().st_mtime_ns for p in first.values()} == stamps
+    assert dd.build_all(dd.Shape(8192, 64, 8, 128, 28672))[32].startswith("unsupported")
