@@ -504,7 +504,9 @@ class DraftDecoder:
         ones)."""
         B, T, dim = h.shape
         M = B * T
-        x = h.reshape(M, dim).clone()  # its own buffer (16-byte aligned), written in place
+        x = h.reshape(M, dim)  # written in place: the embeddings, a fresh tensor of this forward
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)
         layers = sorted({layer for obs in ctx.observers for layer in obs.layers})
         captures = self.capture(layers)
         self(x, ctx.positions.reshape(M).contiguous(), cos.reshape(M, -1).float().contiguous(),

@@ -248,6 +248,25 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
                           reason="the kernel runs on sm_90")
 
 
+def _gpu_draft(draft: str, n_layers: int, rows: int):
+    """A fused bf16 draft of a named shape on the GPU, `n_layers` of random weights, with the kernel attached (its
+    self-check passed) for forwards of `rows` token rows. Returns (model, args)."""
+    from dataclasses import replace
+
+    from dustin.attention.backend import AttentionBackend
+    from dustin.bench.e2e import _shape
+
+    torch.manual_seed(0)
+    args = replace(_shape(draft), n_layers=n_layers)
+    model = Transformer(args, AttentionBackend.for_device(torch.device("cuda"))).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
+    model.fuse_projections().eval()
+    assert dd.attach(model, 4, 508, rows=(rows,)) is None
+    return model, args
+
+
 @sm90
 @pytest.mark.parametrize("B,T", [(16, 1), (16, 2), (32, 2), (7, 1)])
 @pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
@@ -256,20 +275,8 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
     64 token rows), at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T token rows (the
     64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache written, the
     observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
-    from dataclasses import replace
-
-    from dustin.attention.backend import AttentionBackend
-    from dustin.bench.e2e import _shape
-
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    args = replace(_shape(draft), n_layers=4)
-    model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
-    model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508, rows=(B * T,)) is None
+    model, args = _gpu_draft(draft, 4, rows=B * T)
     kernel = model.layer_kernel
     S = 2048
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, S, torch.bfloat16, dev)
@@ -339,20 +346,8 @@ def test_kernel_stages_of_one_layer(T, draft):
     """On the GPU, one layer through the kernel against `reference_plan`, stage by stage: its scratch after the
     launch holds the layer's q, attention output and SiLU(gate)·up, the cache its k and v, h the layer's output. A
     failure names the first stage that differs."""
-    from dataclasses import replace
-
-    from dustin.attention.backend import AttentionBackend
-    from dustin.bench.e2e import _shape
-
     dev, B = torch.device("cuda"), 16
-    torch.manual_seed(0)
-    args = replace(_shape(draft), n_layers=1)
-    model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
-    model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508, rows=(B * T,)) is None
+    model, args = _gpu_draft(draft, 1, rows=B * T)
     kernel, M = model.layer_kernel, B * T
     cache = KVCache(1, B, args.n_kv_heads, args.head_dim, 1024, torch.bfloat16, dev)
     cache.k.normal_(0, 1)
