@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 speed runs on the real default pair behind docs/benchmarks.md and docs/serving.md (issues 10, 11),
+# The H200 speed runs on the real default pair behind docs/benchmarks.md, docs/serving.md and docs/accuracy.md,
 # made right after the weight staging (../shared/tools/device-weights; /root survives only while warm):
 #   bash scripts/device_speed.sh code    # assemble + convert the pair, the step-graph check (tiny fp32 pair),
 #                                        # then `dustin bench e2e --real` on code prompts
@@ -28,10 +28,13 @@
 #                                        # it, and 16 x 16k with per-forward graphs (the draft's ms per forward);
 #                                        # random weights of the pair's shapes, acceptance-controlled
 #   bash scripts/device_speed.sh draft8b # no weights: Llama-3.1-8B + 3.2-1B shapes, 32k x 16, with and without it
+#   bash scripts/device_speed.sh budget  # no weights: what a larger verify budget costs, dustin at k = 512, 2048 and
+#                                        # auto (p 0.95), 16 x 16k / 32k, the pair's shapes at τ 3.6 (+ vanilla)
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-if [ "$mode" != random ] && [ "$mode" != draft ] && [ "$mode" != draft8b ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
+case $mode in random|draft|draft8b|budget) weights=no ;; *) weights=yes ;; esac
+if [ $weights = yes ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
   done
@@ -131,6 +134,12 @@ engine_with" -p no:cacheprovider || exit 1
       --json-out "$OUT/bench_e2e_draft${flag:+_kernel}.json"
     run 60 $e2e --contexts 16384 --methods dustin --steps 20 --no-step-graph $flag \
       --json-out "$OUT/bench_e2e_draft_phase${flag:+_kernel}.json"
+  done
+elif [ "$mode" = budget ]; then
+  for b in 512 2048 auto; do
+    run 150 python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --contexts 16384,32768 \
+      --batches 16 --tau 3.6 --warmup 3 --steps 12 --methods $([ $b = 512 ] && echo vanilla,)dustin --budget $b \
+      $([ $b = auto ] && echo --budget-p 0.95) --json-out "$OUT/budget_$b.json" --plot-out "$OUT/budget_$b.png"
   done
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json

@@ -6,7 +6,6 @@
    attention shapes, D 128, contexts 8k/16k/32k, batch 8/16, T 5 and 1: Triton split-K, SDPA with
    enable_gqa on the un-folded query, SDPA on the folded query; plus streaming (sinks 4, window 508).
    Achieved TB/s counts the K+V bytes that must be read; it is compared with a measured D2D copy.
-3. A small sweep of BLOCK_N / num_warps / num_stages / num_splits at 8k x 8 and 32k x 16 (Llama shape).
 Writes $OUT/verify_attention.json when $OUT is set. Budget: well under 3 minutes.
 """
 from __future__ import annotations
@@ -24,7 +23,7 @@ from triton.testing import do_bench
 
 from dustin.attention.reference import verify_attention_reference, verify_mask
 from dustin.attention.sdpa import verify_attention_sdpa
-from dustin.kernels.verify_attention import default_launch_config, default_num_splits, key_upper_bound, verify_attention
+from dustin.kernels.verify_attention import key_upper_bound, verify_attention
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -157,33 +156,6 @@ def bench_shape(model, B, ctx, T, copy_tbs, sinks=0, window=0, include_sdpa=True
     return rows
 
 
-def sweep(B, ctx, T=5, model="llama3.1-8b", configs=None):
-    Hq, Hkv = MODELS[model]
-    q, k, v, lengths = make_inputs(B, Hq, Hkv, T, HEAD_DIM, [ctx] * B)
-    G = Hq // Hkv
-    base = default_num_splits(B * Hkv, ctx + T, 64, torch.cuda.get_device_properties(0).multi_processor_count)
-    configs = configs or list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
-    results = []
-    for block_n, warps, stages in configs:
-        for splits in sorted({max(1, base // 2), base, base * 2}):
-            kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits, max_len=ctx + T)
-            try:  # graph replay: the sweep compares kernels, not Python launch overhead
-                ms = do_bench(graph_replay(lambda kw=kw: verify_attention(q, k, v, lengths, **kw)), warmup=5, rep=20)
-            except Exception as e:  # e.g. shared memory exhausted for big tiles x many stages
-                print(f"  sweep skip {kw}: {type(e).__name__}")
-                break
-            results.append({**kw, "us": ms * 1e3, "tb_s": kv_bytes(B, Hkv, ctx + T, HEAD_DIM) / (ms * 1e-3) / 1e12})
-    results.sort(key=lambda r: r["us"])
-    default = {**default_launch_config(G * T, HEAD_DIM), "num_splits": base}
-    at_default = next((r for r in results if all(r[n] == default[n] for n in default)), None)
-    default_us = f"{at_default['us']:.1f} us" if at_default else "not measured"
-    print(f"sweep {model} B{B} ctx{ctx} T{T}: best {results[0]}\n  default {default}: {default_us}")
-    q = k = v = None  # free the caches before the next shape
-    torch.cuda.empty_cache()
-    return {"B": B, "ctx": ctx, "T": T, "default": default, "default_us": at_default and at_default["us"],
-            "top5": results[:5]}
-
-
 def main():
     start = time.time()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -197,8 +169,6 @@ def main():
     for model, B in itertools.product(MODELS, (8, 16)):
         timings += bench_shape(model, B, 32768, 5, copy_tbs, sinks=4, window=508)
     print(f"timings done at {time.time() - start:.0f}s")
-    sweeps = [sweep(8, 8192), sweep(16, 32768),  # plus the biggest folded block (G 8 x T 16 = 128 rows)
-              sweep(8, 8192, T=16, configs=[(64, 4, 3), (64, 8, 3), (32, 4, 3), (32, 8, 3), (64, 8, 2)])]
 
     print(f"\n{'model':12} {'B':>3} {'ctx':>6} {'T':>2} {'stream':>7} | "
           + " | ".join(f"{p:>22}" for p in PATHS))
@@ -218,7 +188,7 @@ def main():
         with open(os.path.join(os.environ["OUT"], "verify_attention.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "correct": ok, "checks": checks,
-                       "copy_tb_s": copy_tbs, "timings": timings, "sweeps": sweeps}, f, indent=1)
+                       "copy_tb_s": copy_tbs, "timings": timings}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -216,7 +216,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
         cfg = _config(method, a, total)
         core = engine.start(prompts, cfg, prefill_cache=prefill_cache)
     # tensor parallelism: rank 0 steps and times, the other ranks follow its plans; every rank gets its row
-    row = core.lead_or_follow(functools.partial(_time_method, engine, core, cfg, method, batch, context, a,
+    row = core.executor.lead_or_follow(functools.partial(_time_method, engine, core, cfg, method, batch, context, a,
                                                 profiled))
     del core
     _free(engine.device)

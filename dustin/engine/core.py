@@ -32,16 +32,10 @@ Design (nano-vllm's shape, on our speculative step):
   prefill ("snapshot", with a `PrefillCache`) and benchmarks over noise-filled caches ("noise") ask for it.
 
 Tensor parallelism (`dustin serve`, offline generation and `bench e2e` under torchrun): a step is split into
-`schedule()`, which returns a `StepPlan` (rows to release, admissions, prefill chunks of decided sizes, whether to
-decode: every call the step makes on the Session, as plain picklable data), and `execute(plan)`, which makes those
-calls. Rank 0 schedules, broadcasts the plan and executes it; every other rank runs `follow()`: receive a plan,
-execute it, until a stop plan. Offline, `lead_or_follow` wraps one run: rank 0 steps, then stops the followers and
-hands them its result. All ranks
-thus make the same Session calls in the same order, so the collectives inside the forwards match, and since every
-rank seeds its sampling generators alike (dustin/parallel/tp.py), the sampled tokens agree too. Postprocessing
-(new tokens per request, finished requests) is rank 0's alone: the rows it frees are released by the next plan.
-While rank 0 is idle its followers wait inside the plan broadcast; `heartbeat()` sends them an empty plan at least
-every `heartbeat_s` seconds (see there why), and `stop_followers()` ends their `follow()`.
+`schedule()`, which returns a `StepPlan` (every call the step makes on the Session, as plain picklable data), and
+the executor's `execute(plan)`, which makes those calls (dustin/engine/executor.py: rank 0 broadcasts each plan,
+the other ranks follow). Postprocessing (new tokens per request, finished requests) is rank 0's alone: the rows it
+frees are released by the next plan.
 """
 from __future__ import annotations
 
@@ -51,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.executor import Executor, TensorParallelExecutor
 from dustin.engine.gamma import GammaRule, RowGamma, StepCosts, measure_step_costs
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.logprobs import to_logprob
@@ -58,7 +53,7 @@ from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.scheduler import Admission, Scheduler, Sequence, StepPlan
 from dustin.engine.session import PrefillCache, RowTokens, Session, cache_capacity
-from dustin.errors import DustinError, InputError, OutOfMemoryError
+from dustin.errors import InputError, OutOfMemoryError
 
 # prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the
 # H200 measurement it comes from
@@ -87,8 +82,6 @@ class EngineStats:
 
 
 class EngineCore:
-    heartbeat_s = 30.0  # tensor parallelism: longest idle gap between plans sent to the followers (heartbeat())
-
     def __init__(self, pair: ModelPair, config: GenerationConfig, *, slots: int | None = None,
                  capacity: int | None = None, policy=None, kernel_warmup: bool = True, gang: str | None = None,
                  prefill_cache: PrefillCache | None = None, step_costs: StepCosts | None = None,
@@ -137,13 +130,11 @@ class EngineCore:
             self.gamma_rule = GammaRule(costs, config.gamma, self.session.min_gamma)
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
-        self._inflight: int | None = None  # staging slot of the launched step not yet read back
         self._budget_read, self._budget_cache = -1e9, None
         if gang is None and not policy.row_local:
             gang = "whole"
         if gang not in (None, "whole", "snapshot", "noise"):
             raise ValueError(f"gang must be whole, snapshot or noise, got {gang!r}")
-        self.prefill_cache = prefill_cache
         self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
                                    gang=gang)
         self._by_id: dict[str, Sequence] = {}
@@ -157,23 +148,21 @@ class EngineCore:
         self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
         self._gang_rows: set[int] = set()  # rows of the running gang that finished (released when all have)
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
-        self.counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0, "steps_total": 0,
-                         "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
-        # tensor parallelism: rank and world of the target's shards; on rank 0 the followers' state: "waiting"
-        # (for the next plan), "busy" (a plan was sent and is not finished here: after an error there, the
-        # followers are somewhere inside a step this rank left, so nothing more can be sent) or "stopped" (they
-        # left `follow()`; an offline core's next `lead_or_follow` brings them back)
+        self.counters = {"generated_tokens_total": 0, "busy_s": 0.0, "requests_finished": 0, "requests_aborted": 0}
+        # the executor of the plans: here, or (tensor parallelism) on every rank of the target's shards
         parallel = pair.parallel
-        self.rank, self.world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
-        self._followers = "waiting" if self.world > 1 and self.rank == 0 else None
-        self._last_sent = time.monotonic()
-        # the first prefill's and decode step's kernels, compiling in the background (GPU; None when done or off)
-        self.kernel_warmup = None
-        self.warmup_stats: dict | None = None  # its stats once the first decode step waited for it
-        if kernel_warmup and self.world == 1 and gang is None:
-            from dustin.engine.warmup import start_kernel_warmup
-            self.kernel_warmup = start_kernel_warmup(pair, config, self.max_slots, capacity,
-                                                     self.prefill_tokens, config.prefill_chunk)
+        self.rank, world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
+        if world > 1:
+            self.executor: Executor = TensorParallelExecutor(self.session, self.prefill_tokens, prefill_cache,
+                                                             rank=self.rank, device=pair.device)
+        else:
+            # the first prefill's and decode step's kernels, compiling in the background (GPU; None when off)
+            warmup = None
+            if kernel_warmup and gang is None:
+                from dustin.engine.warmup import start_kernel_warmup
+                warmup = start_kernel_warmup(pair, config, self.max_slots, capacity, self.prefill_tokens,
+                                             config.prefill_chunk)
+            self.executor = Executor(self.session, self.prefill_tokens, prefill_cache, warmup)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
@@ -250,9 +239,7 @@ class EngineCore:
 
     def drain(self) -> None:
         """Read back the step in flight, if any (its tokens are booked; the next `step()` returns them)."""
-        if self._inflight is not None:
-            self.update([self.session.complete(self._inflight)])
-            self._inflight = None
+        self.update(self.executor.drain())
 
     def begin_run(self, seed: int) -> None:
         """Start a new offline run on this core (a kept one serves several): fresh statistics and timers, and the
@@ -261,29 +248,23 @@ class EngineCore:
         self.session.begin_run(seed)
 
     def has_unfinished(self) -> bool:
-        return bool(self._by_id) or self._inflight is not None
+        return bool(self._by_id) or self.executor.in_flight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """schedule -> (tensor parallelism: broadcast the plan) -> execute (releases, admissions, one packed
-        prefill forward, launch a decode step) -> read back the previous step while this one runs ->
-        postprocess. The device runs a step ahead of the host: the host's work of one iteration (detokenizing,
-        HTTP, the next schedule) overlaps the device's step."""
+        """schedule -> execute (tensor parallelism: broadcast the plan first; releases, admissions, one packed
+        prefill forward, launch a decode step) -> read back the previous step while this one runs -> update. The
+        device runs a step ahead of the host: the host's work of one iteration (detokenizing, HTTP, the next
+        schedule) overlaps the device's step."""
         if self.rank != 0:
             raise RuntimeError("under tensor parallelism only rank 0 steps; the other ranks call follow()")
         t0 = time.perf_counter()
-        plan = self.schedule()
-        if self._followers is None:
-            done = self.execute(plan)
-        else:
-            done = self._send(plan, then_execute=True)
-        self.update(done)
+        self.update(self.executor.execute(self.schedule()))
         outputs = self.collect()
-        if not self._by_id and self._inflight is not None:
+        if not self._by_id:
             # nothing left to serve: read the last launched step back now (its rows have all stopped, it books
             # nothing), so an idle engine holds no step in flight and needs no further step() call
-            self.session.complete(self._inflight)
-            self._inflight = None
+            self.executor.drain()
         s = self.session
         if outputs or s.active_rows or s.prefilling_rows:
             self.counters["busy_s"] += time.perf_counter() - t0
@@ -291,7 +272,7 @@ class EngineCore:
 
     def schedule(self) -> StepPlan:
         """Rank 0's decisions for one step (aborts, releases, admissions, prefill chunk sizes, whether to decode),
-        as a StepPlan; the bookkeeping here is the scheduler's, the Session is only read by `execute`."""
+        as a StepPlan; the bookkeeping here is the scheduler's, the Session is only changed by the executor."""
         self._outputs += self._apply_aborts()
         sched = self.scheduler
         admit = tuple(Admission.of(seq) for seq in sched.admissions())
@@ -302,7 +283,7 @@ class EngineCore:
         # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
         # reaches the host with this step's output)
         decode = any(not seq.prefilling for seq in sched.running.values())
-        if decode and prefill and self.kernel_warmup is not None and self.kernel_warmup.running:
+        if decode and prefill and self.executor.compiling:
             decode = False  # the decode step's kernels are still compiling: prefill now, decode once they are ready
         gammas = self._gammas() if decode and self.gamma_rule is not None else ()
         return StepPlan(freeze=freeze, release=release, admit=admit, prefill=prefill, gang=gang, decode=decode,
@@ -320,132 +301,6 @@ class EngineCore:
             counts[g] = counts.get(g, 0) + 1
             out.append((row, g))
         return tuple(out)
-
-    def execute(self, plan: StepPlan) -> list[list[RowTokens]]:
-        """Make the plan's Session calls (every rank, the same plans in the same order), launch its decode step
-        and read back the previous one; the tokens of the steps read back, in order."""
-        s = self.session
-        for row in plan.freeze:
-            s.stop(row)
-        for row in plan.release:
-            s.release(row)
-        for a in plan.admit:
-            s.admit(a.row, list(a.prompt_ids), a.limit, a.sampling, a.seed, logprobs=a.logprobs,
-                    prompt_logprobs=a.prompt_logprobs, prefix_from=a.prefix_from)
-        if plan.prefill:
-            if self.kernel_warmup is not None:
-                self.kernel_warmup.wait_prefill()  # the prefill forward's kernels are compiled first
-            s.prefill(list(plan.prefill), pad_to=self.prefill_tokens)
-            self.counters["prompt_tokens_total"] += sum(n for _, n in plan.prefill)
-        if plan.gang is not None:
-            self._prefill_gang(plan.gang)
-            self.counters["prompt_tokens_total"] += sum(len(a.prompt_ids) for a in plan.admit)
-        slot = None
-        done = []
-        if plan.decode:
-            if self.kernel_warmup is not None:
-                self._finish_kernel_warmup()
-            for row, g in plan.gammas:
-                s.set_gamma(row, g)
-            if self._inflight is not None and s.catch_up_pending:  # it feeds the tokens of every earlier step
-                done.append(s.complete(self._inflight))
-                self._inflight = None
-            slot = s.launch(overlapped=s.overlappable)
-            self.counters["steps_total"] += 1
-        if self._inflight is not None:
-            done.append(s.complete(self._inflight))
-        self._inflight = slot
-        if slot is not None and not s.overlappable:
-            done.append(s.complete(slot))
-            self._inflight = None
-        return done
-
-    def _prefill_gang(self, fill: str) -> None:
-        """The gang's one prefill. "snapshot": the prompt caches come from `prefill_cache` when it holds this
-        gang's prompts (greedy first tokens and all), and are left there for the next gang over them otherwise."""
-        s, store = self.session, self.prefill_cache
-        reuse = store.lookup(s.prefill_key) if fill == "snapshot" and store is not None else None
-        used = s.prefill_gang(fill, reuse)
-        if fill == "snapshot" and store is not None and (used is None or used.draft_kv is None):
-            store.store(s.prefill_state(keep=used))
-
-    def _finish_kernel_warmup(self) -> None:
-        """Before the first decode step: wait for the background compiles (a one-time cost, reported with the
-        first step's and the graph capture's as the session's capture time)."""
-        warmup, self.kernel_warmup = self.kernel_warmup, None
-        self.warmup_stats = warmup.wait()
-        self.session.add_one_time_s(self.warmup_stats["wait_s"])
-
-    # ------------------------------------------------------------------ tensor parallelism
-    def _send(self, plan: StepPlan, then_execute: bool = False) -> list[list[RowTokens]]:
-        """Rank 0: broadcast a plan to the followers (and execute it here: the tokens read back). The followers'
-        state is "busy" from the broadcast until this rank finished the plan too, so an error in between leaves it
-        "busy"."""
-        from dustin.parallel.tp import broadcast_object
-
-        if self._followers != "waiting":
-            raise DustinError(f"the tensor-parallel ranks no longer follow this engine ({self._followers})")
-        self._followers = "busy"
-        broadcast_object(plan, device=self.pair.device)
-        self._last_sent = time.monotonic()
-        done = self.execute(plan) if then_execute else []
-        self._followers = "stopped" if plan.stop else "waiting"
-        return done
-
-    def follow(self) -> int:
-        """Ranks > 0 of a tensor-parallel engine: receive rank 0's plans and execute them until the stop plan;
-        the number of plans received (heartbeats included)."""
-        from dustin.parallel.tp import broadcast_object
-
-        if self.rank == 0 or self.world == 1:
-            raise RuntimeError("follow() is for ranks > 0 of a tensor-parallel engine")
-        received = 0
-        while True:
-            plan = broadcast_object(None, device=self.pair.device)
-            received += 1
-            if plan.stop:
-                return received
-            self.execute(plan)
-
-    def lead_or_follow(self, lead):
-        """One offline run under tensor parallelism: rank 0 calls `lead()` (which steps this core: its plans reach
-        the other ranks), then ends the others' `follow()` and hands them its result; the other ranks follow the
-        plans and return that result. Every rank returns rank 0's. Without tensor parallelism: `lead()`."""
-        if self.world == 1:
-            return lead()
-        from dustin.parallel.tp import broadcast_object
-
-        if self.rank != 0:
-            self.follow()
-            return broadcast_object(None, device=self.pair.device)
-        if self._followers == "stopped":  # the last run stopped them; they are back in follow()
-            self._followers = "waiting"
-        result = lead()
-        self.stop_followers()
-        broadcast_object(result, device=self.pair.device)
-        return result
-
-    def heartbeat(self) -> None:
-        """Rank 0, idle: send the followers an empty plan when none went out for `heartbeat_s` seconds (a no-op
-        when not tensor-parallel or when the followers do not wait for a plan).
-
-        Why: while rank 0 has no work its followers wait inside the plan broadcast, and a collective that waits
-        longer than the process group's timeout fails (NCCL's watchdog then ends the process; the default timeout
-        is 10 minutes for NCCL and 30 for gloo), which would end an idle server. A very long timeout instead would
-        also keep a rank that is really stuck (a peer died mid-step) waiting that long, so the timeout keeps its
-        default and an idle server sends one small broadcast per `heartbeat_s` (the server's engine thread calls
-        this whenever it wakes up idle, at least once a second)."""
-        if self._followers == "waiting" and time.monotonic() - self._last_sent >= self.heartbeat_s:
-            self._send(StepPlan())
-
-    def stop_followers(self) -> bool:
-        """Rank 0: send the stop plan, so the followers return from `follow()` (idempotent). True when they were
-        told to stop (or there are none); False when they cannot be: a plan failed on this rank after it was
-        sent, so the followers are inside a step this rank left and end only at the process group's timeout
-        (or when this process ends)."""
-        if self._followers == "waiting":
-            self._send(StepPlan(stop=True))
-        return self._followers in (None, "stopped")
 
     # ------------------------------------------------------------------ postprocess (rank 0)
     def _apply_aborts(self) -> list[RequestOutput]:
@@ -584,13 +439,13 @@ class EngineCore:
         s, sched = self.session, self.scheduler
         used = list(sched.running)
         cap = s.target_cache.capacity
-        c = self.counters
+        c, ex = self.counters, self.executor
         return {
             "requests_waiting": len(sched.waiting), "requests_running": len(used),
             "kv_slots_used": len(used), "kv_slots_total": self.max_slots,
             "kv_usage": sum(s.host_lengths[r] for r in used) / (self.max_slots * cap),
-            "prompt_tokens_total": c["prompt_tokens_total"], "generated_tokens_total": c["generated_tokens_total"],
-            "steps_total": c["steps_total"], "tau": self.decode_stats.tau,
+            "prompt_tokens_total": ex.prompt_tokens, "generated_tokens_total": c["generated_tokens_total"],
+            "steps_total": ex.steps, "tau": self.decode_stats.tau,
             "tokens_per_s": c["generated_tokens_total"] / c["busy_s"] if c["busy_s"] > 0 else 0.0,
             "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
             "budget_k": self._budget_k(),

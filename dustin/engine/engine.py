@@ -174,7 +174,7 @@ class Engine(ModelPair):
         ids = [self.encode(p, chat) for p in prompts]
         try:
             core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params, step_costs=step_costs)
-            return core.lead_or_follow(lambda: self._run(core, ids, cfg))
+            return core.executor.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
             self._kept = None
             raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
@@ -187,7 +187,7 @@ class Engine(ModelPair):
         t0 = time.perf_counter()
         outputs, timing = core.run_queued()
         wall = time.perf_counter() - t0
-        warm, core.warmup_stats = core.warmup_stats, None  # this call's only
+        warm, core.executor.warmup_stats = core.executor.warmup_stats, None  # this call's only
         st = core.decode_stats
         st.capture_s = s.capture_total() - c0
         st.prefill_s = timing["prefill_s"]

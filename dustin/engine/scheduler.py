@@ -184,7 +184,8 @@ class StepPlan:
     one decode step over all rows if `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a
     follower that executes the same plans on the same Session state makes the same calls; the stop rules are the
     scheduler's too (`Sequence.commit`), and a finished sequence's row stops decoding when a plan releases (or
-    freezes) it. An empty plan does nothing (the idle heartbeat); `stop` ends `EngineCore.follow()`."""
+    freezes) it. An empty plan does nothing (the idle heartbeat); `stop` ends the followers' `follow()`
+    (dustin/engine/executor.py)."""
 
     freeze: tuple[int, ...] = ()  # rows whose sequence stopped, kept until their gang finished
     release: tuple[int, ...] = ()

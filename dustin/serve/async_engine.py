@@ -14,7 +14,7 @@ engine thread is busy with a long step; it only reads settings fixed at start (c
 If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
 stops taking requests, and `error` keeps the message for /health (503). The process stays up.
 
-Tensor parallelism (rank 0 of `dustin serve` under torchrun; the other ranks run `EngineCore.follow()`): the engine
+Tensor parallelism (rank 0 of `dustin serve` under torchrun; the other ranks run `Executor.follow()`): the engine
 thread is the only one that talks to the followers. It first makes the engine's GPU its current device
 (`bind_thread`), calls `heartbeat()` whenever it wakes up idle (so the followers' wait for the next plan never
 reaches the process group's timeout), and when it ends, whether shut down or failed, calls `stop_followers()`.
@@ -232,7 +232,7 @@ class AsyncEngineCore:
                 if self._error is None and self.engine.has_unfinished():
                     self._step()
                 else:
-                    self.engine.heartbeat()  # tensor parallelism: the followers wait for a plan meanwhile
+                    self.engine.executor.heartbeat()  # tensor parallelism: the followers wait for a plan meanwhile
                     self._wake.wait(self._idle_poll_s)
         except BaseException as e:  # noqa: BLE001 - a bug here must not leave clients hanging
             self._die(f"engine loop failed: {type(e).__name__}: {e}")
@@ -246,7 +246,7 @@ class AsyncEngineCore:
 
     def _stop_followers(self) -> None:
         try:
-            if not self.engine.stop_followers():
+            if not self.engine.executor.stop_followers():
                 log.error("dustin serve: the tensor-parallel ranks cannot be stopped (a step failed after its plan "
                           "was sent): they end at the process group's timeout or when this process ends")
         except Exception:  # noqa: BLE001 - a follower already gone: the broadcast fails

@@ -126,7 +126,7 @@ def _follow(engine) -> int:
     final barrier without a peer. (torchrun kills a rank that ignores its signal for 30 s, e.g. after rank 0
     died.)"""
     with _signals({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}):
-        engine.follow()
+        engine.executor.follow()
     return 0
 
 
@@ -160,7 +160,7 @@ def _serve(args, engine, world: int) -> int:
     finally:
         # under tensor parallelism the engine thread stops the followers as it ends: wait for that (one step at most)
         async_engine.shutdown(timeout=None if world > 1 else 30.0)
-    if not engine.stop_followers():  # idempotent: True once the engine thread stopped them
+    if not engine.executor.stop_followers():  # idempotent: True once the engine thread stopped them
         raise DustinError("the tensor-parallel ranks could not be stopped cleanly (an engine step failed after its "
                           "plan was sent); they end at the process group's timeout")
     return 0

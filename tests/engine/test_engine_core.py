@@ -193,8 +193,8 @@ def _lockstep_step(leader: EngineCore, follower: EngineCore):
     """One `leader.step()` whose plan `follower` executes too, after a pickle round trip (what the broadcast to a
     tensor-parallel follower does)."""
     plan = leader.schedule()
-    lead = leader.execute(plan)
-    follow = follower.execute(pickle.loads(pickle.dumps(plan)))
+    lead = leader.executor.execute(plan)
+    follow = follower.executor.execute(pickle.loads(pickle.dumps(plan)))
     assert follow == lead  # the same tokens read back in every row, sampled ones included
     leader.update(lead)
     return leader.collect()
@@ -241,7 +241,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     assert len(got[1]) == 12 and len(got[3]) == 15 and len(got[7]) == 9
     assert got[0] == _offline(engine, [prompts[0]], "dustin", 18, **SPARSE)[0]
     for key in ("prompt_tokens_total", "steps_total"):
-        assert follower.counters[key] == leader.counters[key]
+        assert follower.stats()[key] == leader.stats()[key]
 
 
 def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monkeypatch):

@@ -186,7 +186,7 @@ def test_the_warmup_is_inert_on_the_cpu(triton_pair):
     from dustin.engine.core import EngineCore
 
     llm = EngineCore(triton_pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
-    assert llm.kernel_warmup is None
+    assert llm.executor.kernel_warmup is None
 
 
 def first_decode_index(plans) -> int:
@@ -236,7 +236,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
 
     prompts, cfg, params, ref = loop_reference
     llm = EngineCore(triton_pair, cfg)
-    fake = llm.kernel_warmup = _FakeWarmup(busy)
+    fake = llm.executor.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm.schedule
     llm.schedule = lambda: plans.append(schedule()) or plans[-1]
@@ -247,7 +247,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
         for o in llm.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert [out[f"r{i}"] for i in range(3)] == ref
-    assert fake.waited == 1 and llm.kernel_warmup is None and llm.warmup_stats == {"wait_s": 0.25}
+    assert fake.waited == 1 and llm.executor.kernel_warmup is None and llm.executor.warmup_stats == {"wait_s": 0.25}
     # each prefill until the first decode step waited for the prefill's kernels first
     assert fake.prefill_waits == sum(1 for p in plans[:first_decode_index(plans) + 1] if p.prefill) > 0
     assert fake.held == min(busy, 2 if busy == 2 else fake.held) and fake.held >= 1

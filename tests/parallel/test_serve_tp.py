@@ -243,7 +243,7 @@ def _lead(llm: EngineCore) -> dict:
     heartbeats, then the engine thread dies; its end must have stopped the follower."""
     from dustin.serve.async_engine import AsyncEngineCore
 
-    llm.heartbeat_s = 0.0  # every idle wake-up sends one
+    llm.executor.heartbeat_s = 0.0  # every idle wake-up sends one
     proxy = _CountingEngine(llm)
     eng = AsyncEngineCore(proxy, idle_poll_s=0.02)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in LIMITS]
@@ -262,7 +262,7 @@ def _lead(llm: EngineCore) -> dict:
     steps = proxy.steps
     proxy.fail_loop = True
     assert eng.wait_stopped(30) and "simulated engine loop failure" in eng.error
-    assert llm.stop_followers()  # the dying thread sent the stop plan already (idempotent)
+    assert llm.executor.stop_followers()  # the dying thread sent the stop plan already (idempotent)
     return {"tokens": tokens, "steps": steps}
 
 
@@ -284,8 +284,8 @@ def _worker(rank: int, world: int, port: int, target: str, draft: str, out_dir: 
             return rows
 
         llm.session.complete = recording
-        result = {"received": llm.follow()} if rank else _lead(llm)
-        result.update(read_back=read_back, counters=llm.counters)
+        result = {"received": llm.executor.follow()} if rank else _lead(llm)
+        result.update(read_back=read_back, counters=llm.stats())
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         finish_distributed(exit_process=True)
     finally:
