@@ -28,6 +28,9 @@
 #                                        # it, and 16 x 16k with per-forward graphs (the draft's ms per forward);
 #                                        # random weights of the pair's shapes, acceptance-controlled
 #   bash scripts/device_speed.sh draft8b # no weights: Llama-3.1-8B + 3.2-1B shapes, 32k x 16, with and without it
+#   bash scripts/device_speed.sh grid    # after staging: `bench e2e --real` code, vanilla and dustin, on the grid
+#                                        # 16 x 2k, 16k, 29.5k, 8 x 64k (YaRN), 32 x 16k, 64 x 8k; FLAGS are added
+#                                        # to each (e.g. FLAGS=--draft-kernel), CELLS picks cells ("16x2048 ...")
 #   bash scripts/device_speed.sh budget  # no weights: what a larger verify budget costs, dustin at k = 512, 2048 and
 #                                        # auto (p 0.95), 16 x 16k / 32k, the pair's shapes at τ 3.6 (+ vanilla)
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
@@ -134,6 +137,14 @@ engine_with" -p no:cacheprovider || exit 1
       --json-out "$OUT/bench_e2e_draft${flag:+_kernel}.json"
     run 60 $e2e --contexts 16384 --methods dustin --steps 20 --no-step-graph $flag \
       --json-out "$OUT/bench_e2e_draft_phase${flag:+_kernel}.json"
+  done
+elif [ "$mode" = grid ]; then
+  tag=$(printf %s "${FLAGS:-}" | tr -c 'a-z0-9' '_')
+  for cell in ${CELLS:-16x2048 16x16384 16x29500 32x16384 64x8192 8x65536}; do
+    b=${cell%x*} c=${cell#*x}
+    run $(( c > 32768 ? 200 : 110 )) python3 -m dustin bench e2e --real --device cuda --prompts code --warmup 4 \
+      --steps 40 --batches $b --contexts $c --methods vanilla,dustin $([ $c -gt 32768 ] && echo --rope-scaling yarn:4) \
+      ${FLAGS:-} --json-out "$OUT/grid_$cell$tag.json"
   done
 elif [ "$mode" = budget ]; then
   for b in 512 2048 auto; do

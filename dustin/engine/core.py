@@ -117,7 +117,7 @@ class EngineCore:
             draft = pair.draft if config.spec.speculative else None
             models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
             self.kv = KVManager(models, self.max_slots, capacity)
-            self.session = Session(pair.target, draft, config, pair.vocab_limit, policy, kv=self.kv,
+            session = Session(pair.target, draft, config, pair.vocab_limit, policy, kv=self.kv,
                                    max_new_tokens=max_new_tokens or self.max_context)
         except (torch.OutOfMemoryError, OutOfMemoryError):
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
@@ -126,8 +126,8 @@ class EngineCore:
         if config.gamma_auto and config.spec.speculative:
             if pair.parallel is not None and pair.parallel.world > 1:
                 raise InputError("--gamma auto does not run under tensor parallelism yet: give --gamma an integer")
-            costs = step_costs or measure_step_costs(self.session)
-            self.gamma_rule = GammaRule(costs, config.gamma, self.session.min_gamma)
+            costs = step_costs or measure_step_costs(session)
+            self.gamma_rule = GammaRule(costs, config.gamma, session.min_gamma)
         self.prefill_tokens = config.prefill_tokens or max(config.prefill_chunk,
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._budget_read, self._budget_cache = -1e9, None
@@ -153,7 +153,7 @@ class EngineCore:
         parallel = pair.parallel
         self.rank, world = (parallel.rank, parallel.world) if parallel is not None else (0, 1)
         if world > 1:
-            self.executor: Executor = TensorParallelExecutor(self.session, self.prefill_tokens, prefill_cache,
+            self.executor: Executor = TensorParallelExecutor(session, self.prefill_tokens, prefill_cache,
                                                              rank=self.rank, device=pair.device)
         else:
             # the first prefill's and decode step's kernels, compiling in the background (GPU; None when off)
@@ -162,7 +162,7 @@ class EngineCore:
                 from dustin.engine.warmup import start_kernel_warmup
                 warmup = start_kernel_warmup(pair, config, self.max_slots, capacity, self.prefill_tokens,
                                              config.prefill_chunk)
-            self.executor = Executor(self.session, self.prefill_tokens, prefill_cache, warmup)
+            self.executor = Executor(session, self.prefill_tokens, prefill_cache, warmup)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
@@ -179,6 +179,11 @@ class EngineCore:
         obj = cls(pair, config)
         obj.model_name = Path(resolve_model_path(str(target), "target")).name
         return obj
+
+    @property
+    def session(self) -> Session:
+        """The batch on the device (the executor's: plans change it, the core only reads it)."""
+        return self.executor.session
 
     def bind_thread(self) -> None:
         """Make the engine's GPU the calling thread's current CUDA device. `torch.cuda.set_device` holds per

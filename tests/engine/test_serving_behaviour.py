@@ -410,7 +410,7 @@ def test_engine_steps_keep_the_prefill_invariants(engine):
     arrive_at = [0, 0, 0, 0, 1, 2, 2, 5, 9]  # step at which each request is added
     llm = _llm(engine, method="classic", max_slots=3, max_context=256, prefill_chunk=16, prefill_tokens=40)
     rec = _RecordingSession(llm.session)
-    llm.session = rec
+    llm.executor.session = rec
     by_prompt = {tuple(p): i for i, p in enumerate(prompts)}
     offset = [0] * len(prompts)  # prompt tokens prefilled per request
     row_of: dict[int, int] = {}  # row -> request
