@@ -20,7 +20,8 @@
 #   bash scripts/device_speed.sh gamma   # after staging: the step-graph check of per-row Γ (tiny fp32 pair, graphs
 #                                        # of every G), `bench e2e --real` code 16 x 2k / 16k / 29.5k, vanilla and
 #                                        # dustin at --gamma auto then at 4 (the same build and run), then one-shot
-#                                        # generate 16 x 2k, 512 tokens: vanilla, dustin at auto and at 4
+#                                        # generate 16 x 2k, 512 tokens: vanilla, dustin at auto and at 4;
+#                                        # PARTS=fixed: dustin at Γ = 2 and 3 on the same contexts
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
 #   bash scripts/device_speed.sh draft   # no weights: the persistent draft-layer kernel's GPU tests (eager and
@@ -110,6 +111,10 @@ elif [ "$mode" = gamma ]; then  # --gamma auto against Γ = 4, vanilla measured 
              --json-out "$OUT/bench_e2e_real_gamma_auto.json"
            run 130 $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma 4 \
              --json-out "$OUT/bench_e2e_real_gamma_4.json" ;;
+      fixed) for g in 2 3; do  # smaller fixed Γ (the cost model's pick at τ ~3.5 is 2-3, not 4)
+               run 130 $e2e --contexts 2048,16384,29500 --methods vanilla,dustin --gamma $g \
+                 --json-out "$OUT/bench_e2e_real_gamma_$g.json"
+             done ;;
       check) run 100 python3 scripts/gpu_step_graph_check.py classic,dustin,classic-gamma-auto,dustin-gamma-auto ;;
       oneshot) oneshot 2048 512 vanilla "dustin --gamma auto" "dustin --gamma 4" ;;  # end to end, offline generation
     esac
