@@ -134,7 +134,7 @@ elif [ "$mode" = draft8b ]; then
 elif [ "$mode" = draft ]; then
   # the GPU tests only (the conftest's Triton interpreter off); each new build compiles with nvcc first
   run 300 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_draft_decoder.py -k "matches or stages or \
-engine_with" -p no:cacheprovider || exit 1
+head_chooses or engine_with" -p no:cacheprovider || exit 1
   run 60 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
   e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
   for flag in "" --draft-kernel; do  # the step graph; then per-forward graphs, whose phases time the draft apart

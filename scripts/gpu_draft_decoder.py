@@ -1,7 +1,7 @@
 """Time one draft forward with the persistent decoder-layer kernel (dustin/kernels/draft_decoder.py) against the
-per-layer kernels, both as CUDA graphs, random weights of a draft's shapes; and the layer stack alone against its
-weights' bytes at the read-only bandwidth (`read_bandwidth`). Its exactness is tests/kernels/test_draft_decoder.py
-(run it first).
+per-layer kernels, both as CUDA graphs, random weights of a draft's shapes, also as greedy forwards (the LM head
+and argmax in the launch); and the layer stack alone against its weights' bytes at the read-only bandwidth. Its
+exactness is tests/kernels/test_draft_decoder.py (run it first).
 
     PYTHONPATH=. python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
 
@@ -69,7 +69,7 @@ def main() -> int:
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, a.context + 8, torch.bfloat16, dev)
     lengths = torch.full((B,), a.context, dtype=torch.int32, device=dev)
     bw = read_bandwidth()
-    reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B))
+    reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B), vocab=args.vocab_size)
     print(f"# {a.draft} B={B} ctx={a.context} | {torch.cuda.get_device_name()} | read {bw / 1e12:.2f} TB/s | "
           f"{time.strftime('%Y-%m-%d')} | random weights", flush=True)
     if reason:
@@ -84,12 +84,13 @@ def main() -> int:
         positions = lengths.long()[:, None] + torch.arange(T, device=dev)
         ctx = ForwardContext(cache, positions, lengths, a.context + T, sinks=a.sinks, window=a.window)
 
-        def fwd(kern, tokens=tokens, ctx=ctx):
+        def fwd(kern, tokens=tokens, ctx=ctx, **kw):  # greedy=V: the tokens (with the kernel: head in the launch)
             model.layer_kernel = kern
-            return model(tokens, ctx, float_logits=False)
+            return model(tokens, ctx, float_logits=False, **kw)
 
         with torch.inference_mode():
             ms_ref, ms_kernel = graph_ms(lambda: fwd(None)), graph_ms(lambda: fwd(kernel))
+            greedy_ms = [graph_ms(lambda k=k: fwd(k, greedy=args.vocab_size)) for k in (None, kernel)]
             x = torch.randn(B * T, args.dim, device=dev, dtype=torch.bfloat16)
             cos, sin = (t.reshape(B * T, -1).contiguous() for t in model.rotary(positions))
             pos = positions.reshape(-1).contiguous()
@@ -97,6 +98,7 @@ def main() -> int:
                                 kernel(x, pos, cos, sin, cache.k, cache.v, T))
         row = {"T": T, "rows": B * T, "ms_forward_per_layer_kernels": round(ms_ref, 4),
                "ms_forward_persistent": round(ms_kernel, 4), "ms_layer_stack_persistent": round(ms_stack, 4),
+               "ms_greedy_per_layer_kernels": round(greedy_ms[0], 4), "ms_greedy_persistent": round(greedy_ms[1], 4),
                "layer_bytes_ms": round(1e3 * layer_bytes / bw, 4)}
         row["layer_stack_pct_of_bytes"] = round(100 * row["layer_bytes_ms"] / ms_stack, 1)
         out["rows"].append(row)

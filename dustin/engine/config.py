@@ -64,8 +64,9 @@ class ExecutionOptions:
     # our fused Triton kernels on the GPU (decode layers in three kernels each, RMSNorm / RoPE / SiLU-mul in one launch
     # each: `Transformer.set_fused_ops`); False: plain PyTorch ops (A/B, debugging; the same tokens within rounding)
     fused_ops: bool = True
-    # opt-in, not yet validated on a GPU: a streaming draft's decoder layers as one persistent kernel per forward
-    # where it runs (sm_90, bf16, the draft shapes it is built for: dustin/kernels/draft_decoder.py; its GPU checks:
+    # opt-in, not yet validated on a GPU: a streaming draft's decoder layers (and, for an all-greedy batch where the
+    # build has K whole, its LM head and argmax) as one persistent kernel per forward where it runs (sm_90, bf16,
+    # the draft shapes it is built for: dustin/kernels/draft_decoder.py; its GPU checks:
     # tests/kernels/test_draft_decoder.py, scripts/gpu_draft_decoder.py). False: a few kernels a layer. Its rounding
     # order differs, so draft tokens may differ in near-ties: the speed and, under sparse verification, the selection
     draft_kernel: bool = False

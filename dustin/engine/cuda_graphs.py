@@ -20,13 +20,13 @@ from dustin.models.transformer import Transformer
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
                  window: int = 0, sparse_shape: tuple[int, ...] | None = None, sparse_dense: bool = False,
-                 observers=(), warmup: int = 2, float_logits: bool = True) -> None:
+                 observers=(), warmup: int = 2, float_logits: bool = True, greedy: int | None = None) -> None:
         """sparse_shape: capture sparse verification over a static index plan of this shape, [batch, K] (a set per
         sequence) or [batch, Hkv, K] (a set per KV head), with per-row `dense` flags when sparse_dense; the plan is
         copied in per call.
         observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
-        replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits: as
-        `Transformer.forward`'s."""
+        replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits, greedy: as
+        `Transformer.forward`'s (greedy: the replay's output is each row's greedy token)."""
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(batch, num_new, dtype=torch.long, device=dev)
@@ -46,11 +46,11 @@ class GraphedForward:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):  # compile Triton kernels and let the allocator settle before capture
-                model(self.tokens, self.ctx, float_logits=float_logits)
+                model(self.tokens, self.ctx, float_logits=float_logits, greedy=greedy)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = model(self.tokens, self.ctx, float_logits=float_logits)
+            self.logits = model(self.tokens, self.ctx, float_logits=float_logits, greedy=greedy)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                  plan: SparsePlan | None = None) -> torch.Tensor:

@@ -6,7 +6,9 @@ fast is to change how they run (one CUDA graph per forward, one per step, one pe
 compute. Every implementation takes the same inputs, fills the same `LookaheadCapture` buffers (the (layer, heads)
 to record are data, not a callback into the forward) and returns the same tokens:
 - `EagerDraftStep`: G forwards of the draft through its `ModelRunner` (each replayed as its own CUDA graph when the
-  runner graphs and the step is not captured whole), a token chosen after each by the batch's sampling.
+  runner graphs and the step is not captured whole), a token chosen after each by the batch's sampling; when every
+  row is greedy, each forward returns its tokens (`Transformer.forward(greedy=V)`: with the persistent layer kernel
+  attached, the LM head and argmax run inside its launch).
 
 The first forward re-reads [prev, pending] (positions L - 1 and L), which makes the draft cache right whether or
 not the previous step accepted every draft; each later one reads the token just drafted. Each row's sampling
@@ -47,10 +49,14 @@ class EagerDraftStep(DraftStep):
         pos = lengths.long()[:, None] + torch.arange(-1, 1, device=pending.device)
         cached = lengths - 1
         tokens, probs = [], []
+        greedy = self.sampler.greedy  # the same for a whole captured step (a step graph is one sampling mode's)
         for i in range(G):
-            logits = self.runner.forward(inp, pos, cached, max_len + i + 1, sinks=self.sinks, window=self.window,
-                                         observers=observers, graphed=graphed, float_logits=False)[:, -1, : self.V]
-            tok, p = self.sampler.choose(logits)
+            kw = dict(sinks=self.sinks, window=self.window, observers=observers, graphed=graphed)
+            if greedy:  # the argmax of the same logits `choose` takes for greedy rows
+                tok, p = self.runner.forward(inp, pos, cached, max_len + i + 1, greedy=self.V, **kw), None
+            else:
+                logits = self.runner.forward(inp, pos, cached, max_len + i + 1, float_logits=False, **kw)
+                tok, p = self.sampler.choose(logits[:, -1, : self.V])
             tokens.append(tok)
             probs.append(p)
             inp, pos, cached = tok[:, None], pos[:, -1:] + 1, lengths + i + 1

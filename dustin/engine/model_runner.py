@@ -34,24 +34,25 @@ class ModelRunner:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, max_len: int, *,
                 sinks: int = 0, window: int = 0, sparse=None, observers=(), graphed: bool = True,
-                float_logits: bool = True) -> torch.Tensor:
+                float_logits: bool = True, greedy: int | None = None) -> torch.Tensor:
         """Logits [B, T, V] of T new tokens per row at `positions`, after `lengths` cached positions (fp32, or
-        with float_logits=False in the model's dtype: `Transformer.forward`).
+        with float_logits=False in the model's dtype: `Transformer.forward`); with greedy=V each row's greedy token
+        at its last position instead, [B] (`Transformer.forward`).
         graphed=False: run eagerly even when graphs are on (the step loop captures a whole step around it)."""
         if graphed and self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
             sparse_shape = None if sparse is None else tuple(sparse.indices.shape)  # [B, K] or [B, Hkv, K]
             dense = sparse is not None and sparse.dense is not None
-            key = (tokens.shape[1], sparse_shape, dense, float_logits)
+            key = (tokens.shape[1], sparse_shape, dense, float_logits, greedy)
             if key not in self._graphs:
                 t0 = time.perf_counter()
                 self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
                                                    window=window, sparse_shape=sparse_shape, sparse_dense=dense,
-                                                   observers=observers, float_logits=float_logits)
+                                                   observers=observers, float_logits=float_logits, greedy=greedy)
                 self.capture_s += time.perf_counter() - t0
             return self._graphs[key](tokens, positions, lengths, sparse)
         ctx = ForwardContext(self.cache, positions, lengths, max_len, sinks=sinks, window=window, sparse=sparse,
                              observers=list(observers))
-        return self.model(tokens, ctx, float_logits=float_logits)
+        return self.model(tokens, ctx, float_logits=float_logits, greedy=greedy)
 
     @torch.inference_mode()
     def prefill_packed(self, chunks: list[tuple[int, int, list[int]]], pad_to: int, logit_rows: int,

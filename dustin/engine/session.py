@@ -187,7 +187,8 @@ class Session:
             if not draft_decoder.is_fake(kv.caches["draft"].k):
                 draft.layer_kernel = None
                 if cfg.options.draft_kernel and self.device.type == "cuda" and window > 0:
-                    draft_decoder.attach(draft, sinks, window, rows=(self.B, 2 * self.B))  # a step's draft forwards
+                    # a step's draft forwards; greedy ones also choose their tokens in the launch
+                    draft_decoder.attach(draft, sinks, window, rows=(self.B, 2 * self.B), vocab=self.V)
             self.draft_step: DraftStep = EagerDraftStep(self.runners["draft"], self.sampler, self.V, self.gamma,
                                                         sinks, window)
         self.target_cache = self.runners["target"].cache

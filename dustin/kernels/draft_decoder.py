@@ -3,7 +3,9 @@
 Why: launched as ~5 kernels a layer, the draft's forwards ran at ~4.5x their weight-read time: each kernel costs
 ~4 µs besides its bytes (docs/benchmarks.md). The persistent kernel runs one program per SM through an instruction
 list planned here (`plan`), streams each program's next weight tiles into shared memory before it waits for their
-inputs, and replaces kernel boundaries by counters in global memory. The LM head and sampling stay as they are.
+inputs, and replaces kernel boundaries by counters in global memory. For an all-greedy batch it can also run the
+final norm, the LM head and the argmax in the same launch (`greedy`, builds with K whole): the draft step then gets
+tokens, not logits. Sampling keeps the LM head outside.
 
 Scope: decode forwards (1 or 2 tokens a row, <= 64 token rows: a build for <= 32 and one for <= 64) of a streaming
 draft (sinks + a recent window) on sm_90, bf16, at the shapes a tiling fits in shared memory (`tiling`: the
@@ -11,11 +13,12 @@ Qwen2.5-0.5B draft with K whole; Llama-3.2-1B and Qwen2.5-1.5B with K in halves)
 kernels, with the reason logged once (`attach`). The build is one nvcc call per (shape, tiling), cached on disk.
 
 The instruction list (`plan`): per layer, five stages in order (QKV, ATT, O, GU, DOWN, as the kernel's header
-describes), their tiles dealt to the SMs round-robin by one cursor that runs through every stage of every layer,
-so each program's list is in stage order (a program only ever waits for an earlier stage: no deadlock), and
-consecutive stages start on different SMs (balance). `reference_plan` executes the same tiles in PyTorch, in
-stage order: the CPU's check of the plan and of each tile's arithmetic; tests/kernels/test_draft_decoder.py also
-simulates the kernel's counters over every program's list.
+describes), then for a greedy forward the LM head's tiles of 16 vocabulary rows (HEAD); their tiles dealt to the
+SMs round-robin by one cursor that runs through every stage of every layer, so each program's list is in stage
+order (a program only ever waits for an earlier stage: no deadlock), and consecutive stages start on different SMs
+(balance). `reference_plan` and `reference_head` execute the same tiles in PyTorch, in stage order: the CPU's check
+of the plan and of each tile's arithmetic; tests/kernels/test_draft_decoder.py also simulates the kernel's counters
+over every program's list.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-OP_QKV, OP_ATT, OP_O, OP_GU, OP_DOWN = range(5)
+OP_QKV, OP_ATT, OP_O, OP_GU, OP_DOWN, OP_HEAD = range(6)
+HEAD_ROWS = 16  # vocabulary rows of a HEAD instruction
 ROWS = (32, 64)  # a build for forwards of <= 32 token rows, and one for <= 64 where a tiling fits
 SMEM_LIMIT = 227 * 1024  # shared memory a program may take on sm_90
 SOURCE = Path(__file__).with_name("csrc") / "draft_decoder.cu"
@@ -74,7 +78,7 @@ def smem_bytes(shape: Shape, t: Tiling, nslot: int = 4) -> int:
     pad, kq, kc = 8, shape.dim // t.ksplit, shape.inter // t.dsplit
     slot = max(16 * (kq + pad), t.down_n * (kc + pad)) * 2
     a = t.rows * (max(kq, kc) + pad) * 2
-    return nslot * slot + a + 8 * 32 * 16 + t.rows * 32 * 4 + 64 + nslot * 8
+    return nslot * slot + a + 8 * 32 * 16 + t.rows * 32 * 4 + 64 + nslot * 8 + t.rows * 8
 
 
 def tiling(shape: Shape, rows: int = 32) -> Tiling | None:
@@ -126,16 +130,25 @@ def stage_tiles(shape: Shape, t: Tiling, M: int, nchunk: int, layer: int) -> lis
     return [qkv, att, o, gu, down]
 
 
-def plan(shape: Shape, t: Tiling, n_layers: int, M: int, nchunk: int,
-         n_sms: int) -> list[list[tuple[int, int, int, int]]]:
-    """Each program's instruction list (module docstring)."""
+def head_tiles(n_layers: int, vocab: int) -> list[tuple[int, int, int, int]]:
+    """The LM head's tiles of a greedy forward: 16 vocabulary rows each, the first `vocab` rows covered (layer field
+    n_layers: they wait for the last layer's down_proj as a next layer's q/k/v would)."""
+    return [(OP_HEAD, n_layers, v, 0) for v in range(0, vocab, HEAD_ROWS)]
+
+
+def plan(shape: Shape, t: Tiling, n_layers: int, M: int, nchunk: int, n_sms: int,
+         vocab: int = 0) -> list[list[tuple[int, int, int, int]]]:
+    """Each program's instruction list (module docstring); vocab > 0: a greedy forward's, with the LM head's tiles
+    (builds with K whole only: `Tiling.ksplit` 1)."""
+    if vocab and t.ksplit != 1:
+        raise ValueError("the LM head runs in builds with K whole (ksplit 1)")
     lists: list[list] = [[] for _ in range(n_sms)]
+    stages = [tiles for layer in range(n_layers) for tiles in stage_tiles(shape, t, M, nchunk, layer)]
     cursor = 0
-    for layer in range(n_layers):
-        for tiles in stage_tiles(shape, t, M, nchunk, layer):
-            for tile in tiles:
-                lists[cursor % n_sms].append(tile)
-                cursor += 1
+    for tiles in stages + ([head_tiles(n_layers, vocab)] if vocab else []):
+        for tile in tiles:
+            lists[cursor % n_sms].append(tile)
+            cursor += 1
     return lists
 
 
@@ -232,6 +245,25 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
         if trace is not None:
             trace.update(q=q, attn=attn, act=act)
     return h
+
+
+def reference_head(model, h: torch.Tensor, T: int, vocab: int) -> torch.Tensor:
+    """What the HEAD tiles compute from the last layer's residual stream h [M, dim] (`reference_plan`'s output):
+    each batch row's greedy token at its last position, [M / T] long: the argmax of the first `vocab` logits, each
+    an fp32 dot product of the final RMSNorm's output with a row of the LM head, rounded to the activation dtype,
+    ties to the smallest id (torch.argmax's first maximum), 16 rows a tile as the kernel folds them."""
+    x = _norm(h[T - 1::T], model.norm).float()
+    w = model.lm_head.weight
+    best_v = torch.full((x.shape[0],), -math.inf)
+    best_i = torch.zeros(x.shape[0], dtype=torch.long)
+    for v0 in range(0, vocab, HEAD_ROWS):
+        rows = range(v0, min(v0 + HEAD_ROWS, vocab))
+        logits = _bf(x @ w[v0:v0 + len(rows)].float().T, h.dtype).cpu()
+        i = logits.argmax(-1)  # the first maximum within the tile; a later tile must be strictly larger
+        v = logits.gather(1, i[:, None])[:, 0]
+        take = v > best_v
+        best_v, best_i = torch.where(take, v, best_v), torch.where(take, i + v0, best_i)
+    return best_i.to(h.device)
 
 
 def _norm(h: torch.Tensor, norm) -> torch.Tensor:
@@ -353,7 +385,9 @@ class _Params(ctypes.Structure):  # the kernel's Params, field for field
                 ("q", ctypes.c_void_p), ("q_capture", ctypes.c_void_p), ("attn", ctypes.c_void_p),
                 ("act", ctypes.c_void_p), ("att_part", ctypes.c_void_p), ("down_part", ctypes.c_void_p),
                 ("qkv_part", ctypes.c_void_p), ("o_part", ctypes.c_void_p), ("gu_part", ctypes.c_void_p),
-                ("counters", ctypes.c_void_p), ("arrivals", ctypes.c_void_p)]
+                ("counters", ctypes.c_void_p), ("arrivals", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                ("norm_w", ctypes.c_void_p), ("vocab", ctypes.c_int), ("vocab_rows", ctypes.c_int),
+                ("best", ctypes.c_void_p)]
 
 
 # ---- the runtime ---------------------------------------------------------------------------------------------------
@@ -368,11 +402,13 @@ class DraftDecoder:
     """The persistent kernel bound to one fused draft `Transformer` on a GPU: a build for forwards of <= 32 token
     rows and, when `rows` asks for more and a tiling fits, one for <= 64 (each build is an nvcc call on first use);
     fixed scratch buffers shared by both (a captured CUDA graph replays the same pointers); one instruction list per
-    number of rows, those of `rows` made now."""
+    number of rows, those of `rows` made now. vocab: greedy forwards (`greedy`) take the argmax of the first `vocab`
+    logits inside the launch (None: never)."""
 
-    def __init__(self, model, sinks: int, window: int, rows=()) -> None:
+    def __init__(self, model, sinks: int, window: int, rows=(), vocab: int | None = None) -> None:
         a = model.args
         self.shape, self.sinks, self.window = Shape.of(a), sinks, window
+        self.vocab = vocab if vocab is not None and 0 < vocab <= a.vocab_size else None
         self.builds: dict[int, _Build] = {}
         for size in ROWS:
             t = tiling(self.shape, size)
@@ -403,6 +439,10 @@ class DraftDecoder:
             raise BuildError("a weight is not 16-byte aligned")
         self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
         self._keep = model  # the weights the table points at
+        self.lm_head, self.norm_w = model.lm_head.weight, model.norm.weight
+        if self.lm_head.data_ptr() % 16 or (a.dim * self.lm_head.element_size()) % 16:
+            self.vocab = None  # the HEAD tiles' bulk copies read 16-byte aligned rows
+        self.best = torch.zeros(max(self.builds), dtype=torch.int64, device=dev)
         S, qn, heads = self.max_rows, a.n_heads * a.head_dim, a.n_heads + 2 * a.n_kv_heads
         bf16, f32 = dict(dtype=self.dtype, device=dev), dict(dtype=torch.float32, device=dev)
         self.q = torch.empty(S, qn, **bf16)
@@ -421,7 +461,7 @@ class DraftDecoder:
         self.arrivals = torch.zeros(a.n_layers * max(b.lib.draft_layers_arrivals_per_layer() for b in builds), **i32)
         self.captures: dict[int, torch.Tensor] = {}
         self.capture_table = torch.zeros(a.n_layers, dtype=torch.int64, device=dev)
-        self._plans: dict[int, tuple] = {}
+        self._plans: dict[tuple[int, bool], tuple] = {}
         with torch.cuda.device(dev):
             for b in builds:
                 err = b.lib.draft_layers_configure()
@@ -442,15 +482,22 @@ class DraftDecoder:
         forward of that many rows runs inside a CUDA graph capture would copy to the device during the capture."""
         for M in rows:
             if 0 < M <= self.max_rows:
-                self._plan(M)
+                self._plan(M, False)
+                if self.head_for(M):
+                    self._plan(M, True)
 
     def build_for(self, M: int) -> _Build:
         return self.builds[min(r for r in self.builds if r >= M)]
 
-    def _plan(self, M: int):
-        if M not in self._plans:
+    def head_for(self, M: int) -> bool:
+        """Whether a greedy forward of M token rows runs its LM head and argmax in the launch: a vocabulary given,
+        and the build for M has K whole (A and a weight slot then hold whole rows)."""
+        return self.vocab is not None and M <= self.max_rows and self.build_for(M).tiles.ksplit == 1
+
+    def _plan(self, M: int, head: bool):
+        if (M, head) not in self._plans:
             b = self.build_for(M)
-            lists = plan(self.shape, b.tiles, self.n_layers, M, b.nchunk, self.n_sms)
+            lists = plan(self.shape, b.tiles, self.n_layers, M, b.nchunk, self.n_sms, self.vocab if head else 0)
             stride = max(len(x) for x in lists)
             ins = torch.zeros(self.n_sms, stride, 4, dtype=torch.int32)
             wins = torch.zeros_like(ins)
@@ -462,16 +509,17 @@ class DraftDecoder:
                     ins[s, :len(lists[s])] = torch.tensor(lists[s], dtype=torch.int32)
                 if ws[s]:
                     wins[s, :len(ws[s])] = torch.tensor(ws[s], dtype=torch.int32)
-            self._plans[M] = tuple(t.to(self.device) for t in (ins, n_ins, wins, n_w)) + (stride,)
-        return self._plans[M]
+            self._plans[(M, head)] = tuple(t.to(self.device) for t in (ins, n_ins, wins, n_w)) + (stride,)
+        return self._plans[(M, head)]
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, T: int) -> None:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, T: int, head: bool = False) -> None:
         """h [M, dim] (contiguous, the embeddings) becomes the last layer's residual stream, in place; positions
-        [M] int64, cos / sin [M, head_dim] fp32; k_cache / v_cache [L, B, Hkv, S, D] get the new keys and values."""
+        [M] int64, cos / sin [M, head_dim] fp32; k_cache / v_cache [L, B, Hkv, S, D] get the new keys and values.
+        head (`head_for(M)` must hold): also each batch row's greedy token into `best` (`tokens`)."""
         M = h.shape[0]
         b = self.build_for(M)
-        ins, n_ins, wins, n_w, stride = self._plan(M)
+        ins, n_ins, wins, n_w, stride = self._plan(M, head)
         p = _Params(self.layers.data_ptr(), ins.data_ptr(), n_ins.data_ptr(), wins.data_ptr(), n_w.data_ptr(), stride,
                     self.n_layers, M, T, h.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.sinks,
@@ -479,7 +527,8 @@ class DraftDecoder:
                     self.capture_table.data_ptr(), self.attn.data_ptr(), self.act.data_ptr(),
                     self.att_part.data_ptr(), self.down_part.data_ptr(), self.qkv_part.data_ptr(),
                     self.o_part.data_ptr(), self.gu_part.data_ptr(), self.counters.data_ptr(),
-                    self.arrivals.data_ptr())
+                    self.arrivals.data_ptr(), self.lm_head.data_ptr() if head else 0, self.norm_w.data_ptr(),
+                    self.vocab or 0, self.lm_head.shape[0], self.best.data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):
             err = b.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),
@@ -497,7 +546,20 @@ class DraftDecoder:
                 and h.shape[0] * h.shape[1] <= self.max_rows and h.dtype == self.dtype == k.dtype
                 and k.is_contiguous() and v.is_contiguous() and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def tokens(self, rows: int) -> torch.Tensor:
+        """The greedy tokens of the last `head` launch's first `rows` batch rows, [rows] long (from `best`'s keys)."""
+        return 0xFFFFFFFF - (self.best[:rows] & 0xFFFFFFFF)
+
+    def takes_greedy(self, h: torch.Tensor, ctx, vocab: int) -> bool:
+        """`takes`, and the launch can end in this vocabulary's argmax (`head_for`)."""
+        return vocab == self.vocab and self.takes(h, ctx) and self.head_for(h.shape[0] * h.shape[1])
+
+    def greedy(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """`forward` and the LM head's argmax in one launch: each row's greedy token at its last position, [B]."""
+        self.forward(h, cos, sin, ctx, head=True)
+        return self.tokens(h.shape[0])
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, head: bool = False) -> torch.Tensor:
         """The decoder layers of `Transformer.forward` for h [B, T, dim] (the embeddings) -> [B, T, dim], the
         query observers called after the kernel with each observed layer's rotated queries (the cache they get
         holds the same positions as during a layer-by-layer forward: this forward's keys are appended, no later
@@ -510,7 +572,7 @@ class DraftDecoder:
         layers = sorted({layer for obs in ctx.observers for layer in obs.layers})
         captures = self.capture(layers)
         self(x, ctx.positions.reshape(M).contiguous(), cos.reshape(M, -1).float().contiguous(),
-             sin.reshape(M, -1).float().contiguous(), ctx.cache.k, ctx.cache.v, T)
+             sin.reshape(M, -1).float().contiguous(), ctx.cache.k, ctx.cache.v, T, head)
         a = self.shape
         for obs in ctx.observers:
             for layer in sorted(obs.layers):
@@ -525,14 +587,15 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def attach(model, sinks: int, window: int, rows=()) -> str | None:
+def attach(model, sinks: int, window: int, rows=(), vocab: int | None = None) -> str | None:
     """Run `model`'s decode forwards of this streaming window through the persistent kernel where it can
-    (`model.layer_kernel`), with the instruction lists of `rows` (numbers of token rows) made now; returns why not
-    (None: attached). The reason is logged once per reason."""
+    (`model.layer_kernel`), with the instruction lists of `rows` (numbers of token rows) made now, and its greedy
+    forwards' argmax over the first `vocab` logits in the same launch (None: never); returns why not (None:
+    attached). The reason is logged once per reason."""
     reason = _why_not(model, sinks, window)
     if reason is None:
         try:
-            kernel = DraftDecoder(model, sinks, window, rows)
+            kernel = DraftDecoder(model, sinks, window, rows, vocab)
             reason = self_check(model, kernel)
             if reason is None:
                 model.layer_kernel = kernel
@@ -550,7 +613,10 @@ def self_check(model, kernel: DraftDecoder, tol: float = 0.02) -> str | None:
     through the kernel captured in a CUDA graph and replayed. None when the kernel's logits agree with the per-layer
     kernels' (to `tol` of their largest) and the replay's equal the launch's, else why not. A kernel that computes
     wrong numbers on this GPU, driver or build, or cannot be captured, is never used (it would be silently wrong, or
-    break the step graph). A fault that kills the CUDA context cannot be caught here."""
+    break the step graph). A fault that kills the CUDA context cannot be caught here. Where the kernel also takes
+    greedy forwards (`head_for`), their tokens, launched and replayed, must be the per-layer logits' argmax (or
+    within `tol` of its logit: a near-tie); if not, greedy forwards keep the LM head outside (`vocab` None) and the
+    reason is logged once, the layers staying in the kernel."""
     from dustin.errors import OutOfMemoryError
 
     stream = torch.cuda.current_stream(kernel.device)
@@ -573,8 +639,10 @@ def _check_rows(model, kernel: DraftDecoder, B: int, T: int, tol: float) -> str 
     a, dev = model.args, kernel.device
     n = kernel.sinks + kernel.window + 100  # a window that is full, past the sinks
     gen = torch.Generator(device=dev)
-    outs = []
-    for layer_kernel in (None, kernel, kernel):  # the per-layer kernels, the kernel, the kernel in a CUDA graph
+
+    def run(layer_kernel, graphed: bool, **kw) -> torch.Tensor:
+        """One forward over fresh copies of the same random inputs (graphed: captured, then replayed: the step
+        graphs capture the launch, which must be capturable and replay the same numbers)."""
         cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, n + T, kernel.dtype, dev)
         gen.manual_seed(0)
         cache.k.normal_(generator=gen)
@@ -585,23 +653,32 @@ def _check_rows(model, kernel: DraftDecoder, B: int, T: int, tol: float) -> str 
         ctx = ForwardContext(cache, positions, lengths, n + T, sinks=kernel.sinks, window=kernel.window)
         before, model.layer_kernel = model.layer_kernel, layer_kernel
         try:
-            if len(outs) < 2:
-                outs.append(model(tokens, ctx, float_logits=True))
-            else:  # the step graphs capture it: the launch must be capturable and replay the same numbers
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = model(tokens, ctx, float_logits=True)
-                graph.replay()
-                outs.append(out)
+            if not graphed:
+                return model(tokens, ctx, **kw)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(tokens, ctx, **kw)
+            graph.replay()
+            return out
         finally:
             model.layer_kernel = before
-    ref, got, graphed = outs
+
+    ref, got, graphed = run(None, False), run(kernel, False), run(kernel, True)
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     if not err <= tol:  # NaN fails too
         return (f"self-check failed: {B} x {T} rows' logits differ from the per-layer kernels' by {err:.3g} of "
                 f"their largest")
     if not torch.equal(graphed, got):
         return "self-check failed: a CUDA graph's replay of the kernel gives other logits than its launch"
+    if kernel.head_for(B * T):
+        last = ref[:, -1, :kernel.vocab]
+        tok, tok_graphed = run(kernel, False, greedy=kernel.vocab), run(kernel, True, greedy=kernel.vocab)
+        at = last.gather(1, tok[:, None].clamp(0, kernel.vocab - 1))[:, 0]
+        near = at >= last.max(-1).values - tol * ref.abs().max()
+        if not (bool(near.all()) and bool((tok < kernel.vocab).all()) and torch.equal(tok, tok_graphed)):
+            kernel.vocab = None
+            _log_once(f"the draft's greedy tokens are chosen outside its persistent kernel: {B} x {T} rows' in-kernel "
+                      f"argmax differs from the per-layer logits' (or its graph replay from its launch)")
     return None
 
 

@@ -273,15 +273,29 @@ class Transformer(nn.Module):
                 module.fused_ops = on
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
-                float_logits: bool = True) -> torch.Tensor:
+                float_logits: bool = True, greedy: int | None = None) -> torch.Tensor:
         """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T).
 
         float_logits=False: the lm_head's output as it is, in the activation dtype. The fp32 logits are that
         tensor cast (exactly: every bf16 / fp16 value is an fp32 value), so a caller that only takes an argmax,
         or casts where it needs fp32 (dustin.engine.sampling does), gets the same tokens without the copy: in a
-        speculative step, one [B, T, V] write and its re-read per forward, 5 per step at Γ = 4."""
-        h, residual = self.embed_tokens(tokens), None
+        speculative step, one [B, T, V] write and its re-read per forward, 5 per step at Γ = 4.
+        greedy=V: each row's greedy token at its last position instead, [B] long: the first maximum of its first V
+        logits in the activation dtype (a draft's greedy forward; the persistent layer kernel may choose it inside
+        its launch, `DraftDecoder.greedy`)."""
+        h = self.embed_tokens(tokens)
         cos, sin = self.rotary(ctx.positions)
+        if greedy is not None:
+            kernel = self.layer_kernel
+            if kernel is not None and self._takes_decode_kernels(h, ctx) and kernel.takes_greedy(h, ctx, greedy):
+                return kernel.greedy(h, cos, sin, ctx)
+            logits = self._forward_logits(h, cos, sin, ctx, None, False)[:, -1, :greedy]
+            return (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)  # as engine.sampling's
+        return self._forward_logits(h, cos, sin, ctx, logits_at, float_logits)
+
+    def _forward_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None,
+                        float_logits: bool) -> torch.Tensor:
+        residual = None
         if self._takes_decode_kernels(h, ctx):
             return self.decode_logits(h, cos, sin, ctx, logits_at, float_logits)
         for layer in self.layers:

@@ -60,7 +60,25 @@ def test_plan_covers_every_tile_once_in_stage_order(shape, M, n_sms):
                                        shape.dim // t.down_n * t.dsplit]
 
 
-def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
+@pytest.mark.parametrize("M,n_sms,vocab", [(16, 132, 151936), (6, 7, 97), (32, 5, 40)])
+def test_plan_with_the_lm_head_ends_every_list_with_its_tiles(M, n_sms, vocab):
+    """A greedy forward's plan: every layer tile as without the head, then the LM head's tiles of 16 vocabulary rows
+    covering the first `vocab` rows once each, after every layer tile in each program's list; builds with K split
+    cannot take them."""
+    t = dd.tiling(QWEN_05B)
+    nchunk = dd.n_chunks(t, 4, 508)
+    lists = dd.plan(QWEN_05B, t, 3, M, nchunk, n_sms, vocab)
+    heads = [x for lst in lists for x in lst if x[0] == dd.OP_HEAD]
+    assert sorted(x[2] for x in heads) == list(range(0, vocab, dd.HEAD_ROWS)) and all(x[1] == 3 for x in heads)
+    for lst in lists:
+        ops = [x[0] == dd.OP_HEAD for x in lst]
+        assert ops == sorted(ops)  # no layer tile after a HEAD tile
+    assert [[x for x in lst if x[0] != dd.OP_HEAD] for lst in lists] == dd.plan(QWEN_05B, t, 3, M, nchunk, n_sms)
+    with pytest.raises(ValueError, match="K whole"):
+        dd.plan(QWEN_15B, dd.tiling(QWEN_15B), 3, M, nchunk, n_sms, vocab)
+
+
+def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed, vocab=0):
     """Every program's instruction list under the kernel's rules (`dependency`, `counter_of`, `merge_splits` and the
     attention's merge in the .cu, written again here), programs interleaved at random. An instruction reads all its
     inputs once its counter has reached its need, and writes its outputs (and arrives, and signals) at some later
@@ -77,11 +95,13 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
     h_cols = range(0, shape.dim, 8)
 
     def wait_for(op, layer, a, b):
+        if op in (dd.OP_QKV, dd.OP_HEAD):  # the head: after the last layer, as a next layer's q/k/v
+            return ((layer - 1, "down"), "down") if layer else None
         return [None, ((layer, "qkv", b // nchunk), "qkv"), ((layer, "att"), "att"), ((layer, "o"), "o"),
-                ((layer, "gu", b), "gu")][op] if op else (((layer - 1, "down"), "down") if layer else None)
+                ((layer, "gu", b), "gu")][op]
 
     def reads(op, layer, a, b):  # (what, the version it must hold)
-        if op == dd.OP_QKV:
+        if op in (dd.OP_QKV, dd.OP_HEAD):
             return [(("h", c), ("down", layer - 1)) for c in h_cols]
         if op == dd.OP_ATT:
             g = b // nchunk
@@ -98,6 +118,9 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
             assert version.get(what, ("down", -1) if what[0] == "h" else None) == want, (what, want)
 
     def write(op, layer, a, b):
+        if op == dd.OP_HEAD:  # its argmax goes to a buffer no instruction reads
+            heads.append(a)
+            return
         if op == dd.OP_ATT:
             m, g = a, b // nchunk
             arrivals[(layer, "att", m, g)] = arrivals.get((layer, "att", m, g), 0) + 1
@@ -123,7 +146,8 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
             key = (layer, stage)
         counters[key] = counters.get(key, 0) + 1
 
-    lists = dd.plan(shape, t, n_layers, M, nchunk, n_sms)
+    lists = dd.plan(shape, t, n_layers, M, nchunk, n_sms, vocab)
+    heads: list[int] = []
     at, pending = [0] * n_sms, [None] * n_sms
     while True:
         movable = [sm for sm in range(n_sms) if pending[sm] is not None or at[sm] < len(lists[sm])]
@@ -145,6 +169,7 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
             raise AssertionError("deadlock")
     for key, n in counters.items():
         assert n == need[key[1]], (key, n)
+    assert sorted(heads) == list(range(0, vocab, dd.HEAD_ROWS))
 
 
 @pytest.mark.parametrize("shape", [QWEN_05B, QWEN_15B, LLAMA_1B])
@@ -153,6 +178,14 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed):
 def test_counters_let_every_instruction_run_after_its_inputs(shape, M, n_sms, seed):
     t = dd.tiling(shape, 32 if M <= 32 else 64)
     _simulate(shape, t, 2, M, dd.n_chunks(t, 4, 508), n_sms, seed)
+
+
+@pytest.mark.parametrize("M,n_sms,seed", [(16, 132, 0), (32, 7, 1), (3, 5, 2)])
+def test_the_lm_head_runs_after_the_last_layer(M, n_sms, seed):
+    """With the LM head's tiles: each reads the last layer's whole residual stream (no earlier version), all run,
+    nothing deadlocks."""
+    t = dd.tiling(QWEN_05B, 32)
+    _simulate(QWEN_05B, t, 2, M, dd.n_chunks(t, 4, 508), n_sms, seed, vocab=200)
 
 
 @pytest.mark.parametrize("dtype,T,window,tol", [(torch.float32, 1, 124, 2e-5), (torch.float32, 2, 300, 2e-5),
@@ -194,6 +227,42 @@ def test_reference_plan_matches_the_model(dtype, T, window, tol, tiles, heads):
             p = positions[b]
             assert torch.allclose(cache2.k[li, b, :, p].float(), cache.k[li, b, :, p].float(), atol=tol, rtol=tol)
             assert torch.allclose(cache2.v[li, b, :, p].float(), cache.v[li, b, :, p].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,vocab", [(1, 97), (2, 97), (2, 40)])
+def test_reference_head_is_the_models_greedy_token(dtype, T, vocab):
+    """The LM head's tiles (final norm, 16 rows of logits each, rounded to the activation dtype, folded to the first
+    maximum) give the model's greedy token of each row's last position (`Transformer.forward(greedy=V)`), or in
+    bf16 one whose logit is within a rounding step of the best; never an id >= vocab."""
+    model = _model(dtype)
+    a = model.args
+    B, S = 5, 64
+    lengths = torch.tensor([10, 0, 33, 7, 50], dtype=torch.int32)
+    cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, S, dtype, "cpu")
+    torch.manual_seed(3)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    tokens = torch.randint(0, a.vocab_size, (B, T))
+    positions = lengths.long()[:, None] + torch.arange(T)
+    with torch.inference_mode():
+        k, v = cache.k.clone(), cache.v.clone()
+        ctx = ForwardContext(cache, positions, lengths, int(lengths.max()) + T, sinks=4, window=16)
+        logits = model(tokens, ctx, float_logits=False)[:, -1, :vocab].float()
+        cache.k.copy_(k)
+        cache.v.copy_(v)
+        greedy = model(tokens, ctx, greedy=vocab)
+        cos, sin = model.rotary(positions)
+        h = dd.reference_plan(model, model.embed_tokens(tokens).reshape(B * T, -1), positions, cos.reshape(B * T, -1),
+                              sin.reshape(B * T, -1), k, v, T=T, sinks=4, window=16)
+        got = dd.reference_head(model, h, T, vocab)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert got.shape == (B,) and bool((got < vocab).all())
+    best = logits.max(-1).values
+    step = 0.0 if dtype == torch.float32 else 2 ** -7 * best.abs()
+    assert (logits.gather(1, got[:, None])[:, 0] >= best - step - 1e-5).all(), (got, logits.argmax(-1))
+    if dtype == torch.float32:
+        assert torch.equal(got, greedy)
 
 
 def test_attention_chunks_merge_to_softmax():
@@ -248,9 +317,9 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
                           reason="the kernel runs on sm_90")
 
 
-def _gpu_draft(draft: str, n_layers: int, rows: int):
+def _gpu_draft(draft: str, n_layers: int, rows: int, vocab: int | None = None):
     """A fused bf16 draft of a named shape on the GPU, `n_layers` of random weights, with the kernel attached (its
-    self-check passed) for forwards of `rows` token rows. Returns (model, args)."""
+    self-check passed) for forwards of `rows` token rows (and greedy ones over `vocab`). Returns (model, args)."""
     from dataclasses import replace
 
     from dustin.attention.backend import AttentionBackend
@@ -263,7 +332,7 @@ def _gpu_draft(draft: str, n_layers: int, rows: int):
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
     model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508, rows=(rows,)) is None
+    assert dd.attach(model, 4, 508, rows=(rows,), vocab=vocab) is None
     return model, args
 
 
@@ -375,6 +444,60 @@ def test_kernel_stages_of_one_layer(T, draft):
 
 
 @sm90
+@pytest.mark.parametrize("B,T,cut", [(16, 1, 0), (16, 2, 0), (7, 2, 1000), (32, 1, 0)])
+def test_kernel_head_chooses_the_greedy_token(B, T, cut):
+    """On the GPU (the 0.5B draft's shape, K whole): a greedy forward with the LM head and argmax in the launch
+    against the per-layer kernels' logits: each row's token is their argmax or within rounding of it (a near-tie),
+    below the vocabulary limit (cut: that many ids left out), the same launched, repeated and replayed from a CUDA
+    graph; and `reference_head` of the launch's own residual stream equals its token."""
+    dev = torch.device("cuda")
+    model, args = _gpu_draft("qwen2.5-0.5b", 4, rows=B * T, vocab=None)
+    vocab = args.vocab_size - cut
+    kernel = dd.DraftDecoder(model, 4, 508, rows=(B * T,), vocab=vocab)
+    assert kernel.head_for(B * T)
+    cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, 2048, torch.bfloat16, dev)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    lengths = torch.randint(520, 2040, (B,), dtype=torch.int32, device=dev)
+    tokens = torch.randint(0, args.vocab_size, (B, T), device=dev)
+    positions = lengths.long()[:, None] + torch.arange(T, device=dev)
+    max_len = int(lengths.max()) + T
+
+    def forward(kern, **kw):
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        model.layer_kernel = kern
+        return model(tokens, ForwardContext(cache, positions, lengths, max_len, sinks=4, window=508), **kw)
+
+    with torch.inference_mode():
+        ref = forward(None, float_logits=False)[:, -1, :vocab].float()
+        got = forward(kernel, greedy=vocab)
+        again = forward(kernel, greedy=vocab)
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = model(tokens, ForwardContext(cache, positions, lengths, max_len, sinks=4, window=508),
+                            greedy=vocab)
+        graph.replay()
+        M = B * T  # the launch's own residual stream, through the reference's head tiles
+        x = model.embed_tokens(tokens).reshape(M, -1).contiguous()
+        cos, sin = (t.reshape(M, -1).float().contiguous() for t in model.rotary(positions))
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        kernel(x, positions.reshape(-1).contiguous(), cos, sin, cache.k, cache.v, T, head=True)
+        own = kernel.tokens(B).clone()
+        torch.cuda.synchronize()
+    assert got.shape == (B,) and bool((got < vocab).all())
+    assert torch.equal(got, again) and torch.equal(got, graphed) and torch.equal(own, got)
+    chosen = ref.gather(1, got[:, None])[:, 0]
+    assert (ref.amax(-1) - chosen <= 0.01 * ref.abs().max()).all()
+    assert (got == ref.argmax(-1)).float().mean() >= 0.75
+    assert torch.equal(dd.reference_head(model, x, T, vocab), own)
+
+
+@sm90
 def test_engine_with_the_kernel_keeps_full_verification_exact():
     """On the GPU, end to end: an engine core with the kernel (its background warm-up's fake twin included, which
     must neither launch it nor detach it) gives magicdec's tokens equal to vanilla's (full verification is exact
@@ -400,7 +523,7 @@ def test_engine_with_the_kernel_keeps_full_verification_exact():
 
     want, _ = run("vanilla", False)
     got, kernel = run("magicdec", True)  # streaming draft, full verification
-    assert kernel is not None and got == want
+    assert kernel is not None and kernel.vocab is not None and got == want  # greedy: the head in the launch too
     out, kernel = run("dustin", True)
     assert kernel is not None and all(len(o) == 24 for o in out)
     torch.cuda.synchronize()

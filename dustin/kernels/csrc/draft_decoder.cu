@@ -16,6 +16,12 @@
 //   O    (8 columns, split)          waits all of ATT(l): h += o_proj(attention)
 //   GU   (8 columns of gate & up, split) waits all of O(l): act = SiLU(gate) * up of RMSNorm(h)
 //   DOWN (DOWN_N columns, split)     waits GU(l) of its split's columns: h += down_proj(act)
+//   HEAD (16 vocabulary rows)        optional, after the last layer (builds with K whole): waits all of DOWN(L-1):
+//                                    the final RMSNorm of each batch row's last token, 16 logits (bf16, as the
+//                                    model's lm_head rounds), and their greedy argmax folded into the program's
+//                                    running best per row; each program publishes its best with one 64-bit
+//                                    atomicMax per row at its end (value first, then the smallest index: the first
+//                                    maximum, as torch.argmax). No other stage reads what it writes.
 // A GEMM instruction covers 1/KSPLIT of K (1/DSPLIT for down_proj): with more than one split, each writes its
 // partial sums and the split that arrives last adds them in split order, then runs the epilogue. Every reduction
 // has a fixed order: the result does not depend on which program finished first.
@@ -83,10 +89,12 @@ constexpr int ATT_BYTES = (GQ * HD + GQ * CH) * 4 + 2 * CH * KST * 2;
 static_assert(ATT_BYTES <= A_BYTES, "attention scratch must fit the activation buffer");
 constexpr int RED_BYTES = NW * 32 * 4 * 4;  // each warp's 16x8 accumulator fragment
 constexpr int OUT_BYTES = MAXM * 32 * 4;    // an instruction's [M, N <= 32] fp32 result
-constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + A_BYTES + RED_BYTES + OUT_BYTES + 64 + NSLOT * 8;
+constexpr int BEST_BYTES = MAXM * 8;        // HEAD: the program's running (logit, index) best per batch row
+constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + A_BYTES + RED_BYTES + OUT_BYTES + 64 + NSLOT * 8 + BEST_BYTES;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: a larger KSPLIT or fewer down_proj columns");
 
-enum Op : int { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4 };
+enum Op : int { OP_QKV = 0, OP_ATT = 1, OP_O = 2, OP_GU = 3, OP_DOWN = 4, OP_HEAD = 5 };
+constexpr int HEAD_ROWS = 16;  // vocabulary rows of a HEAD instruction
 
 // each GEMM stage's output groups (one per instruction column block) and their widths (columns per instruction)
 constexpr int G_QKV = NHEADS * (HD / 8), G_O = D / 8, G_GU = I / 8, G_DOWN = D / DOWN_N;
@@ -134,6 +142,12 @@ struct Params {
   float* gu_part;         // [KSPLIT, M, 2 * I]
   int* counters;          // [n_layers, C_LAYER] zeroed before each launch
   int* arrivals;          // [n_layers, ARR_LAYER] zeroed before each launch
+  // HEAD (null lm_head: the plan has no HEAD instruction)
+  const __nv_bfloat16* lm_head;  // [vocab_rows, D]
+  const __nv_bfloat16* norm_w;   // [D]: the final RMSNorm's weight
+  int vocab;                      // logits of token ids < vocab take part in the argmax
+  int vocab_rows;                 // rows of lm_head
+  unsigned long long* best;       // [MAXM]: per batch row, (ordered logit << 32) | (0xffffffff - index); zeroed
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -219,6 +233,7 @@ struct Tile {
 };
 
 __device__ __forceinline__ Tile tile_of(const Params& p, int4 ins) {
+  if (ins.x == OP_HEAD) return {p.lm_head, HEAD_ROWS, D, 0, D};
   const Layer& L = p.layers[ins.y];
   switch (ins.x) {
     case OP_QKV: return {L.wqkv, 8, KQ, ins.w * KQ, D};
@@ -228,8 +243,9 @@ __device__ __forceinline__ Tile tile_of(const Params& p, int4 ins) {
   }
 }
 
-__device__ __forceinline__ int row_of(int4 ins, int r) {
+__device__ __forceinline__ int row_of(const Params& p, int4 ins, int r) {
   switch (ins.x) {
+    case OP_HEAD: return min(ins.z + r, p.vocab_rows - 1);  // a last tile past the weight re-reads its last row
     case OP_QKV: {  // z = head * HD / 2 + j0; RoPE's pairs are tile rows r and r + 4
       const int head = ins.z / (HD / 2), j0 = ins.z % (HD / 2);
       return head * HD + (r < 4 ? j0 + r : HD / 2 + j0 + r - 4);
@@ -248,7 +264,7 @@ __device__ void issue_tile(const Params& p, int4 ins, char* slot, uint64_t* bar)
   __syncwarp();
   __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(slot);
   for (int r = lane; r < t.rows; r += 32)
-    bulk_copy(dst + r * (t.kw + PAD), t.w + (int64_t)row_of(ins, r) * t.ld + t.k0, t.kw * 2, bar);
+    bulk_copy(dst + r * (t.kw + PAD), t.w + (int64_t)row_of(p, ins, r) * t.ld + t.k0, t.kw * 2, bar);
 }
 
 // ---- the GEMM of one instruction: out[M, N] = A[M, K] @ W[N, K]^T, A and W in shared memory -------------------
@@ -539,6 +555,31 @@ __device__ void gate_up_out(const Params& p, int c0, const float* out) {
   }
 }
 
+// HEAD: each of the `rows` batch rows' best of the 16 logits in `out` (bf16-rounded; token ids >= vocab left out)
+// folded into the program's running best. A key orders by the logit, then by the smaller index, so the largest
+// key over every instruction is torch.argmax's answer (its first maximum).
+__device__ __forceinline__ unsigned long long head_key(float v, int idx) {
+  const unsigned int bits = __float_as_uint(v);
+  const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return ((unsigned long long)ordered << 32) | (0xffffffffu - (unsigned int)idx);
+}
+
+__device__ void head_best(const Params& p, int v0, int rows, const float* out, unsigned long long* best) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int m = warp; m < rows; m += NW) {
+    const int idx = v0 + lane;
+    unsigned long long key = 0;
+    if (lane < HEAD_ROWS && idx < p.vocab) key = head_key(bf(out[m * 32 + lane]), idx);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+      key = other > key ? other : key;
+    }
+    if (lane == 0 && key > best[m]) best[m] = key;
+  }
+  __syncthreads();
+}
+
 // With several splits: this split's partial sums to `part` [splits, M, groups * W], and the split that arrives last
 // adds every split's in split order into `out`. Returns whether this program holds the sum (and runs the epilogue).
 __device__ bool merge_splits(const Params& p, float* part, int* arrival, int group, int groups, int W, int split,
@@ -576,6 +617,7 @@ __device__ __forceinline__ int counter_of(int4 ins) {
 __device__ __forceinline__ void dependency(const Params& p, int4 ins, int* stage_index, int* need) {
   const int l = ins.y;
   switch (ins.x) {
+    case OP_HEAD:  // y = n_layers: after the last layer's down_proj, as a next layer's q/k/v would be
     case OP_QKV: *stage_index = l > 0 ? (l - 1) * C_LAYER + C_DOWN : -1; *need = G_DOWN; break;
     case OP_ATT: *stage_index = l * C_LAYER + C_QKV + ins.w / p.nchunk; *need = NEED_ATT; break;
     case OP_O: *stage_index = l * C_LAYER + C_ATT; *need = p.M * NKV; break;
@@ -592,6 +634,7 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
   float* out = red + RED_BYTES / 4;
   int* misc = reinterpret_cast<int*>(out + OUT_BYTES / 4);  // [0]: arrive_last's flag
   uint64_t* bars = reinterpret_cast<uint64_t*>(misc + 16);
+  unsigned long long* best = reinterpret_cast<unsigned long long*>(bars + NSLOT);  // [MAXM]
 
   const int sm = blockIdx.x;
   const int4* ins = p.ins + (int64_t)sm * p.ins_stride;
@@ -601,7 +644,10 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
     for (int s = 0; s < NSLOT; ++s) mbar_init(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  for (int m = threadIdx.x; m < MAXM; m += NT) best[m] = 0ull;
   __syncthreads();
+  const int head_rows = p.M / p.T;  // HEAD: each batch row's last token
+  bool headed = false;
 
   int issued = 0, consumed = 0;
   int a_key = -1;  // what A holds: layer * 16 + op (+ split for DOWN)
@@ -625,6 +671,23 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
     }
     __syncthreads();
 
+    if (in.x == OP_HEAD) {
+      if (KSPLIT > 1) __trap();  // the host plans HEAD only for builds with K whole (A and a slot hold whole rows)
+      if (!headed) {  // A = the final RMSNorm of each batch row's last token (K whole: A holds whole rows)
+        load_rows(A, p.h + (int64_t)(p.T - 1) * D, D * p.T, 0, D, head_rows);
+        norm_rows(A, p.h, p.norm_w, 0, head_rows, p.eps, out);
+        headed = true;
+        a_key = -1;
+      }
+      const int slot = consumed % NSLOT;
+      mbar_wait(bars + slot, (consumed / NSLOT) & 1);
+      const __nv_bfloat16* W = reinterpret_cast<const __nv_bfloat16*>(slots + slot * SLOT_BYTES);
+      gemm(A, A_COLS, W, D + PAD, head_rows, HEAD_ROWS, D, red, out);
+      head_best(p, in.z, head_rows, out, best);
+      ++consumed;
+      __syncthreads();  // the slot and `out` are free again
+      continue;
+    }
     const int layer = in.y;
     const Layer& L = p.layers[layer];
     if (in.x == OP_ATT) {
@@ -687,6 +750,8 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
     ++consumed;
     __syncthreads();  // the slot and `out` are free again
   }
+  if (headed)
+    for (int m = threadIdx.x; m < head_rows; m += NT) atomicMax(p.best + m, best[m]);
 }
 
 }  // namespace
@@ -720,6 +785,7 @@ int draft_layers_launch(const Params* params, int grid, void* stream, int counte
   if (e != cudaSuccess) return e;
   e = cudaMemsetAsync(params->arrivals, 0, arrival_bytes, s);
   if (e != cudaSuccess) return e;
+  if (params->lm_head != nullptr && (e = cudaMemsetAsync(params->best, 0, MAXM * 8, s)) != cudaSuccess) return e;
   int dev = 0, per_sm = 0, n_sm = 0;
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
