@@ -51,6 +51,9 @@ class GraphedForward:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
             self.logits = model(self.tokens, self.ctx, float_logits=float_logits, greedy=greedy)
+        # greedy tokens are kept across replays (a step's drafts are stacked after its last forward): each call's are
+        # a copy; logits are consumed before the next replay
+        self.copy_out = greedy is not None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                  plan: SparsePlan | None = None) -> torch.Tensor:
@@ -63,7 +66,7 @@ class GraphedForward:
             if plan.dense is not None:
                 self.plan.dense.copy_(plan.dense)
         self.graph.replay()
-        return self.logits
+        return self.logits.clone() if self.copy_out else self.logits
 
 
 class StepGraph:

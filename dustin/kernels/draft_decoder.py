@@ -440,8 +440,8 @@ class DraftDecoder:
         self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
         self._keep = model  # the weights the table points at
         self.lm_head, self.norm_w = model.lm_head.weight, model.norm.weight
-        if self.lm_head.data_ptr() % 16 or (a.dim * self.lm_head.element_size()) % 16:
-            self.vocab = None  # the HEAD tiles' bulk copies read 16-byte aligned rows
+        if self.lm_head.data_ptr() % 16 or (a.dim * self.lm_head.element_size()) % 16 or model.norm.eps != self.eps:
+            self.vocab = None  # the HEAD tiles' bulk copies read 16-byte aligned rows; one eps serves every norm
         self.best = torch.zeros(max(self.builds), dtype=torch.int64, device=dev)
         S, qn, heads = self.max_rows, a.n_heads * a.head_dim, a.n_heads + 2 * a.n_kv_heads
         bf16, f32 = dict(dtype=self.dtype, device=dev), dict(dtype=torch.float32, device=dev)

@@ -559,7 +559,7 @@ __device__ void gate_up_out(const Params& p, int c0, const float* out) {
 // folded into the program's running best. A key orders by the logit, then by the smaller index, so the largest
 // key over every instruction is torch.argmax's answer (its first maximum).
 __device__ __forceinline__ unsigned long long head_key(float v, int idx) {
-  const unsigned int bits = __float_as_uint(v);
+  const unsigned int bits = __float_as_uint(v == 0.f ? 0.f : v);  // -0 == +0, as torch.argmax compares
   const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
   return ((unsigned long long)ordered << 32) | (0xffffffffu - (unsigned int)idx);
 }
