@@ -152,9 +152,14 @@ def _read_prompts(args) -> list[str]:
             continue
         try:
             obj = json.loads(line)
-            prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
-        except (json.JSONDecodeError, KeyError):
-            raise InputError(f"{path}:{i}: each line must be a JSON object with a \"prompt\" field") from None
+        except json.JSONDecodeError:
+            obj = None
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        ids = isinstance(prompt, list) and len(prompt) > 0 and all(type(t) is int for t in prompt)
+        if not (isinstance(prompt, str) or ids):
+            raise InputError(f"{path}:{i}: each line must be a JSON object with a \"prompt\" field: a text or a "
+                             f"list of token ids")
+        prompts.append(prompt)
     if not prompts:
         raise InputError(f"{path} holds no prompts")
     return prompts

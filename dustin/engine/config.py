@@ -1,6 +1,7 @@
 """The engine's one config (`GenerationConfig`), validated once, and the table of decoding methods."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -152,8 +153,8 @@ class GenerationConfig:
             raise InputError(f"--gamma must be <= 15 (the verify kernels take at most 16 queries), got {self.gamma}")
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (0 <= self.temperature < math.inf):  # NaN fails too
+            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

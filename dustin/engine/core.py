@@ -107,6 +107,9 @@ class EngineCore:
         cuda = pair.device.type == "cuda"
         context = pair.max_context(METHODS[config.method].speculative)
         default_context = context if cuda else min(context, 8192)
+        if config.max_context is not None and config.max_context > context:
+            raise InputError(f"--max-context {config.max_context} exceeds the models' context ({context} positions): "
+                             f"lower it, or extend the context with --rope-scaling")
         self.max_context = min(config.max_context or default_context, context)
         self.max_slots = slots or config.max_slots or (16 if cuda else 8)
         gamma = config.gamma if config.spec.speculative else 0
@@ -416,7 +419,8 @@ class EngineCore:
         log-probabilities), and timings:
         `prefill_s`, the wall time until every prompt was prefilled (decode steps of rows that finished their
         prefill earlier run meanwhile, graph captures too), `produced_after_prefill`, tokens booked after that
-        point, and `capture_total_at_prefill`, the session's graph-capture seconds so far at that point."""
+        point, `capture_total_at_prefill`, the session's graph-capture seconds so far at that point, and
+        `phases_at_prefill`, its phase timer's totals then (the decode steps that ran before it, inside `prefill_s`)."""
         t0 = time.perf_counter()
         timing = {"prefill_s": 0.0, "produced_after_prefill": 0}
         prefilled = False
@@ -429,6 +433,7 @@ class EngineCore:
                 timing["prefill_s"] = time.perf_counter() - t0
                 timing["produced_after_prefill"] = -self.decode_stats.produced
                 timing["capture_total_at_prefill"] = self.session.capture_total()
+                timing["phases_at_prefill"] = self.session.timer.totals()
         timing["produced_after_prefill"] += self.decode_stats.produced
         results, self._queued = self._queued, {}
         return list(results.values()), timing

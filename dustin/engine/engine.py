@@ -195,7 +195,10 @@ class Engine(ModelPair):
         # (a one-shot batch of long prompts captures its step graph during the prefill of its last rows)
         after_prefill = s.capture_total() - timing.get("capture_total_at_prefill", c0)
         st.decode_s = max(wall - st.prefill_s - after_prefill, 0.0)
-        st.phases = s.timer.totals()
+        # the phases of the decode steps in decode_s: those that ran before the last prompt was prefilled are in
+        # prefill_s (a prompt's first decode step is launched with its last chunk)
+        before = timing.get("phases_at_prefill", {})
+        st.phases = {k: v - before.get(k, 0.0) for k, v in s.timer.totals().items()}
         seqs = [SequenceResult(len(p), o.new_token_ids, self.decode(o.new_token_ids), o.finish_reason, o.logprobs,
                                o.prompt_logprobs) for p, o in zip(ids, outputs, strict=True)]
         split = dict(st.phases)

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dustin.engine.sampling import SamplingRule
@@ -33,8 +34,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 <= self.temperature < math.inf):  # NaN fails too
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -17,7 +17,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dustin.engine.request import MAX_LOGPROBS
 
@@ -79,7 +80,7 @@ class _SamplingFields(_Body):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: completions with echo only
-    temperature: Annotated[float, Field(ge=0)] | None = None  # None: 1.0, OpenAI's default
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # None: 1.0, OpenAI's default
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM-style extension; 0 or -1: off
     stop: NonEmpty | list[NonEmpty] | None = None
@@ -119,6 +120,8 @@ class _SamplingFields(_Body):
                                                  f"text (only {{\"type\": \"text\"}} is accepted)")
         if self.store:
             raise Unsupported("store", "store is not supported: this server keeps no completions")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options", "stream_options is only allowed with stream: true")
 
     def sampling_kwargs(self, choice: int = 0) -> dict[str, Any]:
         """SamplingParams keyword arguments except max_tokens and log-probabilities (validated there: InputError
@@ -139,6 +142,23 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_not_empty(cls, p: Any) -> Any:
+        """What the union's own errors would name by a member type ("constrained-str"): an empty prompt, an empty
+        one in a batch, a negative token id."""
+        def empty(x: Any) -> bool:
+            return isinstance(x, (str, list)) and len(x) == 0
+
+        if empty(p):
+            raise PydanticCustomError("empty_prompt", "must not be empty")
+        for i, x in enumerate(p if isinstance(p, list) else ()):
+            if empty(x):
+                raise PydanticCustomError("empty_prompt", "prompt {i} of the batch is empty", {"i": i})
+            if any(type(t) is int and t < 0 for t in (x if isinstance(x, list) else [x])):
+                raise PydanticCustomError("invalid_token_id", "token ids must be >= 0")
+        return p
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of not in (None, self.n):
@@ -158,9 +178,26 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: only an assistant's (a turn with no text)
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise PydanticCustomError("unsupported_content", "only text content parts are supported, got "
+                                              "{kind}", {"kind": repr(kind)})
+        return content
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing_content", "a {role} message needs content", {"role": self.role})
+        return self
 
     def template_dict(self) -> dict[str, str]:
         content = self.content

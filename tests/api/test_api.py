@@ -159,6 +159,12 @@ def test_bad_settings_fail_before_loading():
         LLM(missing, None, method="classic")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(value):
+    with pytest.raises(InputError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=value)
+
+
 def test_bad_inputs(llm):
     prompts = _prompts([5, 6, 7])
     with pytest.raises(InputError, match="no prompts given"):

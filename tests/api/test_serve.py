@@ -298,6 +298,8 @@ def test_incremental_detokenizer_holds_back_partial_stops_and_characters():
     ({"prompt": [5, 6], "suffix": "x"}, "suffix"),
     ({"prompt": [5, 6], "top_p": 0}, "top_p"),
     ({"prompt": [5, 6], "temperature": -1}, "temperature"),
+    ({"prompt": [5, 6], "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": [5, -1]}, "prompt"),
     ({"prompt": [5, 6], "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": [5, 6], "stop": [""]}, "stop"),
 ])
@@ -306,6 +308,14 @@ def test_bad_requests_are_400_with_an_openai_error(live, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, err
+
+
+@pytest.mark.parametrize("temperature", [b"1e400", b"Infinity", b"NaN"])
+def test_a_temperature_that_is_not_finite_is_400(live, temperature):
+    """1e400 is valid JSON that parses to inf (Infinity and NaN are Python's extensions): 400, not random text."""
+    raw = b'{"model": "%s", "prompt": [5, 6], "max_tokens": 2, "temperature": %s}' % (MODEL.encode(), temperature)
+    r = live.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": [1, 2', b"not json", b"[1, 2]", b""])
@@ -370,6 +380,27 @@ def test_undeclared_fields_are_400_naming_the_field(chat, endpoint, field, value
     err = r.json()["error"]
     assert err == {"message": f"{where} is not supported (this server does not implement it)",
                    "type": "invalid_request_error", "param": field, "code": "unsupported_field"}
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([], "messages"), ([{"role": "wizard", "content": "w1"}], "messages.0.role"),
+    ([{"role": "user"}], "a user message needs content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "only text content parts are supported, got 'image_url'"),
+])
+def test_bad_messages_are_400_saying_what_is_wrong(chat, messages, needle):
+    r = _chat(chat, max_tokens=2, messages=messages)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert needle in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize("prompt, needle", [("", "prompt: must not be empty"), ([], "prompt: must not be empty"),
+                                            (["w1", ""], "prompt 1 of the batch is empty"),
+                                            ([5, -1], "token ids must be >= 0")])
+def test_bad_prompts_are_400_saying_what_is_wrong(live, prompt, needle):
+    r = live.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert needle in r.json()["error"]["message"], r.json()
 
 
 def test_undeclared_fields_inside_messages_are_400(chat):

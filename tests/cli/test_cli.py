@@ -34,6 +34,8 @@ def test_corrupt_checkpoint(capsys, tmp_path, tiny_qwen2):
     (["--gamma", "0"], "--gamma must be >= 1"),
     (["--budget", "5", "--method", "dustin"], "--budget must be >= 21"),
     (["--top-p", "1.5"], "--top-p"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
 ])
 def test_bad_generation_flags(capsys, argv, needle):
     code, err = _error(capsys, ["generate", "--prompt", "x", *argv])
@@ -49,6 +51,17 @@ def test_bad_prompts_file(capsys, tmp_path):
     assert code == 2 and "does not exist" in err
     code, err = _error(capsys, ["generate", "--prompts-jsonl", str(tmp_path)])
     assert code == 2 and "is a directory" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("line", ['{"prompt": 5}', '{"prompt": null}', '{"prompt": {"a": 1}}', '[1, 2]', '"text"',
+                                  '{"prompt": [1.5]}', '{"prompt": []}', '{"prompt": [true]}'])
+def test_a_prompts_line_that_is_not_text_or_token_ids_is_one_error(capsys, tmp_path, line):
+    """Valid JSON that is not an object with a text or a list of token ids as "prompt" is refused before any model
+    loads, in one line naming the line (it was a traceback, or used as text)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": [3, 4]}\n' + line + "\n")
+    code, err = _error(capsys, ["generate", "--prompts-jsonl", str(f), "--method", "vanilla"])
+    assert code == 2 and "p.jsonl:2" in err and "text or a list of token ids" in err and err.count("\n") == 1
 
 
 
@@ -129,6 +142,8 @@ def test_generate_json_on_the_default_pair(capsys, real_pair_cli):
     seq = out["sequences"][0]
     assert len(seq["token_ids"]) == 12 and seq["prompt_len"] > 3 and seq["text"]
     assert out["method"] == "classic" and out["tau"] >= 1.0 and set(out["time_split_s"]) >= {"draft", "verify"}
+    # the phases split decode_s: the decode step launched with the prompt's last chunk is in prefill_s, not in them
+    assert sum(v for k, v in out["time_split_s"].items() if k != "other") <= out["decode_s"] + 1e-3, out
 
 
 @pytest.mark.parametrize("argv,needle", [

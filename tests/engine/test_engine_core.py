@@ -180,6 +180,13 @@ def test_config_errors(kw, match):
         GenerationConfig(**kw)
 
 
+def test_a_max_context_past_the_models_is_refused(engine):
+    """An explicit --max-context the models cannot hold is an error naming both numbers (it was clamped silently)."""
+    context = engine.max_context(True)
+    with pytest.raises(InputError, match=f"--max-context {context + 1} exceeds the models' context \\({context} "):
+        EngineCore(engine, GenerationConfig(method="classic", max_slots=1, max_context=context + 1))
+
+
 def test_slot_memory_error_names_the_flags(engine):
     from dustin.errors import OutOfMemoryError
 
