@@ -305,7 +305,8 @@ class BuildError(RuntimeError):
     pass
 
 
-def _nvcc() -> str | None:
+def find_nvcc() -> str | None:
+    """nvcc under $CUDA_HOME (or $CUDA_PATH), else on PATH, else /usr/local/cuda's; None: no nvcc."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and Path(home, "bin", "nvcc").exists():
         return str(Path(home, "bin", "nvcc"))
@@ -333,7 +334,7 @@ def build(shape: Shape, t: Tiling) -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_dir() / f"draft_decoder-{key}.so"
     if not path.exists():
-        nvcc = _nvcc()
+        nvcc = find_nvcc()
         if nvcc is None:
             raise BuildError("nvcc not found (set CUDA_HOME)")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -358,20 +359,38 @@ def build_all(shape: Shape) -> dict[int, str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
-    """The built kernel for `shape` and tiling `t` (`build`), loaded. Raises BuildError without nvcc or when the
-    build fails."""
-    lib = ctypes.CDLL(str(build(shape, t)))
-    lib.draft_layers_launch.restype = ctypes.c_int
-    lib.draft_layers_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.draft_layers_configure.restype = ctypes.c_int
-    for f in (lib.draft_layers_smem_bytes, lib.draft_layers_arrivals_per_layer, lib.draft_layers_counters_per_layer,
-              lib.draft_layers_params_bytes):
-        f.restype = ctypes.c_int
+# Every function of the build that the host calls, with its C signature: `bind` looks each one up, so a name the
+# library does not export fails at load (and in the compile test, tests/kernels), not at the first launch.
+EXPORTS: dict[str, tuple] = {
+    "draft_layers_launch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "draft_layers_configure": (ctypes.c_int, []),
+    "draft_layers_smem_bytes": (ctypes.c_int, []),
+    "draft_layers_arrivals_per_layer": (ctypes.c_int, []),
+    "draft_layers_counters_per_layer": (ctypes.c_int, []),
+    "draft_layers_params_bytes": (ctypes.c_int, []),
+    "draft_layers_shape": (ctypes.c_int, [ctypes.c_void_p]),
+}
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the signature of every function in `EXPORTS` on a loaded build, and check that its Params is `_Params`.
+    Raises BuildError naming the functions the library lacks."""
+    missing = [name for name in EXPORTS if not hasattr(lib, name)]
+    if missing:
+        raise BuildError(f"{lib._name} does not export {', '.join(missing)}")
+    for name, (restype, argtypes) in EXPORTS.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, argtypes
     if lib.draft_layers_params_bytes() != ctypes.sizeof(_Params):
         raise BuildError("the kernel's Params struct and _Params differ")
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
+    """The built kernel for `shape` and tiling `t` (`build`), loaded and bound (`bind`). Raises BuildError without
+    nvcc or when the build fails."""
+    return bind(ctypes.CDLL(str(build(shape, t))))
 
 
 class _Params(ctypes.Structure):  # the kernel's Params, field for field

@@ -778,8 +778,11 @@ int draft_layers_shape(int* shape) {  // what this build was compiled for
 // Launch on `stream` (a cudaStream_t) as a cooperative launch: every program waits on others, so all must be
 // resident at once, which only a cooperative launch guarantees (it fails instead of hanging when they cannot be).
 // Counters and arrivals are zeroed first on the same stream (one memset each). All of it is capturable in a CUDA
-// graph. Returns a cudaError_t.
-int draft_layers_launch(const Params* params, int grid, void* stream, int counter_bytes, int arrival_bytes) {
+// graph. Returns a cudaError_t. `params_ptr` is a Params (the host's _Params): the exported signature names no
+// type of the anonymous namespace, since nvcc gives a function whose parameters have internal linkage internal
+// linkage too, extern "C" or not, and the symbol would be missing from the library (g++ exports it).
+int draft_layers_launch(const void* params_ptr, int grid, void* stream, int counter_bytes, int arrival_bytes) {
+  const Params* params = static_cast<const Params*>(params_ptr);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemsetAsync(params->counters, 0, counter_bytes, s);
   if (e != cudaSuccess) return e;
