@@ -170,7 +170,8 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
     layer's residual stream [M, dim]; k_cache / v_cache [L, B, Hkv, S, D] get each layer's new keys and values;
     q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`;
     `tiles` the build's tiling (default: `tiling` of the model's shape); `trace` gets the last layer's scratch as the
-    kernel leaves it (q, attn, act: where a GPU check localizes a wrong stage). Slow on purpose: it checks `plan`'s
+    kernel leaves it (q, attn, act: where a GPU check localizes a wrong stage) and every layer's output (h, a
+    list). Slow on purpose: it checks `plan`'s
     tiles, the K splits' sums and each tile's rounding against the model's own forward."""
     a = model.args
     shape, dt = Shape.of(a), h.dtype
@@ -244,6 +245,7 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
             q_capture[li].copy_(q)
         if trace is not None:
             trace.update(q=q, attn=attn, act=act)
+            trace.setdefault("h", []).append(h.clone())
     return h
 
 
