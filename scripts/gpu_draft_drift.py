@@ -71,7 +71,7 @@ def main() -> int:
             k0 = torch.randn(L, B, args.n_kv_heads, S, args.head_dim, device=dev).to(torch.bfloat16)
             v0 = torch.randn_like(k0, dtype=torch.float32).to(torch.bfloat16)
             lengths = torch.randint(520, S - 4, (B,), dtype=torch.int32)
-            lengths[:3] = torch.tensor([0, 3, 130], dtype=torch.int32)
+            lengths[:3] = torch.tensor([0, 3, 130], dtype=torch.int32)[:B]  # empty, short and sub-window rows
             lengths = lengths.to(dev)
             tokens = torch.randint(0, args.vocab_size, (B, T), device=dev)
             positions = lengths.long()[:, None] + torch.arange(T, device=dev)

@@ -171,8 +171,8 @@ def reference_plan(model, h: torch.Tensor, positions: torch.Tensor, cos: torch.T
     q_capture[layer] [M, Hq * D] the rotated queries of the layers it names. `model` is a fused `Transformer`;
     `tiles` the build's tiling (default: `tiling` of the model's shape); `trace` gets the last layer's scratch as the
     kernel leaves it (q, attn, act: where a GPU check localizes a wrong stage) and every layer's output (h, a
-    list). Slow on purpose: it checks `plan`'s
-    tiles, the K splits' sums and each tile's rounding against the model's own forward."""
+    list). Slow on purpose: it checks `plan`'s tiles, the K splits' sums and each tile's rounding against the model's
+    own forward."""
     a = model.args
     shape, dt = Shape.of(a), h.dtype
     t = tiles or tiling(shape)
