@@ -10,6 +10,9 @@ GAMMA = 4
 # --gamma auto: the largest Γ a sequence may take (each picks its own per step, dustin/engine/gamma.py)
 GAMMA_AUTO_MAX = 6
 DRAFT_WINDOW = 512
+# a streaming draft's decoder layers as one persistent kernel per forward where it runs (sm_90, the built shapes:
+# dustin/kernels/draft_decoder.py); off until it is faster than the per-layer kernels on the GPU (docs/benchmarks.md)
+DRAFT_KERNEL = False
 
 # --budget auto: the attention mass to cover, the smallest and the largest k
 AUTO_P, AUTO_MIN, AUTO_MAX = 0.95, 128, 2048

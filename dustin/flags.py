@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DRAFT_WINDOW, GAMMA
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DRAFT_KERNEL, DRAFT_WINDOW, GAMMA
 
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:
@@ -150,6 +150,22 @@ def add_speculation_args(p: argparse.ArgumentParser, auto: bool = False):
     g.add_argument("--draft-window", type=int, default=DRAFT_WINDOW,
                    help="positions a streaming draft attends: 4 sinks + the most recent (magicdec, dustin, ...)")
     return g
+
+
+DRAFT_KERNEL_HELP = (
+    "the draft's decoder layers as one persistent kernel per forward (default: %s). It applies on sm_90 GPUs (H100, "
+    "H200), bf16, to a streaming draft (magicdec's and the sparse methods'; generate's --draft-kv streaming) of the "
+    "shapes it is built for (Qwen2.5-0.5B; Llama-3.2-1B and Qwen2.5-1.5B with K in halves), to forwards of up to 64 "
+    "token rows (larger batches take the per-layer kernels, forward by forward); the LM head and argmax join the "
+    "launch only for all-greedy batches of a build with K whole (the 0.5B draft). Elsewhere the per-layer kernels "
+    "run, with the reason logged once; nvcc builds it at first use (`dustin warmup` ahead). Its rounding order "
+    "differs, so a draft token may differ at a near-tie")
+
+
+def add_draft_kernel_arg(g) -> None:
+    """--draft-kernel / --no-draft-kernel (ExecutionOptions.draft_kernel; default: defaults.DRAFT_KERNEL)."""
+    g.add_argument("--draft-kernel", action=argparse.BooleanOptionalAction, default=DRAFT_KERNEL,
+                   help=DRAFT_KERNEL_HELP % ("on" if DRAFT_KERNEL else "off"))
 
 
 

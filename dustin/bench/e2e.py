@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from dustin.bench.plots import e2e_real, e2e_throughput
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args
 
 if TYPE_CHECKING:
     import torch
@@ -83,14 +83,12 @@ def add_arguments(p) -> None:
     p.add_argument("--tau", type=float, default=None,
                    help=f"target tokens per step for the acceptance control (random weights; default {DEFAULT_TAU})")
     p.add_argument("--accept-prob", type=float, default=None, help="per-token acceptance (overrides --tau)")
-    add_speculation_args(p, auto=True)
+    add_draft_kernel_arg(add_speculation_args(p, auto=True))
     add_sparse_args(p)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph capture, Triton compiles)")
     p.add_argument("--steps", type=int, default=12, help="timed steps")
     p.add_argument("--seed", type=int, default=0, help="--real: which documents the prompts are cut from")
     p.add_argument("--no-graphs", action="store_true", help="eager forwards instead of CUDA graphs")
-    p.add_argument("--draft-kernel", action="store_true",
-                   help="the draft's decoder layers as one persistent kernel per forward (sm_90; opt-in, A/B)")
     p.add_argument("--no-step-graph", action="store_true",
                    help="one CUDA graph per forward instead of one per speculative step (A/B of the step graph)")
     p.add_argument("--no-overlap", action="store_true",
@@ -157,7 +155,7 @@ def _config(method: str, a, steps: int, accept_prob: float | None = None):
                                                      step_graph=not getattr(a, "no_step_graph", False),
                                                      overlap=not getattr(a, "no_overlap", False),
                                                      accept_prob=accept_prob,
-                                                     draft_kernel=getattr(a, "draft_kernel", False),
+                                                     draft_kernel=a.draft_kernel,
                                                      fused_ops=not getattr(a, "no_fused_ops", False)),
                             sparse_config=a.config if sparse else None,
                             **budget_settings(a, sparse))

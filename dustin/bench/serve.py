@@ -33,7 +33,14 @@ import time
 from pathlib import Path
 
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings, method_list
+from dustin.flags import (
+    add_draft_kernel_arg,
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    budget_settings,
+    method_list,
+)
 
 SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
     "burst": ("8000,19250", 16, 64, float("inf")),
@@ -52,7 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--rate", type=float, default=None, help="mean arrivals per second (Poisson); inf: all at once")
     p.add_argument("--max-tokens", type=int, default=None, help="generated tokens per request (EOS ignored)")
-    add_speculation_args(p)
+    add_draft_kernel_arg(add_speculation_args(p))
     add_sparse_args(p)
     p.add_argument("--max-slots", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None)
@@ -90,12 +97,12 @@ def _scenarios(args) -> list[dict]:
 
 
 def _serve_config(args, method: str, max_waiting: int):
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
 
     return GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
                             sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
                             prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
-                            max_waiting=max_waiting)
+                            max_waiting=max_waiting, options=ExecutionOptions(draft_kernel=args.draft_kernel))
 
 
 def _plan(args) -> dict:
@@ -188,7 +195,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dustin.engine.config import METHODS, GenerationConfig
+    from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
     from dustin.engine.core import EngineCore
     from dustin.engine.engine import Engine
     from dustin.engine.request import SamplingParams
@@ -233,7 +240,7 @@ def run(args) -> int:
                 cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
                                        **budget_settings(args, METHODS[method].policy != "full"),
                                        sparse_config=args.config, max_new_tokens=sc["max_tokens"],
-                                       stop_at_eos=False)
+                                       stop_at_eos=False, options=ExecutionOptions(draft_kernel=args.draft_kernel))
                 row.update(_offline(engine, prompts, cfg))
                 row["server_vs_offline"] = row["offline_wall_s"] / row["wall_s"]
             if bandwidth:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import DustinError, InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings, check_outputs
+from dustin.flags import (
+    add_draft_kernel_arg,
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    budget_settings,
+    check_outputs,
+)
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +36,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--draft-kv", choices=["full", "streaming"], default=None, help="override the method's draft cache")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    add_speculation_args(p, auto=True)
+    add_draft_kernel_arg(add_speculation_args(p, auto=True))
     add_sparse_args(p)
 
 
@@ -166,7 +173,7 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
     from dustin.engine.pair import precheck_prompts
 
@@ -174,7 +181,8 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            draft_kv=args.draft_kv, draft_window=args.draft_window, stop_at_eos=not args.ignore_eos,
-                           sparse_config=args.config, **budget_settings(args))
+                           sparse_config=args.config, options=ExecutionOptions(draft_kernel=args.draft_kernel),
+                           **budget_settings(args))
     if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
         flag = "--config" if args.config is not None else "--budget"
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "

@@ -5,7 +5,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DEFAULT_METHOD, DRAFT_WINDOW, GAMMA, GAMMA_AUTO_MAX
+from dustin.defaults import (
+    AUTO_MAX,
+    AUTO_MIN,
+    AUTO_P,
+    DEFAULT_METHOD,
+    DRAFT_KERNEL,
+    DRAFT_WINDOW,
+    GAMMA,
+    GAMMA_AUTO_MAX,
+)
 from dustin.errors import InputError
 from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS
 
@@ -65,12 +74,12 @@ class ExecutionOptions:
     # our fused Triton kernels on the GPU (decode layers in three kernels each, RMSNorm / RoPE / SiLU-mul in one launch
     # each: `Transformer.set_fused_ops`); False: plain PyTorch ops (A/B, debugging; the same tokens within rounding)
     fused_ops: bool = True
-    # opt-in, not yet validated on a GPU: a streaming draft's decoder layers (and, for an all-greedy batch where the
-    # build has K whole, its LM head and argmax) as one persistent kernel per forward where it runs (sm_90, bf16,
-    # the draft shapes it is built for: dustin/kernels/draft_decoder.py; its GPU checks:
-    # tests/kernels/test_draft_decoder.py, scripts/gpu_draft_decoder.py). False: a few kernels a layer. Its rounding
-    # order differs, so draft tokens may differ in near-ties: the speed and, under sparse verification, the selection
-    draft_kernel: bool = False
+    # a streaming draft's decoder layers (and, for an all-greedy batch where the build has K whole, its LM head and
+    # argmax) as one persistent kernel per forward where it runs (sm_90, bf16, the draft shapes it is built for, <= 64
+    # token rows a forward: dustin/kernels/draft_decoder.py; its GPU checks: tests/kernels/test_draft_decoder.py).
+    # Elsewhere, and for larger forwards, a few kernels a layer. Its rounding order differs from theirs, so a draft
+    # token may differ at a near-tie: the speed and, under sparse verification, the selection. The default: defaults.py
+    draft_kernel: bool = DRAFT_KERNEL
 
     def __post_init__(self) -> None:
         if self.accept_prob is not None and not 0.0 <= self.accept_prob <= 1.0:

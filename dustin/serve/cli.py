@@ -18,7 +18,7 @@ import threading
 
 from dustin.defaults import DEFAULT_METHOD
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_settings
+from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args, budget_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"decoding method of every request (default {DEFAULT_METHOD}; quest, snapkv, specattn, oracle "
                         f"and the oracle-* ladder keep whole-batch state: their requests are admitted in gangs that "
                         f"nothing joins until all finish)")
-    add_speculation_args(p, auto=True)
+    add_draft_kernel_arg(add_speculation_args(p, auto=True))
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", type=int, default=None,
@@ -92,14 +92,15 @@ def _launch(method: str) -> tuple[int, int]:
 
 
 def build_engine(args):
-    from dustin.engine.config import GenerationConfig
+    from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.core import EngineCore
 
     # every setting is checked here, before the model load
     cfg = GenerationConfig(method=args.method, gamma=args.gamma, draft_window=args.draft_window,
                            **budget_settings(args), sparse_config=args.config, max_slots=args.max_slots,
                            max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                           prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting)
+                           prefill_tokens=args.prefill_tokens, max_waiting=args.max_waiting,
+                           options=ExecutionOptions(draft_kernel=args.draft_kernel))
     return EngineCore.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                      attention=args.attention, config=cfg,
                                      rope_scaling=args.rope_scaling)

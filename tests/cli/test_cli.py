@@ -277,3 +277,38 @@ def test_every_subcommand_keeps_its_flags():
         own = flags(build_parser(path), path)
         assert own == flags(full, path) and len(own) > 3, path
     assert flags(build_parser(["generate"]), ["bench", "e2e"]) == ["--help", "-h"]
+
+
+@pytest.mark.parametrize("flag, on", [([], None), (["--draft-kernel"], True), (["--no-draft-kernel"], False)])
+def test_the_draft_kernel_switch_reaches_every_engine_it_names(flag, on, tiny_pair, monkeypatch, tmp_path):
+    """--draft-kernel / --no-draft-kernel (default: defaults.DRAFT_KERNEL) become ExecutionOptions.draft_kernel of
+    the config that `dustin generate`, `dustin serve`, `dustin bench e2e` and `dustin bench serve` run."""
+    from dustin.bench import e2e
+    from dustin.bench import serve as bench_serve
+    from dustin.cli.main import build_parser
+    from dustin.defaults import DRAFT_KERNEL
+    from dustin.engine.core import EngineCore
+    from dustin.engine.engine import Engine
+    from dustin.serve import cli as serve_cli
+
+    want = DRAFT_KERNEL if on is None else on
+    seen = {}
+    monkeypatch.setattr(EngineCore, "from_pretrained", lambda *a, config, **k: seen.setdefault("serve", config))
+    serve_cli.build_engine(build_parser(["serve"]).parse_args(["serve", *flag]))
+    seen["bench serve"] = bench_serve._serve_config(
+        build_parser(["bench", "serve"]).parse_args(["bench", "serve", *flag]), "dustin", 4)
+    seen["bench e2e"] = e2e._config("dustin", build_parser(["bench", "e2e"]).parse_args(["bench", "e2e", *flag]), 4)
+    real_generate = Engine.generate
+
+    def generate(self, prompts, cfg, **kw):
+        seen["generate"] = cfg
+        return real_generate(self, prompts, cfg, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    target, draft = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [5, 6, 7, 8]}) + "\n")
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--method", "classic",
+                 "--prompts-jsonl", str(prompts), "--max-new-tokens", "2", *flag]) == 0
+    assert {name: cfg.options.draft_kernel for name, cfg in seen.items()} == dict.fromkeys(
+        ["serve", "bench serve", "bench e2e", "generate"], want)
