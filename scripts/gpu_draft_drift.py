@@ -145,10 +145,14 @@ def main() -> int:
                 for n in names[1:]:
                     if "kernel" in hs:
                         row[f"kernel~{n}"] = rel(hs["kernel"][layer], hs[n][layer])
+                if "per_layer" in hs:  # two trusted bf16 implementations apart: the scale of rounding drift
+                    row["per_layer~torch"] = rel(hs["per_layer"][layer], hs["torch"][layer])
                 rows.append(row)
             final = {f"{n}~fp32": rel(logits[n], ref_logits) for n in names}
             if "kernel" in logits:
                 final.update({f"kernel~{n}": rel(logits["kernel"], logits[n]) for n in names[1:]})
+            if "per_layer" in logits:
+                final["per_layer~torch"] = rel(logits["per_layer"], logits["torch"])
             results.append({"draft": a.draft, "layers": L, "B": B, "T": T, "per_layer": rows, "logits": final,
                             "device": torch.cuda.get_device_name() if gpu else "cpu"})
             print(f"\n== {a.draft}, {L} layers, {B} x {T} rows: max|a - b| / max|b| of each layer's residual stream")
