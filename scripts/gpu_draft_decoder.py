@@ -57,6 +57,11 @@ def main() -> int:
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=508)
+    p.add_argument("--unchecked", action="store_true",
+                   help="time (or profile) the kernel without its self-check at attach: for timing a build whose "
+                        "numbers are still being worked on, never for figures of a checked build")
+    p.add_argument("--only", choices=["all", "stack"], default="all",
+                   help="stack: only the layer stack's graph replays (a short run to profile with ncu)")
     a = p.parse_args()
     dev = torch.device("cuda")
     args = _shape(a.draft)
@@ -69,16 +74,19 @@ def main() -> int:
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, a.context + 8, torch.bfloat16, dev)
     lengths = torch.full((B,), a.context, dtype=torch.int32, device=dev)
     bw = read_bandwidth()
-    reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B), vocab=args.vocab_size)
+    if a.unchecked:
+        model.layer_kernel, reason = dd.DraftDecoder(model, a.sinks, a.window, (B, 2 * B), args.vocab_size), None
+    else:
+        reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B), vocab=args.vocab_size)
     print(f"# {a.draft} B={B} ctx={a.context} | {torch.cuda.get_device_name()} | read {bw / 1e12:.2f} TB/s | "
-          f"{time.strftime('%Y-%m-%d')} | random weights", flush=True)
+          f"{time.strftime('%Y-%m-%d')} | random weights{' | UNCHECKED' if a.unchecked else ''}", flush=True)
     if reason:
         print(f"not attached: {reason}")
         return 1
     kernel = model.layer_kernel
     layer_bytes = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "layers." in n)
     out = {"draft": a.draft, "batch": B, "context": a.context, "device": torch.cuda.get_device_name(), "read_bw": bw,
-           "layer_bytes": layer_bytes, "date": time.strftime("%Y-%m-%d"), "rows": []}
+           "layer_bytes": layer_bytes, "date": time.strftime("%Y-%m-%d"), "unchecked": a.unchecked, "rows": []}
     for T in (1, 2):
         tokens = torch.randint(0, args.vocab_size, (B, T), device=dev)
         positions = lengths.long()[:, None] + torch.arange(T, device=dev)
@@ -89,6 +97,14 @@ def main() -> int:
             return model(tokens, ctx, float_logits=False, **kw)
 
         with torch.inference_mode():
+            if a.only == "stack":
+                x = torch.randn(B * T, args.dim, device=dev, dtype=torch.bfloat16)
+                cos, sin = (t.reshape(B * T, -1).contiguous() for t in model.rotary(positions))
+                pos = positions.reshape(-1).contiguous()
+                ms = graph_ms(lambda x=x, pos=pos, cos=cos, sin=sin, T=T:
+                              kernel(x, pos, cos, sin, cache.k, cache.v, T), reps=20)
+                print(json.dumps({"T": T, "rows": B * T, "ms_layer_stack_persistent": round(ms, 4)}), flush=True)
+                continue
             ms_ref, ms_kernel = graph_ms(lambda: fwd(None)), graph_ms(lambda: fwd(kernel))
             greedy_ms = [graph_ms(lambda k=k: fwd(k, greedy=args.vocab_size)) for k in (None, kernel)]
             x = torch.randn(B * T, args.dim, device=dev, dtype=torch.bfloat16)
