@@ -364,14 +364,38 @@ def _gpu_draft(draft: str, n_layers: int, rows: int, vocab: int | None = None):
     return model, args
 
 
+def _apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|: how far a lands from b, as the self-check measures it."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _fp32_logits(model, tokens, positions, k_cache, v_cache, *, T: int) -> torch.Tensor:
+    """The fp32 forward of a fused bf16 draft's weights (`dd.reference_plan` on an fp32 copy: no rounding but
+    fp32's) over fp32 copies of the caches: logits [B * T, V]."""
+    import copy
+
+    M, kernel = tokens.numel(), model.layer_kernel
+    tiles = kernel.build_for(M).tiles
+    model.layer_kernel = None  # (the kernel holds its loaded build: no deep copy)
+    try:
+        m32 = copy.deepcopy(model).float()
+    finally:
+        model.layer_kernel = kernel
+    x = m32.embed_tokens(tokens).reshape(M, -1)
+    cos, sin = (t.reshape(M, -1).float().contiguous() for t in m32.rotary(positions))
+    h = dd.reference_plan(m32, x, positions, cos, sin, k_cache.float(), v_cache.float(), T=T, sinks=4, window=508,
+                          tiles=tiles)
+    return dd._norm(h, m32.norm) @ m32.lm_head.weight.T
+
+
 @sm90
 @pytest.mark.parametrize("B,T", [(16, 1), (16, 2), (32, 2), (7, 1)])
 @pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
 def test_kernel_matches_the_per_layer_kernels(B, T, draft):
     """On the GPU: the persistent kernel against the draft's per-layer kernels (their layer-by-layer forward for
-    64 token rows), at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T token rows (the
-    64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache written, the
-    observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
+    64 token rows) and the fp32 forward, at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T
+    token rows (the 64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache
+    written, the observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
     dev = torch.device("cuda")
     model, args = _gpu_draft(draft, 4, rows=B * T)
     kernel = model.layer_kernel
@@ -418,13 +442,19 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
             graphed = forward(kernel, Recorder())
         graph.replay()
         torch.cuda.synchronize()
+        exact = _fp32_logits(model, tokens, positions, k0, v0, T=T).view_as(ref)
     assert torch.equal(got, again) and torch.equal(got, graphed)
     assert torch.equal(cache.k, k_got) and torch.equal(cache.v, v_got)
-    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
-    # the kernel's greedy token is the reference's, or within rounding of its best (random weights' logits are
-    # nearly flat: a near-tie may go either way)
-    chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
-    assert (ref.amax(-1) - chosen <= 0.01 * ref.abs().max()).all()
+    # Both are bf16 forwards that round at different points, and random weights amplify a rounding step layer by
+    # layer (a one-ulp change of the embeddings moves 4 layers' logits by ~2% of the largest): so the kernel is held
+    # to the fp32 forward, no farther from it than the per-layer kernels are, and not to the per-layer kernels
+    # themselves. A race or a wrong stage lands far outside.
+    e_kernel, e_ref = _apart(got, exact), _apart(ref, exact)
+    assert e_kernel <= 1.5 * e_ref + 1e-3, (e_kernel, e_ref)
+    # the kernel's greedy token is the fp32 forward's, or within the kernel's own error of its best (random weights'
+    # logits are nearly flat: a near-tie may go either way)
+    chosen = exact.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (exact.amax(-1) - chosen <= 2 * e_kernel * exact.abs().max()).all()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
     assert torch.allclose(k_got.float(), k_ref.float(), atol=0.05, rtol=0.02)
     assert torch.allclose(v_got.float(), v_ref.float(), atol=0.05, rtol=0.02)
