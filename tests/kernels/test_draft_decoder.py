@@ -369,12 +369,13 @@ def _apart(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def _fp32_logits(model, tokens, positions, k_cache, v_cache, *, T: int) -> torch.Tensor:
+def _fp32_forward(model, tokens, positions, k_cache, v_cache, *, T: int, layers=()) -> dict:
     """The fp32 forward of a fused bf16 draft's weights (`dd.reference_plan` on an fp32 copy: no rounding but
-    fp32's) over fp32 copies of the caches: logits [B * T, V]."""
+    fp32's) over fp32 copies of the caches: logits [B * T, V], the caches it wrote (k, v) and the rotated queries
+    of `layers` ([B, Hq, T, D] each, as the observers get them)."""
     import copy
 
-    M, kernel = tokens.numel(), model.layer_kernel
+    M, kernel, a = tokens.numel(), model.layer_kernel, model.args
     tiles = kernel.build_for(M).tiles
     model.layer_kernel = None  # (the kernel holds its loaded build: no deep copy)
     try:
@@ -383,9 +384,12 @@ def _fp32_logits(model, tokens, positions, k_cache, v_cache, *, T: int) -> torch
         model.layer_kernel = kernel
     x = m32.embed_tokens(tokens).reshape(M, -1)
     cos, sin = (t.reshape(M, -1).float().contiguous() for t in m32.rotary(positions))
-    h = dd.reference_plan(m32, x, positions, cos, sin, k_cache.float(), v_cache.float(), T=T, sinks=4, window=508,
-                          tiles=tiles)
-    return dd._norm(h, m32.norm) @ m32.lm_head.weight.T
+    k, v = k_cache.float(), v_cache.float()
+    q = {layer: torch.empty(M, a.n_heads * a.head_dim, device=x.device) for layer in layers}
+    h = dd.reference_plan(m32, x, positions, cos, sin, k, v, T=T, sinks=4, window=508, tiles=tiles, q_capture=q)
+    B = tokens.shape[0]
+    return {"logits": dd._norm(h, m32.norm) @ m32.lm_head.weight.T, "k": k, "v": v,
+            "q": {layer: t.view(B, T, a.n_heads, a.head_dim).transpose(1, 2) for layer, t in q.items()}}
 
 
 @sm90
@@ -442,28 +446,32 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
             graphed = forward(kernel, Recorder())
         graph.replay()
         torch.cuda.synchronize()
-        exact = _fp32_logits(model, tokens, positions, k0, v0, T=T).view_as(ref)
+        exact = _fp32_forward(model, tokens, positions, k0, v0, T=T, layers=Recorder.layers)
     assert torch.equal(got, again) and torch.equal(got, graphed)
     assert torch.equal(cache.k, k_got) and torch.equal(cache.v, v_got)
-    # Both are bf16 forwards that round at different points, and random weights amplify a rounding step layer by
-    # layer (a one-ulp change of the embeddings moves 4 layers' logits by ~2% of the largest): so the kernel is held
-    # to the fp32 forward, no farther from it than the per-layer kernels are, and not to the per-layer kernels
-    # themselves. A race or a wrong stage lands far outside.
-    e_kernel, e_ref = _apart(got, exact), _apart(ref, exact)
-    assert e_kernel <= 1.5 * e_ref + 1e-3, (e_kernel, e_ref)
-    # the kernel's greedy token is the fp32 forward's, or within the kernel's own error of its best (random weights'
-    # logits are nearly flat: a near-tie may go either way)
-    chosen = exact.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
-    assert (exact.amax(-1) - chosen <= 2 * e_kernel * exact.abs().max()).all()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
-    assert torch.allclose(k_got.float(), k_ref.float(), atol=0.05, rtol=0.02)
-    assert torch.allclose(v_got.float(), v_ref.float(), atol=0.05, rtol=0.02)
     new = torch.zeros(k0.shape[:-1], dtype=torch.bool, device=dev)
     for b in range(B):
         new[:, b, :, positions[b]] = True
     assert torch.equal(k_got[~new], k0[~new]) and torch.equal(v_got[~new], v0[~new])
-    for layer in Recorder.layers:
-        assert torch.allclose(rec.seen[layer].float(), rec_ref.seen[layer].float(), atol=0.05, rtol=0.02)
+    # Both are bf16 forwards that round at different points, and random weights amplify a rounding step layer by
+    # layer (a one-ulp change of the embeddings moves 4 layers' logits by ~2% of the largest): so the kernel is held
+    # to the fp32 forward, no farther from it than the per-layer kernels are, and not to the per-layer kernels
+    # themselves. A race or a wrong stage lands far outside.
+    logits = exact["logits"].view_as(ref)
+    pairs = {"logits": (got, ref, logits), "k": (k_got[new], k_ref[new], exact["k"][new]),
+             "v": (v_got[new], v_ref[new], exact["v"][new]),
+             **{f"q{layer}": (rec.seen[layer], rec_ref.seen[layer], exact["q"][layer]) for layer in Recorder.layers}}
+    for name, (mine, theirs, fp32) in pairs.items():
+        assert _apart(mine, fp32) <= 1.5 * _apart(theirs, fp32) + 1e-3, (name, _apart(mine, fp32),
+                                                                          _apart(theirs, fp32))
+    # the kernel's greedy token is the fp32 forward's, or within the kernel's own error of its best (random weights'
+    # logits are nearly flat: a near-tie may go either way), and it picks the fp32 forward's token about as often as
+    # the per-layer kernels do
+    e_kernel = _apart(got, logits)
+    chosen = logits.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (logits.amax(-1) - chosen <= 2 * e_kernel * logits.abs().max()).all()
+    best = logits.argmax(-1)
+    assert (got.argmax(-1) == best).sum() >= (ref.argmax(-1) == best).sum() - max(1, best.numel() // 8)
 
 
 @sm90
