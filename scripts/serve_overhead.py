@@ -184,7 +184,7 @@ def main() -> None:
     if a.profile:
         for name, prof in profiles.items():
             prof.dump_stats(f"{a.profile}.{name}")
-    out = {"settings": vars(a), "runs": runs}
+    out = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "settings": vars(a), "runs": runs}
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(out, f, indent=1)
