@@ -101,11 +101,12 @@ def _anchors(text: str) -> set[str]:
 
 
 def test_every_link_of_the_docs_resolves():
-    """Each relative link of README.md and docs/**/*.md names a file that exists and, with a #fragment, a heading
-    of that page."""
+    """Each relative link of README.md, docs/**/*.md and every folder's README.md names a file that exists and,
+    with a #fragment, a heading of that page."""
     import re
 
-    pages = [docs.README, *sorted((docs.ROOT / "docs").rglob("*.md")), docs.ROOT / "scripts" / "README.md"]
+    readmes = [p for p in docs.ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.parts)]
+    pages = sorted({docs.README, *(docs.ROOT / "docs").rglob("*.md"), *readmes})
     broken = []
     for page in pages:
         text = page.read_text(encoding="utf-8")
