@@ -31,10 +31,10 @@ MODES = ("greedy", "sampled", "rows")
 
 
 def add_arguments(p) -> None:
-    from dustin.engine.config import METHODS
+    from dustin.engine.config import METHODS, methods_help
 
     add_model_args(p)
-    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=f"default {DEFAULT_METHOD}")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=methods_help(DEFAULT_METHOD))
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")

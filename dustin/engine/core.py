@@ -68,6 +68,8 @@ class EngineStats:
     active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
     produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
     step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
+    drafts: int = 0  # active sequence steps that verified drafts (Γ > 0)
+    drafted: int = 0  # draft tokens those steps proposed (their Γ); accepted: step_tokens - active_seq_steps
     gammas: dict[int, int] = field(default_factory=dict)  # --gamma auto: Γ -> sequence steps launched with it
     prefill_s: float = 0.0
     decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
@@ -148,6 +150,7 @@ class EngineCore:
         self._queued: dict[str, RequestOutput] = {}
         self.eos_ids = set(pair.eos_ids) if config.stop_at_eos else set()
         self.decode_stats = EngineStats()
+        self._step_gamma = config.gamma if config.spec.speculative else 0  # a decode step's Γ (fixed Γ)
         self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
         self._gang_rows: set[int] = set()  # rows of the running gang that finished (released when all have)
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
@@ -345,8 +348,13 @@ class EngineCore:
                         lp = lp[1:]
                     if seq.finished:
                         continue
-                if seq.gamma is not None:
+                g = self._step_gamma
+                if seq.gamma is not None:  # --gamma auto: the Γ this step was launched with for the row
+                    g = seq.gamma.launched[len(seq.gamma.results)] if len(seq.gamma.launched) > len(
+                        seq.gamma.results) else g
                     seq.gamma.observe(len(r.tokens) - 1)
+                st.drafts += g > 0
+                st.drafted += g
                 active += 1
                 st.step_tokens += len(r.tokens)
                 kept = seq.commit(r.tokens, self.eos_ids)
@@ -449,16 +457,20 @@ class EngineCore:
         s, sched = self.session, self.scheduler
         used = list(sched.running)
         cap = s.target_cache.capacity
-        c, ex = self.counters, self.executor
+        c, ex, st = self.counters, self.executor, self.decode_stats
         return {
             "requests_waiting": len(sched.waiting), "requests_running": len(used),
             "kv_slots_used": len(used), "kv_slots_total": self.max_slots,
             "kv_usage": sum(s.host_lengths[r] for r in used) / (self.max_slots * cap),
             "prompt_tokens_total": ex.prompt_tokens, "generated_tokens_total": c["generated_tokens_total"],
-            "steps_total": ex.steps, "tau": self.decode_stats.tau,
+            "steps_total": ex.steps, "tau": st.tau,
             "tokens_per_s": c["generated_tokens_total"] / c["busy_s"] if c["busy_s"] > 0 else 0.0,
             "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
             "budget_k": self._budget_k(),
+            # speculative decoding (vLLM's spec_decode counters): verify steps of a sequence with drafts, the draft
+            # tokens they proposed and those accepted
+            "spec_drafts_total": st.drafts, "spec_draft_tokens_total": st.drafted,
+            "spec_accepted_tokens_total": st.step_tokens - st.active_seq_steps,
         }
 
     BUDGET_REFRESH_S = 2.0  # /metrics' k statistics are at most this old

@@ -186,7 +186,8 @@ def test_stopping_rank_0_ends_every_rank_cleanly(server):
     lines = out.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dustin serve: http://127.0.0.1:{server.port} (model {MODEL}, "
                                                    f"method dustin"), out
-    assert lines[0].endswith("tensor parallel over 2 ranks)") and "Traceback" not in err, err
+    assert lines[0].endswith("tensor parallel over 2 ranks); lossy: sparse verification, the output can differ "
+                             "from the target's") and "Traceback" not in err, err
 
 
 def test_sigterm_to_torchrun_ends_every_rank(tiny_pair):
