@@ -108,7 +108,7 @@ def main() -> int:
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
         same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]
         ok &= all(same)
-        report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": bool(llm.session._graphs)}
+        report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": bool(llm.runner.graph_keys())}
         print(f"serve-{method}", report[f"serve-{method}"], flush=True)
         del llm
     return _finish(report, ok)

@@ -10,7 +10,7 @@ probability p (`--accept-prob`, or `--tau` solved for p; default τ = 2.2 at Γ 
 `ExecutionOptions.accept_prob`. Everything else of each method runs for real: Γ draft forwards (full or streaming
 draft cache), score estimation on the configured heads, selection, the sparse or full verify forward, all_reduces.
 Results are labelled "acceptance-controlled". The prompt caches are filled with noise (a "noise" gang,
-`Session.prefill_gang`) instead of running a prefill, which does not change a decode step's cost.
+dustin/engine/offline/prefill.py) instead of running a prefill, which does not change a decode step's cost.
 
 Real weights (`--real`): the staged pair (`--target`/`--draft`, default the fetched default pair) on real
 prompts, verified for real (greedy), so τ is measured; labelled "real weights":
@@ -197,7 +197,7 @@ def _kernels_per_step(core, steps: int) -> float:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_steps(core, steps)
-        _sync(core.session.device)
+        _sync(core.runner.device)
     return round(sum(e.device_type.name == "CUDA" for e in prof.events()) / steps, 1)
 
 
@@ -223,7 +223,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
 
 def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, profiled: int) -> dict:
     """`run_method`'s timing of a started core (rank 0's part under tensor parallelism)."""
-    s = core.session
+    s = core.runner
     _sync(s.device)
     t0 = time.perf_counter()
     run_steps(core, 1)  # the prefill, and the first decode step
@@ -232,8 +232,7 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
     run_steps(core, max(a.warmup - 1, 0))
     _sync(s.device)
     warmup_s = time.perf_counter() - t0
-    s.timer.totals()
-    s.timer = type(s.timer)(s.device)  # phases of the timed steps only
+    s.reset_timer()  # phases of the timed steps only
     s.policy.budget_stats(reset=True)  # --budget auto: the k of the timed steps only
     st = core.decode_stats
     steps0, tokens0, seq_steps0, gammas0 = st.steps, st.step_tokens, st.active_seq_steps, dict(st.gammas)
@@ -321,7 +320,7 @@ def _fits(engine, batch: int, context: int, a) -> bool:
     session's and the saved prefill's (`PrefillCache`: a copy of the prompt caches)."""
     if engine.device.type != "cuda":
         return True
-    from dustin.engine.session import cache_capacity
+    from dustin.engine.kv_manager import cache_capacity
 
     g = gamma_max(a)
     cap = cache_capacity([context], [(a.warmup + a.steps) * (g + 1) + 1], g)  # as `_config` asks
@@ -472,7 +471,7 @@ def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
 def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], results: list[dict], meta: dict) -> None:
     """Every method at one (batch, context): rows appended, written and printed as they complete. With --real the
     prompts (base["prompts"] kind, base["prompt_tokens"] each) are built and prefilled once for all methods."""
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
     from dustin.parallel.tp import is_main_process
 
     main = is_main_process()

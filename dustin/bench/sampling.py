@@ -92,7 +92,7 @@ class EngineStepper:
 
     @property
     def sampler(self):
-        return self.core.session.sampler
+        return self.core.runner.batch.sampler
 
 
 class SamplerStep:

@@ -297,7 +297,7 @@ def _roofline(engine, llm, method: str, prompts, max_tokens: int, tau, bandwidth
     batch = min(len(prompts), llm.max_slots)
     ctx = sum(map(len, prompts)) // len(prompts) + max_tokens // 2
     b = step_bytes(method, engine.target, engine.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
-                   sparse_cfg=llm.session.policy.cfg, target_args=engine.target_args)
+                   sparse_cfg=llm.runner.policy.cfg, target_args=engine.target_args)
     step_s = b.seconds(bandwidth)
     return {"roofline_ms_per_step": 1e3 * step_s, "roofline_tokens_per_s": batch * (tau or 1.0) / step_s}
 

@@ -32,7 +32,7 @@ def run_demo(args) -> int:
     console.print(f"[bold]Prompt[/bold]: the first {len(ids)} tokens of {name}, ending with:")
     console.print(prompt[-300:], style="dim", markup=False, highlight=False)
     results = {}
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is

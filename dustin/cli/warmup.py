@@ -35,9 +35,10 @@ def run(args) -> int:
 
     from dustin.engine.config import METHODS, GenerationConfig
     from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU
-    from dustin.engine.engine import KEPT_ROUNDING, Engine
+    from dustin.engine.engine import Engine
+    from dustin.engine.kv_manager import cache_capacity
+    from dustin.engine.offline.batch import KEPT_ROUNDING
     from dustin.engine.pair import parse_device
-    from dustin.engine.session import cache_capacity
     from dustin.engine.warmup import KernelWarmup, compiles_here, plan_first_step
     from dustin.selection.policies import policy_class
 

@@ -197,7 +197,7 @@ class ModelPair:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
-        """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
+        """Bytes of the KV caches a batch of `batch` sequences x `capacity` positions allocates: the target's
         (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
         args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
         return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
@@ -214,7 +214,7 @@ class ModelPair:
     def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
                           advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
         """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
-        over one shared prefill holds a session's caches and the prefill's copy of them) that would not fit in
+        over one shared prefill holds a batch's caches and the prefill's copy of them) that would not fit in
         90% of the free device memory; the line says how many sequences would."""
         need = copies * self.kv_cache_bytes(batch, capacity, speculative)
         if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":

@@ -57,7 +57,7 @@ def run(args) -> int:
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "settings": vars(args).copy(), "runs": {}}
     results["settings"].pop("func", None)
 
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # every run below is over the same prompts: one prefill
 

@@ -21,7 +21,7 @@ from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
 if TYPE_CHECKING:
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
@@ -105,7 +105,8 @@ def run(args) -> int:
     limit = engine.max_context(speculative)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
-    from dustin.engine.session import PrefillCache, cache_capacity
+    from dustin.engine.kv_manager import cache_capacity
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
     for (kind, ctx), rows in todo.items():

@@ -33,7 +33,7 @@ from dustin.flags import (
 )
 
 if TYPE_CHECKING:
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
 _SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "config")
 
@@ -109,7 +109,8 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        from dustin.engine.session import PrefillCache, cache_capacity
+        from dustin.engine.kv_manager import cache_capacity
+        from dustin.engine.offline.prefill import PrefillCache
         from dustin.tasks.catalog import build_samples
 
         shared = PrefillCache()  # each batch of samples is prefilled once for every method

@@ -12,9 +12,9 @@ Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_tr
   its parts, which equals fusing the rank's sharded parts. Loading shards the separate modules and fuses last.
 - embed_tokens, norms and lm_head are replicated: the simplest correct choice (no vocabulary gather); every rank
   computes identical logits from the identical all_reduced hidden state, so greedy choices agree on all ranks and
-  sampling agrees too because each rank's Session seeds its generator from cfg.seed.
+  sampling agrees too because each rank's runner seeds its generator from cfg.seed.
 - `model.args` (and every Attention's `args`) becomes the per-rank shape (n_heads, n_kv_heads, intermediate_size
-  divided by world), so the unchanged Attention reshapes work and the Session's `KVCache(target.args...)` holds only
+  divided by world), so the unchanged Attention reshapes work and the runner's `KVCache(target.args...)` holds only
   the rank's KV heads. The full shape is kept by the `TensorParallel` object that sharded the model.
 The draft is replicated: every rank runs the same draft forward (deterministic, no communication).
 

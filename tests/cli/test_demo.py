@@ -27,7 +27,7 @@ def _reference(text_pair, budget: int) -> tuple[list[int], dict[str, list[int]],
     the demo runs them)."""
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
     from dustin.eval.inputs import long_code_prompt
 
     engine = Engine.from_pretrained(text_pair[0], text_pair[1])

@@ -6,7 +6,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from tests.tiny_models import make_tiny_checkpoint
@@ -45,7 +45,7 @@ def test_steps_on_bf16_logits_choose_what_fp32_logits_choose(tiny_pair, monkeypa
     """A step's forwards return bf16 logits (no fp32 copy); greedy acceptance and sampling must choose exactly
     the tokens they choose on the fp32 logits (the same values cast): greedy speculative = vanilla, and a seeded
     sampled run equals one whose forwards return fp32."""
-    from dustin.engine.session import Session
+    from dustin.engine.worker.step import DeviceStep
     target, draft = tiny_pair
     eng = Engine(load_model(target, dtype=torch.bfloat16), load_model(draft, dtype=torch.bfloat16))
     prompts = _prompts([5, 23, 61])
@@ -56,9 +56,9 @@ def test_steps_on_bf16_logits_choose_what_fp32_logits_choose(tiny_pair, monkeypa
     bf16 = _run(eng, prompts, **sampled)
 
     def fp32_forward(self, which, tokens, positions, lengths, max_len, **kw):
-        return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=True, **kw)
+        return self.models[which].forward(tokens, positions, lengths, max_len, float_logits=True, **kw)
 
-    monkeypatch.setattr(Session, "_forward", fp32_forward)
+    monkeypatch.setattr(DeviceStep, "forward", fp32_forward)
     fp32 = _run(eng, prompts, **sampled)
     assert [s.token_ids for s in bf16.sequences] == [s.token_ids for s in fp32.sequences]
     assert len({tuple(s.token_ids) for s in bf16.sequences}) == 3
@@ -140,7 +140,7 @@ def test_kv_cache_bytes_match_the_allocated_caches(engine):
     """The memory check (and `bench e2e`'s fit test) count exactly what a session allocates."""
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=5)
     prompts = _prompts([10, 7])
-    s = engine.start(prompts, cfg).session
+    s = engine.start(prompts, cfg).runner.batch
     allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
                     for c in (s.target_cache, s.draft_cache))
     assert engine.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated

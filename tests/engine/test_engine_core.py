@@ -239,7 +239,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
             got.setdefault(int(o.request_id), []).extend(o.new_token_ids)
             if o.finished:
                 reasons[int(o.request_id)] = o.finish_reason
-        a, b = leader.session, follower.session
+        a, b = leader.runner.batch, follower.runner.batch
         assert b.finished == a.finished and b.host_lengths == a.host_lengths
         assert torch.equal(b.target_cache.lengths, a.target_cache.lengths) and torch.equal(b.pending, a.pending)
         steps += 1
@@ -255,10 +255,10 @@ def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monk
     """A one-shot batch's step graph can be captured while its last prompts still prefill: that capture is inside
     prefill_s already, and decode_s must not subtract it again (a GPU run reported decode_s 0 and 7.6e11 tokens/s).
     Here a 5 s capture is booked during the first engine step, before the prefill ends."""
-    from dustin.engine.session import Session
+    from dustin.engine.worker.runner import Runner
 
     booked = {"s": 0.0}
-    monkeypatch.setattr(Session, "capture_total", lambda self: booked["s"])
+    monkeypatch.setattr(Runner, "capture_total", lambda self: booked["s"])
     step = EngineCore.step
 
     def step_with_a_capture(self):

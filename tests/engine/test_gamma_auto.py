@@ -1,4 +1,4 @@
-"""Γ per row and `--gamma auto` (dustin/engine/gamma.py, Session.set_gamma): each sequence picks its own Γ per step;
+"""Γ per row and `--gamma auto` (dustin/engine/gamma.py, Runner.set_gamma): each sequence picks its own Γ per step;
 a step runs the largest, and every row's tokens are those of steps of its own Γ, whatever runs beside it. Full
 verification stays exact (Γ = 0 steps included, with the draft's catch-up after them), and a request's text does not
 depend on the batch, greedy or seeded-sampled (fp32, CPU)."""
@@ -147,12 +147,12 @@ def test_seeded_sampling_with_auto_gamma_does_not_depend_on_the_batch(engine):
 
 
 def test_fixed_gamma_per_row_is_a_step_of_that_gamma(engine):
-    """Session.set_gamma: a row held at Γ = 2 in a batch whose other rows draft 4 gets the tokens a Γ = 2 engine
+    """Runner.set_gamma: a row held at Γ = 2 in a batch whose other rows draft 4 gets the tokens a Γ = 2 engine
     gives it (greedy, sparse verification)."""
     prompts = _prompts(3, seed=3)
     want = _core(engine, "dustin", gamma=2).generate(prompts[:1], GREEDY)[0]
     core = _core(engine, "dustin", gamma=4)
-    core.session.set_gamma(0, 2)  # an idle row keeps its Γ until it is released
+    core.runner.set_gamma(0, 2)  # an idle row keeps its Γ until it is released
     core.queue([(p, GREEDY) for p in prompts])
     core.step()
     assert core.scheduler.running[0].request.prompt_ids == prompts[0]
@@ -164,12 +164,12 @@ def test_fixed_gamma_per_row_is_a_step_of_that_gamma(engine):
 def test_gamma_bounds_are_checked(engine):
     core = _core(engine, "dustin", gamma=4)
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        core.session.set_gamma(0, 0)  # sparse verification: a token depends on its drafts
+        core.runner.set_gamma(0, 0)  # sparse verification: a token depends on its drafts
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        core.session.set_gamma(0, 5)
-    assert _core(engine, "classic", gamma=4).session.min_gamma == 0
+        core.runner.set_gamma(0, 5)
+    assert _core(engine, "classic", gamma=4).runner.batch.min_gamma == 0
     with pytest.raises(ValueError, match="no Γ"):
-        _core(engine, "vanilla", gamma=4).session.set_gamma(0, 1)
+        _core(engine, "vanilla", gamma=4).runner.set_gamma(0, 1)
     with pytest.raises(InputError, match="integer or auto"):
         GenerationConfig(gamma="fast")
     cfg = GenerationConfig(gamma="auto")

@@ -18,8 +18,8 @@ import torch
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.kv_manager import KVManager
-from dustin.engine.session import Session
 from dustin.engine.warmup import Launch, plan_first_step, record_launches, start_kernel_warmup
+from dustin.engine.worker.runner import Runner
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -48,7 +48,7 @@ def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
     draft = engine.draft if cfg.spec.speculative else None
     kv = KVManager({"target": engine.target} | ({} if draft is None else {"draft": draft}), slots, cap)
-    s = Session(engine.target, draft, cfg, engine.vocab_limit, engine.make_policy(cfg), kv=kv)
+    s = Runner(engine.target, draft, cfg, engine.vocab_limit, engine.make_policy(cfg), kv=kv)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):
@@ -255,7 +255,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     assert all(p.prefill and not p.decode for p in plans[:first_decode])
     if busy > 2:  # still compiling throughout the prefill: no decode step before the last prefill chunk
         assert not any(p.prefill for p in plans[first_decode:])
-    assert llm.session.warmup_s >= 0.25
+    assert llm.runner.warmup_s >= 0.25
 
 
 class _Cache:
@@ -271,13 +271,13 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
     must not run then: a real launch would read the fake tensor's address, 0)."""
     from dustin.engine.warmup import FakeTensorLeak
 
-    original = Session.dry_step
+    original = Runner.dry_step
 
     def caching_step(self):
         _Cache.by_device.setdefault(str(self.device), torch.zeros(4, device=self.device))
         return original(self)
 
-    monkeypatch.setattr(Session, "dry_step", caching_step)
+    monkeypatch.setattr(Runner, "dry_step", caching_step)
     _Cache.by_device.clear()
     plan = _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
@@ -286,7 +286,7 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
         _Cache.held.append(torch.zeros(4, device=self.device))
         return original(self)
 
-    monkeypatch.setattr(Session, "dry_step", holding_step)
+    monkeypatch.setattr(Runner, "dry_step", holding_step)
     with pytest.raises(FakeTensorLeak, match="held by list"):
         _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     _Cache.held.clear()

@@ -41,7 +41,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def shared():
     """One prefill of the prompts for every method (the CPU prefill dominates these tests)."""
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     return PrefillCache()
 

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
         fused_rows = engine.target.layers[0].self_attn.qkv_proj.weight.shape[0]  # [q | k | v] of the rank's heads
         assert fused_rows == (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
         outputs = _generate_all(engine)
-        s = engine.start(_prompts(), _cfg(RUNS["classic"])).session  # the cache holds only this rank's KV heads
+        s = engine.start(_prompts(), _cfg(RUNS["classic"])).runner.batch  # the cache holds only this rank's KV heads
         assert s.target_cache.k.shape[2] == 4 // world
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outputs, f)

@@ -11,7 +11,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
@@ -164,7 +164,7 @@ def test_target_scores_use_the_last_cached_query(engine):
     core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
-    s = core.session
+    s = core.runner.batch
     L = s.target_cache.lengths.clone()
     got = policy.target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
     committed = (prompt + out)[: int(L)]  # cached tokens (all but the pending one)
@@ -234,7 +234,7 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     L0 = len(prompt)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
-    s = core.session
+    s = core.runner.batch
     got = policy.draft_scores.scores[0, :L0]
     lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
     ids = (prompt + out)[:L0] + lookahead

@@ -9,7 +9,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.scoring import causal_probs
@@ -132,7 +132,7 @@ def test_plan_is_prompt_picks_and_generated_positions(engine):
     core, policy = _session(engine, prompts)
     for _ in range(2):
         core.step()
-    s = core.session
+    s = core.runner.batch
     L = s.target_cache.lengths.clone()
     assert bool((L > torch.tensor(RAGGED)).all())  # something was generated
     assert policy.plan(s) is policy
