@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
 REAL_METHODS = ("vanilla", "classic", "magicdec", "streaming", "dustin")
-# also accepted: the ablations, dustin-anchor and the per-layer baselines (graph-safe: each step one CUDA graph like
-# dustin's). Not snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
-EXTRA_METHODS = ("dustin-t", "dustin-d", "dustin-anchor", "streaming", "quest", "specattn")
+# also accepted: the ablations and the per-layer baselines (graph-safe: each step one CUDA graph like dustin's). Not
+# snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
+EXTRA_METHODS = ("dustin-t", "dustin-d", "streaming", "quest", "specattn")
 DEFAULT_TAU = 2.2
 PROMPT_KINDS = {"code": "code", "prose": "essays"}  # --prompts kind -> `dustin.data.corpora` text kind
 
