@@ -94,7 +94,7 @@ class LLM:
             raise InputError(f"method {method!r} needs a draft model")
         self.engine = Engine.from_pretrained(target, draft if speculative else None, device=device, dtype=dtype)
         if METHODS[method].policy != "full":
-            self.engine.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate
+            self.engine.pair.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate
 
     @property
     def method(self) -> str:
@@ -103,7 +103,7 @@ class LLM:
     @property
     def tokenizer(self):
         """The target's Hugging Face tokenizer (None when its folder has none)."""
-        return self.engine.tokenizer
+        return self.engine.pair.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None, *, chat: bool = False) -> list[RequestResult]:
@@ -129,7 +129,7 @@ class LLM:
         for i, p in enumerate(prompts):
             if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (not p or _is_token_ids(p)))):
                 raise InputError(f"prompt {i} is a {type(p).__name__}: pass text or a list of token ids")
-        ids = [self.engine.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
+        ids = [self.engine.pair.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
         # the prompts and limits are checked once, by `Engine.generate`
         cfg = replace(self.base_config, max_new_tokens=max(p.max_tokens for p in plist))
         out = self.engine.generate(ids, cfg, params=plist)

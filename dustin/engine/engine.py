@@ -6,7 +6,8 @@
 The config is the engine core's own (`GenerationConfig`), with the batch's sizes: one slot per prompt, the
 models' whole context, and the capacity its prompts need. How a batch is admitted and where its core comes from
 is dustin/engine/offline/batch.py's; every batch runs on the same engine core as the server (dustin/engine/core.py).
-This is one edge of the engine: a batch's prompts and limits are checked here, once.
+This is one edge of the engine: a batch's prompts and limits are checked here, once. The models, tokenizer and what
+is asked of them are the engine's `pair` (`ModelPair`).
 """
 from __future__ import annotations
 
@@ -69,14 +70,24 @@ class GenerationResult:
         }
 
 
-class Engine(ModelPair):
-    """The model pair with offline batch generation. On a GPU one engine core is kept across `generate` calls
-    (KV caches, policy buffers and CUDA graphs reused; dustin/engine/offline/batch.py); on a CPU each call
-    allocates its own."""
+class Engine:
+    """Offline batch generation over a model pair (`pair`: the models, their tokenizer and EOS ids, the policy of a
+    method, KV-memory fit; `ModelPair`). On a GPU one engine core is kept across `generate` calls (KV caches, policy
+    buffers and CUDA graphs reused; dustin/engine/offline/batch.py); on a CPU each call allocates its own."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batches = OfflineBatches(self, keep=self.device.type == "cuda")
+    def __init__(self, pair: ModelPair) -> None:
+        self.pair = pair
+        self.batches = OfflineBatches(pair, keep=pair.device.type == "cuda")
+
+    @classmethod
+    def from_models(cls, target, draft=None, tokenizer=None, draft_tokenizer=None, parallel=None) -> "Engine":
+        """An engine over models already loaded (`ModelPair`'s arguments)."""
+        return cls(ModelPair(target, draft, tokenizer, draft_tokenizer, parallel=parallel))
+
+    @classmethod
+    def from_pretrained(cls, target, draft=None, **kwargs) -> "Engine":
+        """An engine over a pair loaded from folders, "default" or hub ids (`ModelPair.from_pretrained`)."""
+        return cls(ModelPair.from_pretrained(target, draft, **kwargs))
 
     @property
     def keep_session(self) -> bool:
@@ -91,7 +102,7 @@ class Engine(ModelPair):
         """Free the kept engine core's KV caches and graphs (the next `generate` allocates and captures anew)."""
         self.batches.release()
         gc.collect()
-        if self.device.type == "cuda":
+        if self.pair.device.type == "cuda":
             torch.cuda.empty_cache()
 
     @property
@@ -108,7 +119,7 @@ class Engine(ModelPair):
         max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the same one over the
         same prompts share one prefill. fill="noise": the prompt caches are filled with noise instead of computed
         (benchmarks with random weights); fill="whole": the batch is one gang that computes its prompts."""
-        if cfg.spec.speculative and self.draft is None:
+        if cfg.spec.speculative and self.pair.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         if params is not None:
             if len(params) != len(prompts):
@@ -129,13 +140,13 @@ class Engine(ModelPair):
         params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's.
         step_costs: `--gamma auto`'s cost model (a `StepCosts`; None: measured when the core starts), e.g. the
         `gamma_rule.costs` of an earlier core, so that runs compare under the same Γ decisions."""
-        ids = [self.encode(p, chat) for p in prompts]
+        ids = [self.pair.encode(p, chat) for p in prompts]
         try:
             core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params, step_costs=step_costs)
             return core.executor.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
             self.batches.release()
-            raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
+            raise OutOfMemoryError(f"out of {self.pair.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
 
     def _run(self, core, ids: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
@@ -157,7 +168,7 @@ class Engine(ModelPair):
         # prefill_s (a prompt's first decode step is launched with its last chunk)
         before = timing.get("phases_at_prefill", {})
         st.phases = {k: v - before.get(k, 0.0) for k, v in s.timer.totals().items()}
-        seqs = [SequenceResult(len(p), o.new_token_ids, self.decode(o.new_token_ids), o.finish_reason, o.logprobs,
+        seqs = [SequenceResult(len(p), o.new_token_ids, self.pair.decode(o.new_token_ids), o.finish_reason, o.logprobs,
                                o.prompt_logprobs) for p, o in zip(ids, outputs, strict=True)]
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
@@ -165,7 +176,7 @@ class Engine(ModelPair):
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
         produced = timing["produced_after_prefill"]
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
+                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.pair.dtype_name,
                                 s.policy.budget_stats(), warm)
 
     def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
@@ -176,6 +187,6 @@ class Engine(ModelPair):
         if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
             raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
         try:
-            check_prompts(prompts, cfg, self.max_context(cfg.spec.speculative), self.vocab_limit, limits)
+            check_prompts(prompts, cfg, self.pair.max_context(cfg.spec.speculative), self.pair.vocab_limit, limits)
         except InputError as e:  # its messages name the command line's flag
             raise InputError(str(e).replace("--max-new-tokens", name)) from None

@@ -202,9 +202,6 @@ class ModelPair:
         args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
         return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
 
-    def release_cached(self) -> None:
-        """Drop what is kept across calls to free device memory (nothing here; `Engine` keeps an engine core)."""
-
     def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
         """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
         memory (the rest is work space: activations, logits, graph pools). True where free memory is unknown."""
@@ -218,9 +215,8 @@ class ModelPair:
         90% of the free device memory; the line says how many sequences would."""
         need = copies * self.kv_cache_bytes(batch, capacity, speculative)
         if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
-            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and a kept
-            # engine core may hold its caches: give them back before refusing
-            self.release_cached()
+            # memory of finished batches may still sit in PyTorch's cache or in unreachable graph pools: give it
+            # back before refusing (an `Engine` drops its kept engine core itself, `Engine.release_cached`)
             gc.collect()
             torch.cuda.empty_cache()
         if not self.kv_memory_fits(batch, capacity, speculative, copies):

@@ -266,21 +266,21 @@ class Plan:
         return self.prefill + self.step
 
 
-def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
                     prefill_chunk: int = 512) -> Plan:
     """The Triton launches of the first prefill forward (`prefill_tokens` tokens of `prefill_chunk`-token chunks, as
     the engine loop packs them) and first decode step of a `Runner` of `slots` rows and `capacity` positions running
-    `cfg` on `engine`'s models, found by running them on a fake twin (module docstring): one specialization each.
+    `cfg` on `pair`'s models, found by running them on a fake twin (module docstring): one specialization each.
     The models are left as they were, and fake tensors the code left in dict caches are removed. Raises
     RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor is left anywhere else."""
-    draft = engine.draft if cfg.spec.speculative else None
-    state = _module_state([engine.target, draft])
+    draft = pair.draft if cfg.spec.speculative else None
+    state = _module_state([pair.target, draft])
     error, t0 = None, time.perf_counter()
     prefill: list[Launch] = []
     step: list[Launch] = []
     with track_fakes() as fakes:
         try:
-            prefill, step = _dry_run(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+            prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
         except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
             error = f"{type(e).__name__}: {e}"
         finally:
@@ -296,7 +296,7 @@ def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int 
     return Plan(prefill, step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4), removed)
 
 
-def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
+def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
              ) -> tuple[list[Launch], list[Launch]]:
     """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
     makes is local to this call."""
@@ -306,12 +306,12 @@ def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefil
     from dustin.engine.timing import NullTimer
     from dustin.engine.worker.runner import Runner
 
-    draft = engine.draft if cfg.spec.speculative else None
-    policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
+    draft = pair.draft if cfg.spec.speculative else None
+    policy = pair.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
-        models = {"target": engine.target} | ({} if draft is None else {"draft": draft})
-        twin = Runner(engine.target, draft, cfg, engine.vocab_limit, policy, kv=KVManager(models, slots, capacity))
+        models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
+        twin = Runner(pair.target, draft, cfg, pair.vocab_limit, policy, kv=KVManager(models, slots, capacity))
         twin.batch.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
     # gives the policy's observers the state the first step reads (e.g. S_target's last query)
@@ -484,18 +484,18 @@ def warmup_enabled() -> bool:
     return os.environ.get("DUSTIN_KERNEL_WARMUP", "1") != "0"
 
 
-def start_kernel_warmup(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+def start_kernel_warmup(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
                         prefill_chunk: int = 512) -> KernelWarmup | None:
     """Plan a runner's first prefill forward and decode step (`plan_first_step`) and start compiling them in the
     background, when kernels are compiled on the engine's device (a GPU without Triton's interpreter) and the
     warm-up is on; else, or if the plan fails (the steps then compile their kernels themselves, as without a
     warm-up), None. A plan that left a fake tensor where the engine may use it raises (`FakeTensorLeak`)."""
-    if not warmup_enabled() or not compiles_here(engine.device) or engine.parallel is not None:
+    if not warmup_enabled() or not compiles_here(pair.device) or pair.parallel is not None:
         return None
     t0 = time.perf_counter()
     try:
-        plan = plan_first_step(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
-        return KernelWarmup(plan, engine.device, plan_s=time.perf_counter() - t0).start()
+        plan = plan_first_step(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+        return KernelWarmup(plan, pair.device, plan_s=time.perf_counter() - t0).start()
     except FakeTensorLeak:
         raise
     except Exception:  # e.g. a dry run the fake tensors cannot follow: no warm-up, nothing else changes

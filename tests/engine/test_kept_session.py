@@ -14,8 +14,8 @@ from dustin.models.loader import load_model
 @pytest.fixture(scope="module")
 def engines(tiny_pair):
     target, draft = tiny_pair
-    fresh = Engine(load_model(target), load_model(draft))
-    kept = Engine(fresh.target, fresh.draft)
+    fresh = Engine.from_models(load_model(target), load_model(draft))
+    kept = Engine.from_models(fresh.pair.target, fresh.pair.draft)
     fresh.keep_session, kept.keep_session = False, True
     return fresh, kept
 

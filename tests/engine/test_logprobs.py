@@ -33,7 +33,7 @@ def hf(tiny_pair):
 def _llm(engine, method="classic", **kw) -> EngineCore:
     kw = {**(SPARSE if method.startswith("dustin") else {}), "max_slots": 4, "max_context": 256,
           "prefill_chunk": 16, "prefill_tokens": 32, **kw}
-    return EngineCore(engine, GenerationConfig(method=method, **kw))
+    return EngineCore(engine.pair, GenerationConfig(method=method, **kw))
 
 
 def _run(llm: EngineCore, groups: list[list[Request]], steps_before: int = 0) -> dict:
@@ -205,7 +205,7 @@ def test_step_graphs_with_logprobs_on_the_gpu():
 
     def run(eng, prompts, method, graphs, lp):
         kw = {"budget": 64, "draft_window": 64} if method == "dustin" else {}
-        llm = EngineCore(eng, GenerationConfig(method=method, max_slots=4, max_context=1024, **kw))
+        llm = EngineCore(eng.pair, GenerationConfig(method=method, max_slots=4, max_context=1024, **kw))
         llm.runner.device_step.use_graphs = graphs
         sps = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=24, logprobs=lp,
                               prompt_logprobs=lp, ignore_eos=True) for i in range(len(prompts))]

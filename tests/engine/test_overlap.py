@@ -16,7 +16,7 @@ from dustin.models.loader import load_model
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
     target, draft = tiny_pair
-    e = Engine(load_model(target), load_model(draft))
+    e = Engine.from_models(load_model(target), load_model(draft))
     e.keep_session = False
     return e
 
@@ -98,7 +98,7 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
     learns it stopped, then keeps running frozen while another row decodes on: no write may leave the cache."""
     target, _ = tiny_pair
     model = load_model(target)
-    e = Engine(model, model)
+    e = Engine.from_models(model, model)
     e.keep_session = False
     prompts = _prompts([60, 10], seed=4)
     limits = [12, 40]  # 1 + 5 + 5 = 11 tokens after two steps: the third ends at 16, 4 past the limit

@@ -58,8 +58,8 @@ def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
     prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(60, 150))] for _ in range(3)]
     cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=24, stop_at_eos=False)
     want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
-    hkv = engine.target.args.n_kv_heads
-    policy = PerKVHead(engine.make_policy(cfg), hkv)
+    hkv = engine.pair.target.args.n_kv_heads
+    policy = PerKVHead(engine.pair.make_policy(cfg), hkv)
     got = [s.token_ids for s in engine.generate(prompts, cfg, policy=policy).sequences]
     assert got == want
     assert policy.shapes and all(s[:2] == (3, hkv) for s in policy.shapes)

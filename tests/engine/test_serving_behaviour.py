@@ -48,13 +48,13 @@ def _offline(engine, prompt, method, max_new, **kw) -> list[int]:
 def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
     """An EngineCore over `engine`; with `eos`, that set is the EOS ids its engine core stops at (the core takes the
     Engine's set when it is built; the shared Engine keeps its own)."""
-    saved = engine.eos_ids
+    saved = engine.pair.eos_ids
     if eos is not None:
-        engine.eos_ids = set(eos)
+        engine.pair.eos_ids = set(eos)
     try:
-        llm = EngineCore(engine, GenerationConfig(**cfg))
+        llm = EngineCore(engine.pair, GenerationConfig(**cfg))
     finally:
-        engine.eos_ids = saved
+        engine.pair.eos_ids = saved
     if eos is not None:
         assert llm.eos_ids == set(eos)
     return llm
@@ -82,7 +82,7 @@ def _drain(llm: EngineCore, requests=()) -> tuple[dict[str, list[int]], dict[str
 
 def _target_logits(engine, prefixes: list[list[int]]) -> torch.Tensor:
     """The target's logits [B, V] after each prefix (all of one length), from a plain full forward."""
-    target, V = engine.target, engine.vocab_limit
+    target, V = engine.pair.target, engine.pair.vocab_limit
     x = torch.tensor(prefixes)
     B, T = x.shape
     a = target.args

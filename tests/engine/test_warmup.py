@@ -46,9 +46,9 @@ PAD = 256  # tokens per packed prefill forward in these sessions
 def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
-    draft = engine.draft if cfg.spec.speculative else None
-    kv = KVManager({"target": engine.target} | ({} if draft is None else {"draft": draft}), slots, cap)
-    s = Runner(engine.target, draft, cfg, engine.vocab_limit, engine.make_policy(cfg), kv=kv)
+    draft = engine.pair.draft if cfg.spec.speculative else None
+    kv = KVManager({"target": engine.pair.target} | ({} if draft is None else {"draft": draft}), slots, cap)
+    s = Runner(engine.pair.target, draft, cfg, engine.pair.vocab_limit, engine.pair.make_policy(cfg), kv=kv)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):
@@ -105,7 +105,7 @@ def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
     generates; attributes a dry run adds to a module are removed again."""
     from dustin.engine.warmup import _module_state, _restore_modules
 
-    model = triton_pair.target
+    model = triton_pair.pair.target
     before = {n: t.clone() for n, t in model.state_dict().items()}
     keys = set(vars(model.layers[0]))
     cfg = GenerationConfig(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
@@ -185,7 +185,7 @@ def test_the_warmup_is_inert_on_the_cpu(triton_pair):
     assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
     from dustin.engine.core import EngineCore
 
-    llm = EngineCore(triton_pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
+    llm = EngineCore(triton_pair.pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
     assert llm.executor.kernel_warmup is None
 
 
@@ -223,7 +223,7 @@ def loop_reference(triton_pair):
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
     cfg = GenerationConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    return prompts, cfg, params, EngineCore(triton_pair, cfg).generate(prompts, params)
+    return prompts, cfg, params, EngineCore(triton_pair.pair, cfg).generate(prompts, params)
 
 
 @pytest.mark.parametrize("busy", [2, 1000])
@@ -235,7 +235,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     from dustin.engine.request import Request
 
     prompts, cfg, params, ref = loop_reference
-    llm = EngineCore(triton_pair, cfg)
+    llm = EngineCore(triton_pair.pair, cfg)
     fake = llm.executor.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm.schedule
