@@ -64,7 +64,7 @@ def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
 
 
 def _plan(engine, cfg, slots: int, cap: int):
-    return plan_first_step(engine, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
+    return plan_first_step(engine.pair, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "magicdec", "dustin", "streaming"])
@@ -182,7 +182,7 @@ def test_the_warmup_is_on_unless_switched_off(monkeypatch):
 
 
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
-    assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
+    assert start_kernel_warmup(triton_pair.pair, _cfg("dustin", 200), 3, 200) is None
     from dustin.engine.core import EngineCore
 
     llm = EngineCore(triton_pair.pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
