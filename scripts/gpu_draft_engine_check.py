@@ -34,9 +34,9 @@ def main() -> int:
 
     def run(method, **opts):
         cfg = GenerationConfig(method=method, max_slots=4, max_context=256, options=ExecutionOptions(**opts))
-        core = EngineCore(engine, cfg)
+        core = EngineCore(engine.pair, cfg)
         out = core.generate(prompts, greedy)
-        kern = engine.draft.layer_kernel
+        kern = engine.pair.draft.layer_kernel
         return out, core.stats().get("tau"), kern is not None and kern.vocab is not None
 
     want, _, _ = run("vanilla")

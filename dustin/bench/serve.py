@@ -245,14 +245,14 @@ def run(args) -> int:
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                     dtype=args.dtype, attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    work = {sc["name"]: make_prompts(engine.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
-                                     engine.vocab_limit) for sc in p["scenarios"]}
+    work = {sc["name"]: make_prompts(engine.pair.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
+                                     engine.pair.vocab_limit) for sc in p["scenarios"]}
     bandwidth = _bandwidth(args.device)
     console = Console(stderr=True)
     rows = []
     for method in p["methods"]:
         waiting = max(sc["num_requests"] for sc in p["scenarios"])
-        llm = EngineCore(engine, _serve_config(args, method, waiting))
+        llm = EngineCore(engine.pair, _serve_config(args, method, waiting))
         # warm-up, untimed: the first steps compile the kernels and capture the step graph (one-time costs a
         # server pays once at start, not per scenario)
         first = work[p["scenarios"][0]["name"]]
@@ -307,12 +307,12 @@ def _offline(engine, prompts: list[list[int]], cfg) -> dict:
     import torch
 
     engine.generate(prompts, cfg)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.pair.device.type == "cuda":
+        torch.cuda.synchronize(engine.pair.device)
     t0 = time.perf_counter()
     r = engine.generate(prompts, cfg)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.pair.device.type == "cuda":
+        torch.cuda.synchronize(engine.pair.device)
     wall = time.perf_counter() - t0
     tokens = sum(len(x.token_ids) for x in r.sequences)
     return {"offline_wall_s": wall, "offline_tokens_per_s": tokens / wall, "offline_prefill_s": r.prefill_s,
@@ -335,8 +335,9 @@ def _roofline(engine, llm, method: str, prompts, max_tokens: int, tau, bandwidth
 
     batch = min(len(prompts), llm.max_slots)
     ctx = sum(map(len, prompts)) // len(prompts) + max_tokens // 2
-    b = step_bytes(method, engine.target, engine.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
-                   sparse_cfg=llm.session.policy.cfg, target_args=engine.target_args)
+    pair = engine.pair
+    b = step_bytes(method, pair.target, pair.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
+                   sparse_cfg=llm.runner.policy.cfg, target_args=pair.target_args)
     step_s = b.seconds(bandwidth)
     return {"roofline_ms_per_step": 1e3 * step_s, "roofline_tokens_per_s": batch * (tau or 1.0) / step_s}
 

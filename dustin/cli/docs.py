@@ -147,8 +147,6 @@ METHOD_NOTES = {
                "recent attention on a few profiled heads", "the default: the most tokens/s at 16k-128k"),
     "dustin-t": ("k positions by the target's recent attention only", "an ablation of dustin"),
     "dustin-d": ("k positions by the draft's lookahead only", "an ablation of dustin"),
-    "dustin-anchor": ("k positions per KV head, chosen by a few anchor layers from their own attention",
-                      "experimental: loses more than dustin (docs/accuracy.md)"),
     "streaming": ("4 sinks + the most recent k - 4 positions (StreamingLLM)", "a baseline"),
     "quest": ("k positions per KV head by page statistics (Quest)", "a baseline"),
     "specattn": ("k positions from the draft's attention (SpecAttn)", "a baseline"),
@@ -207,7 +205,7 @@ def memory_rows() -> list[dict]:
     caches (context + 3Γ + 4 positions each, as `dustin serve` allocates them) fit beside the weights in MEMORY_SHARE
     of the card; `yarn`: the context is past the pair's own (Qwen2.5: 128k with --rope-scaling yarn:4)."""
     from dustin.defaults import GAMMA
-    from dustin.engine.session import cache_capacity
+    from dustin.engine.kv_manager import cache_capacity
     from dustin.models.args import named_config
 
     rows = []
@@ -295,7 +293,7 @@ RULER_RUNS = {
     "16k": [("2026-12-04", "the oracle ladder", "ladder/ruler_16k_ladder.json", "ladder/ruler_16k_ladder.json"),
             ("2026-12-02", "the 5-layer config's check; vanilla from the 2026-12-01 run",
              "accuracy/h200_ruler20_16k_5layer.json", "accuracy/h200_ruler20_16k.json"),
-            ("2026-12-05", "dustin-anchor's run", "anchor_h200/h200_ruler_16k_anchor.json",
+            ("2026-12-05", "the anchor-layer selection's run (not kept)", "anchor_h200/h200_ruler_16k_anchor.json",
              "anchor_h200/h200_ruler_16k_anchor.json")],
     "32k": [("2026-12-04", "the oracle ladder", "ladder/ruler_32k_ladder.json", "ladder/ruler_32k_ladder.json"),
             ("2026-12-02", "the 5-layer config's check; vanilla from the 2026-12-01 run",

@@ -38,8 +38,6 @@ METHODS: dict[str, MethodSpec] = {
     "dustin": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin"),
     "dustin-t": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-t"),
     "dustin-d": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-d"),
-    # anchor layers choose per-KV-head sets for the layers above them (selection/anchors.py)
-    "dustin-anchor": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-anchor"),
     "streaming": MethodSpec(speculative=True, draft_kv="streaming", policy="streaming"),
     "quest": MethodSpec(speculative=True, draft_kv="streaming", policy="quest"),
     "specattn": MethodSpec(speculative=True, draft_kv="streaming", policy="specattn"),

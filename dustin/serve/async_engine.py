@@ -10,9 +10,10 @@
 
 Request handlers (on the event loop) only put commands on the queue and await their request's stream, and take
 every output waiting there at once (`RequestStream.next_batch`): a loop that falls behind the engine catches up
-in fewer, larger chunks instead of one wake-up and one chunk per output. The one
-exception is `EngineCore.check_request`, which the caller runs itself so a bad request fails fast even while the
-engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
+in fewer, larger chunks instead of one wake-up and one chunk per output. The one exception is
+`EngineCore.check_request`, a request's one check, which the caller runs itself so a bad request fails fast even
+while the engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
+The engine thread then adds the checked requests without checking them again.
 
 If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
 stops taking requests, and `error` keeps the message for /health (503). The process stays up.
@@ -322,11 +323,8 @@ class AsyncEngineCore:
             return
         added: list[str] = []
         try:
-            for group in cmd.groups:
-                if len(group) == 1:
-                    self.engine.add_request(group[0])
-                else:
-                    self.engine.add_requests(group)
+            for group in cmd.groups:  # each request was checked by `generate_groups` (on the event loop)
+                self.engine.add_requests(group, checked=True)
                 added += [r.request_id for r in group]
         except Exception as e:  # noqa: BLE001 - InputError, QueueFullError (or a bug): the caller gets it
             for rid in added:  # all or nothing

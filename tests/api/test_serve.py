@@ -1200,7 +1200,7 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     want_text = engine.generate([code], cfg).sequences[0]
     # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
     # prefill is padded to prefill_tokens (512 by default on a CPU)
-    llm = EngineCore(engine, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,
+    llm = EngineCore(engine.pair, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,
                                               prefill_chunk=64, prefill_tokens=64))
     srv = LiveServer(llm, name="qwen", timeout=600)
     try:

@@ -587,9 +587,9 @@ def test_engine_with_the_kernel_keeps_full_verification_exact():
     def run(method, kernel):
         cfg = GenerationConfig(method=method, max_slots=4, max_context=256, options=ExecutionOptions(
             draft_kernel=kernel), **({"budget": 64} if method == "dustin" else {}))
-        core = EngineCore(engine, cfg)
+        core = EngineCore(engine.pair, cfg)
         out = core.generate(prompts, greedy)
-        return out, engine.draft.layer_kernel
+        return out, engine.pair.draft.layer_kernel
 
     want, kernel = run("magicdec", False)  # streaming draft, full verification
     assert kernel is None
@@ -612,8 +612,8 @@ def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
     off = engine.generate(prompts, GenerationConfig(**kw))
     on = engine.generate(prompts, GenerationConfig(**kw, options=ExecutionOptions(draft_kernel=True)))
     assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
-    assert engine.draft.layer_kernel is None
-    assert dd.attach(engine.draft, 4, 28) == "not on a GPU"
+    assert engine.pair.draft.layer_kernel is None
+    assert dd.attach(engine.pair.draft, 4, 28) == "not on a GPU"
 
 
 @needs_nvcc
