@@ -28,7 +28,7 @@
 #                                        # (eager and graphed), its time per forward, `bench e2e` 16 x 16k / 32k with
 #                                        # and without it, and 16 x 16k with per-forward graphs (the draft's ms per
 #                                        # forward); random weights of the pair's shapes, acceptance-controlled;
-#                                        # PARTS="drift tests ncu time phase e2e" picks parts (see the mode)
+#                                        # PARTS="drift tests ncu time timeline phase e2e" picks parts (see the mode)
 #   bash scripts/device_speed.sh draft8b # no weights: Llama-3.1-8B + 3.2-1B shapes, 32k x 16, with and without it
 #   bash scripts/device_speed.sh grid    # after staging: `bench e2e --real` code, vanilla and dustin, on the grid
 #                                        # 16 x 2k, 16k, 29.5k, 8 x 64k (YaRN), 32 x 16k, 64 x 8k; FLAGS are added
@@ -138,6 +138,8 @@ elif [ "$mode" = draft ]; then
   #   tests  the compile test (every exported name) first, then the GPU tests (the conftest's interpreter off)
   #   ncu    Nsight Compute's summary of one layer-stack launch (16 rows; speed of light, warp states, memory)
   #   time   the kernel's time per forward against the per-layer kernels (scripts/gpu_draft_decoder.py)
+  #   timeline  the profiling build's record: each program's time split into waiting for inputs, staging, weights,
+  #          MMAs and epilogue, per stage, and each stage's span per layer (scripts/gpu_draft_timeline.py)
   #   phase  bench e2e 16 x 16k with per-forward graphs, with and without the kernel: the draft's ms per forward
   #   e2e    bench e2e 16 x 16k / 32k, vanilla and dustin, with and without the kernel, then the phases as above
   for part in ${PARTS:-tests time e2e}; do
@@ -151,6 +153,7 @@ elif [ "$mode" = draft ]; then
              --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
              python3 scripts/gpu_draft_decoder.py --unchecked --only stack --batch 16 ;;
       time) run 90 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16 ;;
+      timeline) run 90 python3 scripts/gpu_draft_timeline.py --draft qwen2.5-0.5b --batch 16 ;;
       phase|e2e)
         e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
         for flag in --no-draft-kernel --draft-kernel; do  # the step graph; then per-forward graphs (the draft apart)

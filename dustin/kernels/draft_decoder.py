@@ -316,12 +316,15 @@ def find_nvcc() -> str | None:
                                     else None)
 
 
-def compile_flags(shape: Shape, t: Tiling) -> list[str]:
+def compile_flags(shape: Shape, t: Tiling, timeline: bool = False) -> list[str]:
+    """nvcc's flags for a build. timeline: the profiling build, which records when each instruction reached each
+    stage of its work (`DraftDecoder.timeline`; scripts/gpu_draft_timeline.py reads it)."""
     # -lineinfo: source lines in profilers (Nsight Compute's stall sampling), no change to the code
     return ["-arch=sm_90a", "-O3", "-lineinfo", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
             f"-DDIM={shape.dim}", f"-DN_HEADS={shape.n_heads}", f"-DN_KV_HEADS={shape.n_kv_heads}",
             f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DKSPLIT={t.ksplit}", f"-DDSPLIT={t.dsplit}",
-            f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}", f"-DMAX_TOKEN_ROWS={t.rows}"]
+            f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}", f"-DMAX_TOKEN_ROWS={t.rows}",
+            *(["-DDRAFT_TIMELINE"] if timeline else [])]
 
 
 def cache_dir() -> Path:
@@ -330,10 +333,11 @@ def cache_dir() -> Path:
     return dustin_home() / "kernels"
 
 
-def build(shape: Shape, t: Tiling) -> Path:
-    """The kernel's shared library for `shape` and tiling `t`: compiled by nvcc unless the cache directory holds it
-    (under a hash of the source and flags; ~5-10 s). Raises BuildError without nvcc or when the build fails."""
-    flags = compile_flags(shape, t)
+def build(shape: Shape, t: Tiling, timeline: bool = False) -> Path:
+    """The kernel's shared library for `shape` and tiling `t` (timeline: the profiling build, `compile_flags`):
+    compiled by nvcc unless the cache directory holds it (under a hash of the source and flags; ~5-10 s). Raises
+    BuildError without nvcc or when the build fails."""
+    flags = compile_flags(shape, t, timeline)
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_dir() / f"draft_decoder-{key}.so"
     if not path.exists():
@@ -390,10 +394,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def library(shape: Shape, t: Tiling) -> ctypes.CDLL:
+def library(shape: Shape, t: Tiling, timeline: bool = False) -> ctypes.CDLL:
     """The built kernel for `shape` and tiling `t` (`build`), loaded and bound (`bind`). Raises BuildError without
     nvcc or when the build fails."""
-    return bind(ctypes.CDLL(str(build(shape, t))))
+    return bind(ctypes.CDLL(str(build(shape, t, timeline))))
 
 
 class _Params(ctypes.Structure):  # the kernel's Params, field for field
@@ -409,7 +413,10 @@ class _Params(ctypes.Structure):  # the kernel's Params, field for field
                 ("qkv_part", ctypes.c_void_p), ("o_part", ctypes.c_void_p), ("gu_part", ctypes.c_void_p),
                 ("counters", ctypes.c_void_p), ("arrivals", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
                 ("norm_w", ctypes.c_void_p), ("vocab", ctypes.c_int), ("vocab_rows", ctypes.c_int),
-                ("best", ctypes.c_void_p)]
+                ("best", ctypes.c_void_p), ("timeline", ctypes.c_void_p)]
+
+TIMELINE_MARKS = ("start", "inputs", "staged", "weights", "gemm", "end")  # the kernel's Mark, in order: SM clocks
+TIMELINE_FIELDS = 8  # the marks, then %globaltimer (ns) at the start and the SM's id
 
 
 # ---- the runtime ---------------------------------------------------------------------------------------------------
@@ -425,10 +432,13 @@ class DraftDecoder:
     rows and, when `rows` asks for more and a tiling fits, one for <= 64 (each build is an nvcc call on first use);
     fixed scratch buffers shared by both (a captured CUDA graph replays the same pointers); one instruction list per
     number of rows, those of `rows` made now. vocab: greedy forwards (`greedy`) take the argmax of the first `vocab`
-    logits inside the launch (None: never)."""
+    logits inside the launch (None: never). timeline: the profiling builds, each launch recording when its
+    instructions reached each mark (`timeline_of`)."""
 
-    def __init__(self, model, sinks: int, window: int, rows=(), vocab: int | None = None) -> None:
+    def __init__(self, model, sinks: int, window: int, rows=(), vocab: int | None = None,
+                 timeline: bool = False) -> None:
         a = model.args
+        self.timeline = timeline
         self.shape, self.sinks, self.window = Shape.of(a), sinks, window
         self.vocab = vocab if vocab is not None and 0 < vocab <= a.vocab_size else None
         self.builds: dict[int, _Build] = {}
@@ -437,7 +447,7 @@ class DraftDecoder:
             if t is None or not (size == ROWS[0] or any(r > ROWS[0] for r in rows)):
                 continue
             try:
-                self.builds[size] = _Build(t, library(self.shape, t), n_chunks(t, sinks, window))
+                self.builds[size] = _Build(t, library(self.shape, t, timeline), n_chunks(t, sinks, window))
             except BuildError as e:
                 if size == ROWS[0]:
                     raise
@@ -457,12 +467,13 @@ class DraftDecoder:
             table.append([ptr(at.qkv_proj.weight), ptr(at.qkv_proj.bias), ptr(at.o_proj.weight),
                           ptr(mlp.gate_up_proj.weight), ptr(mlp.down_proj.weight),
                           ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)])
-        if any(p % 16 for row in table for p in row[:5]):  # the bulk copies read 16-byte aligned rows
+        if any(p % 16 for row in table for p in row):  # bulk copies and the norms' loads read 16-byte pieces
             raise BuildError("a weight is not 16-byte aligned")
         self.layers = torch.tensor(table, dtype=torch.int64, device=dev)
         self._keep = model  # the weights the table points at
         self.lm_head, self.norm_w = model.lm_head.weight, model.norm.weight
-        if self.lm_head.data_ptr() % 16 or (a.dim * self.lm_head.element_size()) % 16 or model.norm.eps != self.eps:
+        if (self.lm_head.data_ptr() % 16 or self.norm_w.data_ptr() % 16 or (a.dim * self.lm_head.element_size()) % 16
+                or model.norm.eps != self.eps):
             self.vocab = None  # the HEAD tiles' bulk copies read 16-byte aligned rows; one eps serves every norm
         self.best = torch.zeros(max(self.builds), dtype=torch.int64, device=dev)
         S, qn, heads = self.max_rows, a.n_heads * a.head_dim, a.n_heads + 2 * a.n_kv_heads
@@ -531,8 +542,20 @@ class DraftDecoder:
                     ins[s, :len(lists[s])] = torch.tensor(lists[s], dtype=torch.int32)
                 if ws[s]:
                     wins[s, :len(ws[s])] = torch.tensor(ws[s], dtype=torch.int32)
-            self._plans[(M, head)] = tuple(t.to(self.device) for t in (ins, n_ins, wins, n_w)) + (stride,)
+            marks = (torch.zeros(self.n_sms, stride, TIMELINE_FIELDS, dtype=torch.int64, device=self.device)
+                     if self.timeline else None)
+            self._plans[(M, head)] = tuple(t.to(self.device) for t in (ins, n_ins, wins, n_w)) + (stride, marks)
         return self._plans[(M, head)]
+
+    def timeline_of(self, M: int, head: bool = False) -> tuple[list[list[tuple]], torch.Tensor]:
+        """The profiling build's record of the last launch of M token rows: each program's instruction list
+        (`plan`) and [n_sms, stride, TIMELINE_FIELDS] int64, per instruction the SM clock at each of
+        TIMELINE_MARKS, then %globaltimer at its start and the SM it ran on."""
+        if not self.timeline:
+            raise ValueError("timeline_of needs a DraftDecoder made with timeline=True")
+        b = self.build_for(M)
+        lists = plan(self.shape, b.tiles, self.n_layers, M, b.nchunk, self.n_sms, self.vocab if head else 0)
+        return lists, self._plan(M, head)[5].cpu()
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, T: int, head: bool = False) -> None:
@@ -541,7 +564,7 @@ class DraftDecoder:
         head (`head_for(M)` must hold): also each batch row's greedy token into `best` (`tokens`)."""
         M = h.shape[0]
         b = self.build_for(M)
-        ins, n_ins, wins, n_w, stride = self._plan(M, head)
+        ins, n_ins, wins, n_w, stride, marks = self._plan(M, head)
         p = _Params(self.layers.data_ptr(), ins.data_ptr(), n_ins.data_ptr(), wins.data_ptr(), n_w.data_ptr(), stride,
                     self.n_layers, M, T, h.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.sinks,
@@ -550,7 +573,8 @@ class DraftDecoder:
                     self.att_part.data_ptr(), self.down_part.data_ptr(), self.qkv_part.data_ptr(),
                     self.o_part.data_ptr(), self.gu_part.data_ptr(), self.counters.data_ptr(),
                     self.arrivals.data_ptr(), self.lm_head.data_ptr() if head else 0, self.norm_w.data_ptr(),
-                    self.vocab or 0, self.lm_head.shape[0], self.best.data_ptr())
+                    self.vocab or 0, self.lm_head.shape[0], self.best.data_ptr(),
+                    0 if marks is None else marks.data_ptr())
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):
             err = b.lib.draft_layers_launch(ctypes.byref(p), self.n_sms, ctypes.c_void_p(stream),

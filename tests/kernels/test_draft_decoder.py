@@ -306,17 +306,18 @@ def test_unsupported_shapes_say_why(shape):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("shape,rows", [(QWEN_05B, 32), (QWEN_05B, 64), (LLAMA_1B, 32)])
-def test_kernel_compiles_for_sm90_and_exports_what_the_host_binds(shape, rows, tmp_path):
+@pytest.mark.parametrize("shape,rows,timeline", [(QWEN_05B, 32, False), (QWEN_05B, 64, False), (LLAMA_1B, 32, False),
+                                                 (QWEN_05B, 32, True)])
+def test_kernel_compiles_for_sm90_and_exports_what_the_host_binds(shape, rows, timeline, tmp_path):
     """The sm_90 build compiles with nvcc (not g++, which exports what nvcc may not), every function the host binds
     is exported under its name (`dd.bind` looks up each of `dd.EXPORTS`), and its SMEM_BYTES, Params size and
-    compiled shape are what the host side assumes."""
+    compiled shape are what the host side assumes; the profiling build (timeline) too."""
     nvcc = dd.find_nvcc()
     assert nvcc is not None, "DUSTIN_REQUIRE_NVCC=1 but no nvcc (set CUDA_HOME)"
     t = dd.tiling(shape, rows)
     out = tmp_path / "k.so"
-    r = subprocess.run([nvcc, *dd.compile_flags(shape, t), "-o", str(out), str(dd.SOURCE)], capture_output=True,
-                       text=True)
+    r = subprocess.run([nvcc, *dd.compile_flags(shape, t, timeline), "-o", str(out), str(dd.SOURCE)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     lib = dd.bind(ctypes.CDLL(str(out)))  # raises BuildError naming any missing export
     exported = subprocess.run(["nm", "-D", "--defined-only", str(out)], capture_output=True, text=True).stdout

@@ -148,6 +148,9 @@ struct Params {
   int vocab;                      // logits of token ids < vocab take part in the argmax
   int vocab_rows;                 // rows of lm_head
   unsigned long long* best;       // [MAXM]: per batch row, (ordered logit << 32) | (0xffffffff - index); zeroed
+  // builds with -DDRAFT_TIMELINE only (profiling; null and unused otherwise): [grid, ins_stride, TL_FIELDS], when
+  // each instruction of each program reached its marks (`Mark`)
+  unsigned long long* timeline;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -162,6 +165,13 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
 }
+
+// Profiling builds (-DDRAFT_TIMELINE): per instruction, thread 0 writes the SM clock (clock64) at each mark, and
+// %globaltimer and %smid once, so a host script can split each program's time into waiting for inputs, staging
+// activations, waiting for weights, the MMAs and the epilogue (scripts/gpu_draft_timeline.py). Other builds
+// compile the marks away.
+enum Mark : int { MK_START = 0, MK_INPUTS = 1, MK_STAGED = 2, MK_WEIGHTS = 3, MK_GEMM = 4, MK_END = 5, MK_GLOBAL = 6,
+                  MK_SM = 7, TL_FIELDS = 8 };
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -379,10 +389,11 @@ __device__ void norm_rows(__nv_bfloat16* A, const __nv_bfloat16* h, const __nv_b
   __syncthreads();
 }
 
-// every thread's writes, then one arrival: each thread fences its own writes, the barrier orders them before
-// thread 0, whose fence and atomic release them all (the consumer acquires with ld.acquire.gpu, then a barrier)
+// every thread's writes, then one arrival: the barrier orders every thread's writes before thread 0's (CTA scope),
+// and thread 0's fence is cumulative: it releases what the barrier ordered before it too, so its atomic publishes
+// the program's writes (the pattern of cooperative groups' grid sync; one fence a program, not one a thread). The
+// consumer acquires with ld.acquire.gpu in thread 0, then a barrier, and reads through L2.
 __device__ __forceinline__ void signal(int* counter) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -391,8 +402,8 @@ __device__ __forceinline__ void signal(int* counter) {
 }
 
 // the program that arrives last at `arrival` (of `total`) returns true, with every other arrival's writes visible
+// (released as `signal` releases them; thread 0's fence after its atomic acquires them for the barrier after it)
 __device__ bool arrive_last(int* arrival, int total, int* flag) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -400,9 +411,7 @@ __device__ bool arrive_last(int* arrival, int total, int* flag) {
     __threadfence();
   }
   __syncthreads();
-  const bool last = *flag;
-  if (last) __threadfence();
-  return last;
+  return *flag;
 }
 
 // ---- the attention of one (row, kv head, chunk) --------------------------------------------------------------
@@ -651,8 +660,25 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
 
   int issued = 0, consumed = 0;
   int a_key = -1;  // what A holds: layer * 16 + op (+ split for DOWN)
+#ifdef DRAFT_TIMELINE
+  unsigned long long* tl = p.timeline + (int64_t)sm * p.ins_stride * TL_FIELDS;
+#define MARK(k) \
+  do { if (threadIdx.x == 0) tl[i * TL_FIELDS + (k)] = clock64(); } while (0)
+#else
+#define MARK(k) \
+  do { } while (0)
+#endif
   for (int i = 0; i < n_ins; ++i) {
     const int4 in = ins[i];
+    MARK(MK_START);
+#ifdef DRAFT_TIMELINE
+    if (threadIdx.x == 0) {
+      uint32_t smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      tl[i * TL_FIELDS + MK_GLOBAL] = now_ns();
+      tl[i * TL_FIELDS + MK_SM] = smid;
+    }
+#endif
     if (threadIdx.x < 32) {  // keep NSLOT weight tiles in flight, before waiting for this instruction's inputs
       while (issued < n_w && issued < consumed + NSLOT) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -670,6 +696,7 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
       }
     }
     __syncthreads();
+    MARK(MK_INPUTS);
 
     if (in.x == OP_HEAD) {
       if (KSPLIT > 1) __trap();  // the host plans HEAD only for builds with K whole (A and a slot hold whole rows)
@@ -679,13 +706,17 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
         headed = true;
         a_key = -1;
       }
+      MARK(MK_STAGED);
       const int slot = consumed % NSLOT;
       mbar_wait(bars + slot, (consumed / NSLOT) & 1);
+      MARK(MK_WEIGHTS);
       const __nv_bfloat16* W = reinterpret_cast<const __nv_bfloat16*>(slots + slot * SLOT_BYTES);
       gemm(A, A_COLS, W, D + PAD, head_rows, HEAD_ROWS, D, red, out);
+      MARK(MK_GEMM);
       head_best(p, in.z, head_rows, out, best);
       ++consumed;
       __syncthreads();  // the slot and `out` are free again
+      MARK(MK_END);
       continue;
     }
     const int layer = in.y;
@@ -694,6 +725,7 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
       a_key = -1;  // the attention's scratch overwrites A
       attention(p, layer, in.z, in.w / p.nchunk, in.w % p.nchunk, reinterpret_cast<char*>(A), misc);
       __syncthreads();
+      MARK(MK_END);  // (an attention instruction has no staged / weights / GEMM marks)
       continue;
     }
     const int split = in.w, key = layer * 256 + in.x * 32 + split;
@@ -712,12 +744,15 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
       }
       a_key = key;
     }
+    MARK(MK_STAGED);
     const int slot = consumed % NSLOT;
     mbar_wait(bars + slot, (consumed / NSLOT) & 1);
+    MARK(MK_WEIGHTS);
     const __nv_bfloat16* W = reinterpret_cast<const __nv_bfloat16*>(slots + slot * SLOT_BYTES);
     const bool down = in.x == OP_DOWN;
     const int N = in.x == OP_GU ? W_GU : down ? W_DOWN : 8, K = down ? KC : KQ;
     gemm(A, A_COLS, W, K + PAD, p.M, N, K, red, out);
+    MARK(MK_GEMM);
     bool holds = true;  // this program has the instruction's whole sum in `out`
     int* arr = p.arrivals + (int64_t)layer * ARR_LAYER;
     switch (in.x) {
@@ -749,7 +784,9 @@ __global__ void __launch_bounds__(NT, 1) draft_layers_kernel(const Params p) {
     if (holds) signal(p.counters + layer * C_LAYER + counter_of(in));
     ++consumed;
     __syncthreads();  // the slot and `out` are free again
+    MARK(MK_END);
   }
+#undef MARK
   if (headed)
     for (int m = threadIdx.x; m < head_rows; m += NT) atomicMax(p.best + m, best[m]);
 }
