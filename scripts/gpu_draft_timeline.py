@@ -143,15 +143,11 @@ def main() -> int:
     from dustin.bench.e2e import _shape
     from dustin.cache.kv_cache import KVCache
     from dustin.kernels import draft_decoder as dd
-    from dustin.models.transformer import Transformer
+    from dustin.models.loader import random_model
 
     dev = torch.device("cuda")
     args = _shape(a.draft)
-    model = Transformer(args, AttentionBackend.for_device(dev)).to(dev, torch.bfloat16)
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            prm.uniform_(0.8, 1.2) if "norm" in name else prm.normal_(0, 0.02)
-    model.fuse_projections().eval()
+    model = random_model(args, dev, backend=AttentionBackend.for_device(dev)).eval()  # fused projections
     B = a.batch
     cache = KVCache(args.n_layers, B, args.n_kv_heads, args.head_dim, a.context + 8, torch.bfloat16, dev)
     lengths = torch.full((B,), a.context, dtype=torch.int32, device=dev)
