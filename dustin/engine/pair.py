@@ -247,11 +247,11 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
-def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
-                  vocab_limit: int | None = None, limits: list[int] | None = None) -> None:
+def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int, vocab_limit: int | None,
+                  limits: list[int], limit_name: str = "max_tokens") -> None:
     """No prompts, an empty prompt, ids outside the vocabulary, or a prompt that leaves no room for
-    its new tokens (`limits[i]`, default --max-new-tokens) and Γ within the model context: one InputError line
-    naming the prompt."""
+    its new tokens (`limits[i]`) and Γ within the model context: one InputError line naming the prompt.
+    limit_name: what the caller calls the limit (a command line's flag: --max-new-tokens)."""
     if not prompts:
         raise InputError("no prompts given")
     for i, p in enumerate(prompts):
@@ -259,16 +259,17 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
             raise InputError(f"prompt {i} is empty")
         if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
             raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
-        new = cfg.max_new_tokens if limits is None else limits[i]
+        new = limits[i]
         need = len(p) + new + cfg.gamma + 1
         if need > context:
-            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {new} and "
+            raise InputError(f"prompt {i} has {len(p)} tokens; with {limit_name} {new} and "
                              f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
                              f"({context})")
 
 
 def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
-                     chat: bool = False, rope_scaling: str | None = None) -> tuple[object, list[list[int]] | None]:
+                     max_tokens: int, chat: bool = False, rope_scaling: str | None = None
+                     ) -> tuple[object, list[list[int]] | None]:
     """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
     empty or over-long prompt fails in about a second instead of after both models loaded. Returns the tokenizer
     and the prompts' token ids (chat template applied with `chat`), which the caller passes on to
@@ -285,7 +286,7 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     if tokenizer is None:
         return None, None
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    check_prompts(ids, cfg, context)
+    check_prompts(ids, cfg, context, None, [max_tokens] * len(ids), "--max-new-tokens")
     return tokenizer, ids
 
 

@@ -17,7 +17,7 @@ from dustin.engine.config import METHODS
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
-from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
+from dustin.eval.sweep import add_rows_arg, row_config, row_name, row_params, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
 if TYPE_CHECKING:
@@ -132,11 +132,12 @@ def run(args) -> int:
 
 
 def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared: PrefillCache) -> dict:
-    cfg = row_config(method, budget, args, args.max_new_tokens)
+    cfg = row_config(method, budget, args)
     name = row_name(method, budget)
     t0 = time.perf_counter()
     with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
-        r = engine.generate([q.ids for q in prompts], cfg, prefill_cache=shared)
+        r = engine.generate([q.ids for q in prompts], cfg, row_params(args.max_new_tokens),
+                            prefill_cache=shared)
     samples = []
     for q, s in zip(prompts, r.sequences, strict=False):
         recall = rouge1_recall(s.text or "", q.answer)

@@ -21,7 +21,16 @@ from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
 from dustin.eval.stats import average_interval, mean_interval, paired_difference_interval
-from dustin.eval.sweep import HYBRID_FAMILY, LOSSLESS, add_rows_arg, budget_order, row_config, row_name, sweep_rows
+from dustin.eval.sweep import (
+    HYBRID_FAMILY,
+    LOSSLESS,
+    add_rows_arg,
+    budget_order,
+    row_config,
+    row_name,
+    row_params,
+    sweep_rows,
+)
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
@@ -168,9 +177,9 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
-    cfg = row_config(method, budget, args, max(s.max_new_tokens for s in samples))
+    cfg = row_config(method, budget, args)
     t0 = time.perf_counter()
-    r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,
+    r = engine.generate([s.prompt_ids for s in samples], cfg, row_params(1), prefill_cache=shared,
                         limits=[s.max_new_tokens for s in samples])
     seconds = time.perf_counter() - t0
     tau = r.tau if cfg.spec.speculative else None
