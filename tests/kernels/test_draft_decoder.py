@@ -18,6 +18,7 @@ import torch
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.kernels import draft_decoder as dd
+from dustin.models import draft_kernel
 from dustin.models.args import ModelArgs
 from dustin.models.transformer import Transformer
 from tests.offline import offline
@@ -361,7 +362,7 @@ def _gpu_draft(draft: str, n_layers: int, rows: int, vocab: int | None = None):
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
     model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508, rows=(rows,), vocab=vocab) is None
+    assert draft_kernel.attach(model, 4, 508, rows=(rows,), vocab=vocab) is None
     return model, args
 
 
@@ -614,7 +615,7 @@ def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
     on = engine.generate(prompts, *offline(**kw, options=ExecutionOptions(draft_kernel=True)))
     assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
     assert engine.pair.draft.layer_kernel is None
-    assert dd.attach(engine.pair.draft, 4, 28) == "not on a GPU"
+    assert draft_kernel.attach(engine.pair.draft, 4, 28) == "not on a GPU"
 
 
 @needs_nvcc

@@ -28,6 +28,7 @@ from dustin.engine.worker.prefill import Prefill
 from dustin.engine.worker.staging import RowTokens, Staging
 from dustin.engine.worker.step import DeviceStep
 from dustin.kernels import draft_decoder
+from dustin.models import draft_kernel
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
 
@@ -74,7 +75,7 @@ class Runner:
                 if cfg.options.draft_kernel and device.type == "cuda" and window > 0:
                     # a step's draft forwards; greedy ones also choose their tokens in the launch
                     B = self.batch.B
-                    draft_decoder.attach(draft, sinks, window, rows=(B, 2 * B), vocab=vocab_limit)
+                    draft_kernel.attach(draft, sinks, window, rows=(B, 2 * B), vocab=vocab_limit)
             draft_step = EagerDraftStep(self.models["draft"], self.batch.sampler, vocab_limit, self.batch.gamma,
                                         sinks, window)
         self.staging = Staging(self.batch)
