@@ -331,7 +331,7 @@ def _fits(engine, batch: int, context: int, a) -> bool:
 
     g = gamma_max(a)
     cap = cache_capacity([context], [(a.warmup + a.steps) * (g + 1) + 1], g)  # as `_config` asks
-    return engine.pair.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
+    return engine.pair.kv_fit().fits(batch, cap, copies=2 if a.real else 1)
 
 
 def _read_bandwidth(device: str) -> float:
@@ -401,9 +401,10 @@ def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     limit = pair_context(read_args(t_path, rope), read_args(d_path, rope) if d_path is not None else None)
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
-    # check_prompts: prompt + max_tokens + Γ + 1 positions, with the max_tokens of `_params`
-    g = gamma_max(a)
-    room = limit - ((a.warmup + a.steps + PROFILED_STEPS) * (g + 1) + 1) - g - 1
+    from dustin.engine.kv_manager import positions_needed
+
+    # the longest prompt that leaves the positions of `_params`' max_tokens
+    room = limit - positions_needed(0, _params(a, a.warmup + a.steps + PROFILED_STEPS).max_tokens, gamma_max(a))
     if room < 1:
         raise InputError(f"--warmup {a.warmup} + --steps {a.steps} decode past the model context ({limit})")
     return {"target": t_path.name, "draft": d_path.name if d_path else None, "limit": limit, "room": room,

@@ -21,7 +21,7 @@ import torch
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.executor import Executor, GangPrefill, TensorParallelExecutor
 from dustin.engine.gamma import GammaRule, StepCosts
-from dustin.engine.kv_manager import KVManager, cache_capacity
+from dustin.engine.kv_manager import KVManager, cache_capacity, max_tokens_room
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import GREEDY, SamplingRule
@@ -71,7 +71,7 @@ class EngineCore:
             runner = Runner(pair.target, draft, config, pair.vocab_limit, policy, kv=self.kv,
                             max_new_tokens=max_new_tokens or self.max_context, shared=shared)
         except (torch.OutOfMemoryError, OutOfMemoryError):
-            need = pair.kv_cache_bytes(self.max_slots, capacity, config.spec.speculative)
+            need = pair.kv_fit(config.spec.speculative).bytes(self.max_slots, capacity)
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
         self.gamma_rule: GammaRule | None = None  # --gamma auto: each sequence's Γ per step
@@ -83,7 +83,7 @@ class EngineCore:
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._budget_read, self._budget_cache = -1e9, None
         gang = gang or gang_prefill is not None or not policy.row_local
-        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
+        self.scheduler = Scheduler(self.kv.table, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
                                    gang=gang)
         # the offline batch `queue` added: each request's outputs so far, accumulated into one (all its tokens)
         self._queued: dict[str, RequestOutput] = {}
@@ -147,6 +147,11 @@ class EngineCore:
             check_prompts([prompt_ids], self.config, self.max_context, self.pair.vocab_limit, [params.max_tokens])
         except InputError as e:
             raise InputError(str(e).replace("prompt 0 ", "the prompt ")) from None
+
+    def max_tokens_room(self, prompt_len: int) -> int:
+        """The largest max_tokens a prompt of `prompt_len` tokens may ask (`check_request` admits it, and one more
+        it refuses): the server's headroom, by the KV manager's rule (`max_tokens_room`), for `n` of any size."""
+        return max_tokens_room(self.max_context, prompt_len, self.config.gamma)
 
     def add_request(self, request: Request) -> None:
         self.add_requests([request])

@@ -5,7 +5,6 @@ of them (tokenizer, EOS ids, the verification policy of a method, KV-memory fit,
 """
 from __future__ import annotations
 
-import gc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,8 +13,8 @@ import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.kv_manager import kv_bytes
-from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
+from dustin.engine.kv_manager import MemoryFit, positions_needed
+from dustin.errors import InputError, TokenizerMismatchError
 from dustin.models.args import pair_context
 from dustin.models.loader import load_model
 from dustin.models.transformer import Transformer
@@ -196,36 +195,11 @@ class ModelPair:
         """Text of generated ids (special tokens dropped); None without a tokenizer."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
-        """Bytes of the KV caches a batch of `batch` sequences x `capacity` positions allocates: the target's
-        (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
+    def kv_fit(self, speculative: bool = True) -> MemoryFit:
+        """The KV manager's memory rule for this pair's caches: the target's (this rank's KV heads under tensor
+        parallelism) plus the draft's when speculating, in the weights' dtype, on the pair's device."""
         args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
-        return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
-
-    def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
-        """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
-        memory (the rest is work space: activations, logits, graph pools). True where free memory is unknown."""
-        free = _free_memory(self.device)
-        return free is None or copies * self.kv_cache_bytes(batch, capacity, speculative) <= 0.9 * free
-
-    def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
-                          advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
-        """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
-        over one shared prefill holds a batch's caches and the prefill's copy of them) that would not fit in
-        90% of the free device memory; the line says how many sequences would."""
-        need = copies * self.kv_cache_bytes(batch, capacity, speculative)
-        if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
-            # memory of finished batches may still sit in PyTorch's cache or in unreachable graph pools: give it
-            # back before refusing (an `Engine` drops its kept engine core itself, `Engine.release_cached`)
-            gc.collect()
-            torch.cuda.empty_cache()
-        if not self.kv_memory_fits(batch, capacity, speculative, copies):
-            free = _free_memory(self.device)
-            held = "" if copies == 1 else f", held {copies} times,"
-            fits = int(0.9 * free // max(need // batch, 1))
-            raise OutOfMemoryError(f"the KV caches for {batch} sequences x {capacity} positions{held} need "
-                                   f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
-                                   f"memory is free ({fits} sequences would fit): {advice}")
+        return MemoryFit(args, self.target.embed_tokens.weight.element_size(), self.device)
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -260,7 +234,7 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
         if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
             raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
         new = limits[i]
-        need = len(p) + new + cfg.gamma + 1
+        need = positions_needed(len(p), new, cfg.gamma)
         if need > context:
             raise InputError(f"prompt {i} has {len(p)} tokens; with {limit_name} {new} and "
                              f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
@@ -288,19 +262,6 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     check_prompts(ids, cfg, context, None, [max_tokens] * len(ids), "--max-new-tokens")
     return tokenizer, ids
-
-
-def _free_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _check_same_vocabulary(target, draft, tok_t, tok_d) -> None:

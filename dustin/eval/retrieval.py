@@ -103,9 +103,10 @@ def run(args) -> int:
     main = is_main_process()  # under torchrun only rank 0 reports and writes
     console = Console(stderr=True, quiet=not main)
     limit = engine.pair.max_context(speculative)
-    room = limit - args.max_new_tokens - args.gamma - 1
+    from dustin.engine.kv_manager import cache_capacity, positions_needed
+
+    room = limit - positions_needed(0, args.max_new_tokens, args.gamma)  # the longest prompt that fits
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
-    from dustin.engine.kv_manager import cache_capacity
     from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
@@ -114,7 +115,7 @@ def run(args) -> int:
         # the depths are one batch, holding its session's KV caches and the shared prefill's copy: refuse now
         # what would run out of memory only at the first speculative row, after a whole prefill
         capacity = cache_capacity([n], [args.max_new_tokens], args.gamma if speculative else 0)
-        engine.pair.require_kv_memory(args.depths, capacity, speculative, copies=2, advice="lower --depths")
+        engine.pair.kv_fit(speculative).require(args.depths, capacity, copies=2, advice="lower --depths")
         if n < ctx:
             console.print(f"context {ctx}: prompts of {n} tokens (model limit {limit} minus generation room)")
         with console.status(f"{kind} {ctx}: building {args.depths} prompts..."):

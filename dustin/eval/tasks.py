@@ -118,7 +118,7 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.pair.device}, {engine.pair.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        from dustin.engine.kv_manager import cache_capacity
+        from dustin.engine.kv_manager import cache_capacity, positions_needed
         from dustin.engine.offline.prefill import PrefillCache
         from dustin.tasks.catalog import build_samples
 
@@ -128,13 +128,13 @@ def run(args) -> int:
             for ctx, tasks in pending.items():
                 if not tasks:
                     continue
-                length = min(ctx, limit - args.gamma - 1)
+                length = min(ctx, limit - positions_needed(0, 0, args.gamma))  # a sample's prompt and answer
                 # a batch holds its session's KV caches and the shared prefill's copy: refuse now what would run
                 # out of memory only at the first speculative row, after the samples and a whole prefill
                 gamma = args.gamma if speculative else 0
                 capacity = cache_capacity([length], [max(t.max_new_tokens for t in tasks)], gamma)
-                engine.pair.require_kv_memory(min(args.batch_size, len(tasks) * args.samples), capacity, speculative,
-                                         copies=2, advice="lower --batch-size")
+                engine.pair.kv_fit(speculative).require(min(args.batch_size, len(tasks) * args.samples), capacity,
+                                                        copies=2, advice="lower --batch-size")
                 progress.update(bar, description=f"building {len(tasks)} task(s) at {ctx}")
                 samples = [s for s in build_samples(tasks, engine.pair.tokenizer, length, args.samples, args.seed)
                            if missing(s.task, ctx, s.index)]

@@ -179,10 +179,10 @@ def test_mismatched_vocabularies(tmp_path, tiny_pair):
 
 
 def test_batch_too_large_for_memory(engine, monkeypatch):
-    from dustin.engine import pair as pair_mod
+    from dustin.engine import kv_manager
     from dustin.errors import OutOfMemoryError
 
-    monkeypatch.setattr(pair_mod, "_free_memory", lambda device: 1024)
+    monkeypatch.setattr(kv_manager, "free_memory", lambda device: 1024)
     with pytest.raises(OutOfMemoryError, match="lower the batch size"):
         _run(engine, _prompts([10, 10]), method="classic")
 
@@ -194,8 +194,8 @@ def test_kv_cache_bytes_match_the_allocated_caches(engine):
     s = engine.start(prompts, cfg, params).runner.batch
     allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
                     for c in (s.target_cache, s.draft_cache))
-    assert engine.pair.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated
-    assert engine.pair.kv_cache_bytes(2, 100, speculative=False) < engine.pair.kv_cache_bytes(2, 100)
+    assert engine.pair.kv_fit().bytes(2, s.target_cache.k.shape[3]) == allocated
+    assert engine.pair.kv_fit(speculative=False).bytes(2, 100) < engine.pair.kv_fit().bytes(2, 100)
 
 
 def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
@@ -256,8 +256,8 @@ def test_speculative_session_after_vanilla_adds_only_the_draft_caches(tiny_pair)
 def test_kv_memory_refusal_says_what_fits(tiny_pair):
     target, draft = tiny_pair
     eng = Engine.from_models(load_model(target), load_model(draft))
-    per_seq = eng.pair.kv_cache_bytes(1, 1 << 20, speculative=True)
-    eng.pair.require_kv_memory(1, 1 << 10, True, copies=2)  # a few MB: fits
+    per_seq = eng.pair.kv_fit(speculative=True).bytes(1, 1 << 20)
+    eng.pair.kv_fit(True).require(1, 1 << 10, copies=2)  # a few MB: fits
     with pytest.raises(OutOfMemoryError, match=r"held 2 times.*sequences would fit\): lower --batch-size") as e:
-        eng.pair.require_kv_memory(int(1e13 // per_seq) + 1, 1 << 20, True, copies=2, advice="lower --batch-size")
+        eng.pair.kv_fit(True).require(int(1e13 // per_seq) + 1, 1 << 20, copies=2, advice="lower --batch-size")
     assert "\n" not in str(e.value)

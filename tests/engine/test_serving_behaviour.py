@@ -20,6 +20,7 @@ from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
+from dustin.engine.kv_manager import SlotTable
 from dustin.engine.request import Request, SamplingParams
 from dustin.engine.sampling import SamplingRule, probabilities
 from dustin.engine.scheduler import Scheduler
@@ -300,13 +301,13 @@ def test_ignore_eos_request_ending_on_an_eos_token_reports_length(engine):
 def _check_admissions(sched: Scheduler) -> list[_Sequence]:
     """sched.admissions(), checked: the oldest waiting requests, in arrival order, to the lowest free rows, as
     many as there are free rows."""
-    waiting, free = list(sched.waiting), sorted(sched.free)
+    waiting, free = list(sched.waiting), sched.slots.free_rows()
     out = sched.admissions()
     k = min(len(waiting), len(free))
     assert [id(s) for s in out] == [id(s) for s in waiting[:k]]
     assert [s.row for s in out] == free[:k]
     assert all(sched.running[s.row] is s for s in out)
-    assert sorted(sched.free) == free[k:] and list(sched.waiting) == waiting[k:]
+    assert sched.slots.free_rows() == free[k:] and list(sched.waiting) == waiting[k:]
     return out
 
 
@@ -355,7 +356,7 @@ def test_scheduler_invariants_randomized():
     rng = random.Random(0)
     for _ in range(300):
         rows, chunk = rng.randint(1, 4), rng.randint(1, 24)
-        sched = Scheduler(rows, 64, chunk, rng.randint(chunk, 3 * chunk + 7))
+        sched = Scheduler(SlotTable(rows), 64, chunk, rng.randint(chunk, 3 * chunk + 7))
         clock, todo, done = 0, rng.randint(1, 12), 0
         while done < todo:
             for _ in range(rng.choice([0, 0, 1, 2]) if clock < todo else 0):  # arrivals

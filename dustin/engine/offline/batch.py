@@ -78,7 +78,7 @@ class OfflineBatches:
             if pair.device.type == "cuda":
                 torch.cuda.empty_cache()
             cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if keep else need
-            pair.require_kv_memory(len(prompts), cap, cfg.spec.speculative)
+            pair.kv_fit(cfg.spec.speculative).require(len(prompts), cap)
             # the batch's sizes: a slot per prompt, all of them waiting at once, the models' whole context (a kept
             # core may later serve calls that ask more tokens: any limit its capacity holds)
             sized = replace(cfg, max_context=pair.max_context(cfg.spec.speculative), max_waiting=len(prompts))
