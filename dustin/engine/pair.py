@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,20 +15,20 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.kv_manager import MemoryFit, positions_needed
 from dustin.errors import InputError, TokenizerMismatchError
 from dustin.models.args import pair_context
-from dustin.models.loader import load_model
+from dustin.models.fetch import resolve_model_path
+from dustin.models.loader import load_model, read_args
 from dustin.models.transformer import Transformer
+from dustin.parallel.tp import TensorParallel, current_parallel, init_distributed, is_main_process, rank_device
+from dustin.runtime import auto_dtype, resolve_device
 from dustin.selection.base import SelectionPolicy
-
-if TYPE_CHECKING:
-    from dustin.parallel.tp import TensorParallel
-    from dustin.selection.config import SparseConfig
+from dustin.selection.config import BUILTIN, SparseConfig, default_config
+from dustin.selection.policies import make_policy as build_policy
+from dustin.selection.tuned import load_tuned, match_tuned, model_identity, note_identity_match
 
 
 def parse_device(name: str) -> torch.device:
     """--device: auto (cuda when a CUDA GPU is available, else cpu), or cpu or cuda[:N] that exists here, else one
     InputError line (torch raises RuntimeError)."""
-    from dustin.runtime import resolve_device
-
     try:
         dev = torch.device(resolve_device(name))
     except (RuntimeError, TypeError, ValueError):
@@ -45,8 +44,6 @@ def parse_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
-        from dustin.runtime import auto_dtype
-
         return auto_dtype(device)
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
              "fp16": torch.float16, "float16": torch.float16}
@@ -96,10 +93,7 @@ class ModelPair:
         On a GPU the draft and its tokenizer load on a second thread while the target loads (reading the files
         and copying them to the device release the GIL); on a CPU one after the other (host memory is the
         limit there, and both files' pages would be resident at once)."""
-        from dustin.models.fetch import resolve_model_path
-
         dev = parse_device(device)
-        from dustin.parallel.tp import current_parallel, init_distributed, rank_device
         init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
         dev = rank_device(dev)
         dt = resolve_dtype(dtype, dev)
@@ -144,20 +138,14 @@ class ModelPair:
     def identities(self) -> tuple[dict, dict | None]:
         """(target, draft) model identities: architecture, config and tokenizer, and a weight fingerprint
         (selection/tuned.py). The draft shares the target's tokenizer (checked when both have one)."""
-        from dustin.selection.tuned import model_identity
-
         if self._identities is None:
             self._identities = (model_identity(self.target, self.target_args, self.tokenizer),
                                 None if self.draft is None else model_identity(self.draft, tokenizer=self.tokenizer))
         return self._identities
 
-    def default_sparse_config(self) -> "SparseConfig":
+    def default_sparse_config(self) -> SparseConfig:
         """The shipped tuned config of this pair: profiled on exactly these weights (by fingerprint), else on the
         same models (by identity: noted once on stderr); else the built-in fallback."""
-        from dustin.parallel.tp import is_main_process
-        from dustin.selection.config import default_config
-        from dustin.selection.tuned import load_tuned, match_tuned, note_identity_match
-
         match = match_tuned(*self.identities())
         if match is not None:
             if is_main_process():
@@ -169,10 +157,7 @@ class ModelPair:
         """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
         config shipped for this pair, else the built-in fallback. Configs name global heads (the target's
         unsharded shape); under tensor parallelism the `TensorParallel` object builds the policy's TP form."""
-        from dustin.selection.config import BUILTIN, SparseConfig, default_config
-        from dustin.selection.policies import make_policy
-
-        build = make_policy if self.parallel is None else self.parallel.make_policy
+        build = build_policy if self.parallel is None else self.parallel.make_policy
         if cfg.spec.policy == "full":
             return build("full", None)
         d_args = self.draft.args if self.draft is not None else None
@@ -249,9 +234,6 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     and the prompts' token ids (chat template applied with `chat`), which the caller passes on to
     `Engine.from_pretrained` and `Engine.generate` instead of loading and encoding again; (None, None) when the
     folder has no tokenizer."""
-    from dustin.models.fetch import resolve_model_path
-    from dustin.models.loader import read_args
-
     t_path = resolve_model_path(str(target), "target")
     d_args = (read_args(resolve_model_path(str(draft), "draft"), rope_scaling)
               if draft is not None and cfg.spec.speculative else None)
