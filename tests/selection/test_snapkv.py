@@ -7,7 +7,7 @@ import torch
 from dustin.attention.backend import sparse_mask
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS
 from dustin.engine.engine import Engine
 from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
@@ -184,9 +184,8 @@ def test_reuse_prefill_runs_its_own_prefill(engine):
     assert shared.state is not None and shared.state.key == saved.key  # later methods reuse it
     assert torch.equal(shared.state.target_kv[0], saved.target_kv[0])  # snapkv's own prefill: same caches
 
-    cfg = GenerationConfig(method="snapkv", budget=K, **kw)
     with pytest.raises(InputError, match="snapkv needs its own prefill"):
-        engine.start(prompts, cfg, fill="noise").step()
+        engine.start(prompts, *offline(method="snapkv", budget=K, **kw), fill="noise").step()
 
 
 def test_triton_backend_gives_the_same_tokens(tmp_path):
