@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P, DRAFT_KERNEL, DRAFT_WINDOW, GAMMA
+from dustin.errors import InputError
 
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str | None = "default") -> None:
@@ -41,8 +42,6 @@ def check_outputs(args: argparse.Namespace) -> None:
     import os
     from pathlib import Path
 
-    from dustin.errors import InputError
-
     for name in _OUTPUT_FILES + _OUTPUT_FOLDERS:
         value = getattr(args, name, None)
         if not value:
@@ -64,8 +63,6 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def int_list(flag: str, text: str, low: int = 1) -> list[int]:
     """A comma-separated flag of integers >= low (e.g. --contexts, --budgets), or one InputError line."""
-    from dustin.errors import InputError
-
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -79,8 +76,6 @@ def budget_list(flag: str, text: str) -> list[int | str]:
     """A sweep's budgets: integers k >= 21 and `auto:P` entries (P in (0, 1]; plain `auto` is auto:0.95), in
     order without repeats, or one InputError line. An auto entry keeps its canonical text ("auto:0.9") as its
     key in result files."""
-    from dustin.errors import InputError
-
     out: list[int | str] = []
     for x in (x.strip() for x in text.split(",")):
         if not x:
@@ -113,8 +108,6 @@ def auto_p(budget: int | str | None) -> float | None:
 def method_list(text: str) -> list[str]:
     """--methods: known decoding methods, de-duplicated in order, or one InputError line."""
     from dustin.engine.config import METHODS
-    from dustin.errors import InputError
-
     methods = list(dict.fromkeys(m for m in text.split(",") if m))
     unknown = [m for m in methods if m not in METHODS]
     if not methods or unknown:

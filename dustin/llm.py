@@ -14,7 +14,7 @@ here duplicates its checks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
@@ -130,9 +130,8 @@ class LLM:
             if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (not p or _is_token_ids(p)))):
                 raise InputError(f"prompt {i} is a {type(p).__name__}: pass text or a list of token ids")
         ids = [self.engine.pair.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
-        # the prompts and limits are checked once, by `Engine.generate`
-        cfg = replace(self.base_config, max_new_tokens=max(p.max_tokens for p in plist))
-        out = self.engine.generate(ids, cfg, params=plist)
+        # the prompts and limits are checked once, by `Engine.generate`; a list: each row draws from its own stream
+        out = self.engine.generate(ids, self.base_config, plist)
         metrics = Metrics.of(out)
         results = []
         for p, seq in zip(ids, out.sequences, strict=True):

@@ -49,6 +49,7 @@ def main() -> int:
     from dustin.bench.e2e import _shape
     from dustin.cache.kv_cache import KVCache
     from dustin.kernels import draft_decoder as dd
+    from dustin.models import draft_kernel
     from dustin.models.transformer import Transformer
 
     p = argparse.ArgumentParser()
@@ -77,7 +78,7 @@ def main() -> int:
     if a.unchecked:
         model.layer_kernel, reason = dd.DraftDecoder(model, a.sinks, a.window, (B, 2 * B), args.vocab_size), None
     else:
-        reason = dd.attach(model, a.sinks, a.window, rows=(B, 2 * B), vocab=args.vocab_size)
+        reason = draft_kernel.attach(model, a.sinks, a.window, rows=(B, 2 * B), vocab=args.vocab_size)
     print(f"# {a.draft} B={B} ctx={a.context} | {torch.cuda.get_device_name()} | read {bw / 1e12:.2f} TB/s | "
           f"{time.strftime('%Y-%m-%d')} | random weights{' | UNCHECKED' if a.unchecked else ''}", flush=True)
     if reason:

@@ -16,10 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dustin.attention.backend import AttentionBackend  # noqa: E402
-from dustin.engine.config import ExecutionOptions, GenerationConfig  # noqa: E402
+from dustin.engine.config import ExecutionOptions  # noqa: E402
 from dustin.engine.engine import Engine  # noqa: E402
 from dustin.models.loader import load_model  # noqa: E402
 from tests.exactness import first_divergence  # noqa: E402
+from tests.offline import offline  # noqa: E402
 from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def main() -> int:
     def run(graphs=True, **kw):
         kw.setdefault("stop_at_eos", False)
         options = ExecutionOptions(cuda_graphs=graphs)
-        return eng.generate(prompts, GenerationConfig(max_new_tokens=64, options=options, **kw))
+        return eng.generate(prompts, *offline(max_new_tokens=64, options=options, **kw))
 
     van = run(method="vanilla")
     van_eager = run(method="vanilla", graphs=False)
@@ -71,14 +72,14 @@ def main() -> int:
     # the fused norm / RoPE kernels against the plain PyTorch ops (bf16: equal up to rare near-ties)
     plain_eng = Engine.from_models(load_model(target, "cuda", torch.bfloat16, be, fuse=False),
                                    load_model(draft, "cuda", torch.bfloat16, be, fuse=False))
-    plain = plain_eng.generate(prompts, GenerationConfig(max_new_tokens=64, stop_at_eos=False, method="vanilla",
+    plain = plain_eng.generate(prompts, *offline(max_new_tokens=64, stop_at_eos=False, method="vanilla",
                                                           options=ExecutionOptions(fused_ops=False)))
     del plain_eng
     div = [first_divergence(a.token_ids, b.token_ids) for a, b in zip(van.sequences, plain.sequences, strict=True)]
     report["fused_vs_plain_ops"] = {"first_divergence": div, "top2_gap_there": [
         None if d is None else gap_at(p, a.token_ids, d) for p, d, a in zip(prompts, div, van.sequences, strict=True)],
         "tokens_per_s_fused": round(van.tokens_per_s, 1), "tokens_per_s_plain": round(plain.tokens_per_s, 1)}
-    single = [eng.generate([p], GenerationConfig(method="classic", gamma=4, max_new_tokens=64, stop_at_eos=False))
+    single = [eng.generate([p], *offline(method="classic", gamma=4, max_new_tokens=64, stop_at_eos=False))
               .sequences[0].token_ids for p in prompts]
     div = [first_divergence(s.token_ids, a) for a, s in zip(single, van.sequences, strict=True)]
     report["batch_vs_single"] = {"first_divergence": div, "top2_gap_there": [

@@ -18,6 +18,7 @@ from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 from dustin.models.args import named_config
 from dustin.models.loader import random_model
+from tests.offline import offline
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     for method in methods:
         kw = {"budget": 256} if method == "dustin" else {}
         t0 = time.perf_counter()
-        ref = [eng.generate([p], GenerationConfig(method=method, max_new_tokens=new, stop_at_eos=False, **kw))
+        ref = [eng.generate([p], *offline(method=method, max_new_tokens=new, stop_at_eos=False, **kw))
                .sequences[0].token_ids for p in prompts]
         t_ref = time.perf_counter() - t0
         llm = EngineCore(eng.pair, GenerationConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024,

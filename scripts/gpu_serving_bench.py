@@ -44,6 +44,7 @@ def main() -> None:
     from dustin.bench.serve import make_prompts
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
+    from dustin.engine.request import SamplingParams
 
     lengths = tuple(int(x) for x in a.lengths.split(","))
     if a.real:
@@ -62,15 +63,16 @@ def main() -> None:
     print(f"16 prompts, {n_prompt} prompt tokens, {a.max_tokens} new tokens each", flush=True)
     for method in a.methods.split(","):
         row: dict = {}
-        cfg = GenerationConfig(method=method, max_new_tokens=a.max_tokens, stop_at_eos=False)
+        cfg = GenerationConfig(method=method)
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
-        r = eng.generate(prompts, cfg)
+        r = eng.generate(prompts, cfg, params)
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
         walls = []
         for _ in range(a.repeats):
             t0 = time.perf_counter()
-            r = eng.generate(prompts, cfg)
+            r = eng.generate(prompts, cfg, params)
             torch.cuda.synchronize()
             walls.append(round(time.perf_counter() - t0, 3))
         offline = [s.token_ids for s in r.sequences]

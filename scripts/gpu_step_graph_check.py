@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dustin.engine.config import ExecutionOptions, GenerationConfig  # noqa: E402
 from dustin.engine.gamma import StepCosts  # noqa: E402
+from tests.offline import offline  # noqa: E402
 from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main() -> int:
     def run(options=None, **kw):
         kw.setdefault("stop_at_eos", False)
         options = replace(options or ExecutionOptions(), accept_prob=kw.pop("accept_prob", None))
-        return eng.generate(prompts, GenerationConfig(max_new_tokens=48, options=options, **kw), step_costs=costs)
+        return eng.generate(prompts, *offline(max_new_tokens=48, options=options, **kw), step_costs=costs)
 
     cases = {"vanilla": dict(method="vanilla"), "classic": dict(method="classic"),
              "magicdec": dict(method="magicdec", draft_window=256),
@@ -81,9 +82,9 @@ def main() -> int:
                                load_model(draft, "cuda", torch.float32, be, fuse=False))
     for method in ("vanilla", "dustin"):
         kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
-        a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
+        a = eng.generate(prompts, *offline(max_new_tokens=48, **kw))
         eager = ExecutionOptions(cuda_graphs=False, fused_ops=False)
-        b = plain.generate(prompts, GenerationConfig(max_new_tokens=48, options=eager, **kw))
+        b = plain.generate(prompts, *offline(max_new_tokens=48, options=eager, **kw))
         same = [x.token_ids == y.token_ids for x, y in zip(a.sequences, b.sequences, strict=True)]
         ok &= all(same)
         report[f"fused-vs-plain-ops-{method}"] = same
@@ -105,8 +106,8 @@ def main() -> int:
         llm = EngineCore(eng.pair, GenerationConfig(method=method, budget=128 if method == "dustin" else None,
                                                max_slots=3, max_context=4096, prefill_chunk=1024))
         served = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-        offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
-        same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]
+        offline_run = run(method=method, **({"budget": 128} if method == "dustin" else {}))
+        same = [a == b.token_ids for a, b in zip(served, offline_run.sequences, strict=True)]
         ok &= all(same)
         report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": bool(llm.runner.graph_keys())}
         print(f"serve-{method}", report[f"serve-{method}"], flush=True)

@@ -37,15 +37,16 @@ def _prompts():
 def _generate(folder: Path) -> dict:
     from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
+    from dustin.engine.request import SamplingParams
 
     eng = Engine.from_pretrained(folder / "t", folder / "d", device="cuda", dtype="fp32", attention="triton")
     out = {}
     for name, kw in RUNS.items():
         for graphs in (True, False):
-            cfg = GenerationConfig(max_new_tokens=48, stop_at_eos=False, options=ExecutionOptions(cuda_graphs=graphs),
-                                   **kw)
+            cfg = GenerationConfig(options=ExecutionOptions(cuda_graphs=graphs), **kw)
+            params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
             key = f"{name}{'' if graphs else ' (eager)'}"
-            out[key] = [s.token_ids for s in eng.generate(_prompts(), cfg).sequences]
+            out[key] = [s.token_ids for s in eng.generate(_prompts(), cfg, params).sequences]
     return out
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dustin.engine.config import GenerationConfig  # noqa: E402
 from dustin.engine.engine import Engine  # noqa: E402
+from dustin.engine.request import SamplingParams  # noqa: E402
 from tests.tiny_models import gpu_check_pair  # noqa: E402
 
 SERVE = ["--method", "dustin", "--budget", "64", "--max-slots", "4", "--max-context", "4096", "--dtype", "fp32",
@@ -37,8 +38,9 @@ def main() -> int:
     _, prompts, (target, draft) = gpu_check_pair(torch.float32)
     prompts = [[3 + t % 90 for t in p] for p in prompts + [prompts[1][:300], prompts[2][::-1]]]  # the tokenizer: 97 ids
     ref_engine = Engine.from_pretrained(str(target), str(draft), device="cuda", dtype="fp32")
-    cfg = GenerationConfig(method="dustin", budget=64, max_new_tokens=LIMIT, stop_at_eos=False)
-    want = [ref_engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
+    cfg = GenerationConfig(method="dustin", budget=64)
+    params = SamplingParams(max_tokens=LIMIT, temperature=0, ignore_eos=True)
+    want = [ref_engine.generate([p], cfg, params).sequences[0].token_ids for p in prompts]
     del ref_engine
     torch.cuda.empty_cache()
     with socket.socket() as s:

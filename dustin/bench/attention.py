@@ -253,8 +253,7 @@ def run(args) -> int:
     json_path, plot_path = args.json_out, args.plot_out
     import triton
     try:
-        from dustin.kernels.quest import check_on_device
-        checks = check_on_device(dev)  # the Quest and per-head sparse kernels on the timed device
+        checks = check_kernels_on_device(dev)  # the Quest and per-head sparse kernels on the timed device
     except Exception as e:  # noqa: BLE001  (report it, and still time)
         checks = {"ok": False, "error": repr(e)[:500]}
     dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
@@ -295,3 +294,45 @@ def run(args) -> int:
     if plot_path:
         attention_breakdown(res, plot_path)
     return 0 if checks["ok"] else 1
+
+
+def check_kernels_on_device(dev) -> dict:
+    """Small bf16 check of the Quest and per-head sparse kernels on `dev` against the fp32 references (run before
+    timing, since the tests only run the CPU interpreter): exactness flags and relative errors. It lives with the
+    benchmark, its one caller, above both the kernels and the references of dustin/attention."""
+    import torch
+
+    from dustin.attention.reference import sparse_verify_attention_reference as ref
+    from dustin.kernels.quest import (
+        page_minmax,
+        page_minmax_reference,
+        page_scores,
+        page_scores_reference,
+        select_pages,
+    )
+    from dustin.kernels.sparse_verify import sparse_verify_attention
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, Hq, Hkv, T, D, cap = 3, 28, 4, 5, 128, 700
+    L = torch.tensor([650, 77, 300], dtype=torch.int32, device=dev)
+    k, v = (torch.randn(B, Hkv, cap, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, Hq, T, D, device=dev, generator=g, dtype=torch.bfloat16)
+    mn, mx = (torch.zeros(B, Hkv, cap // 16 + 1, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    page_minmax(k, L - 40, mn, mx)
+    page_minmax(k, L, mn, mx, lengths_before=L - 40, max_new=40)
+    want_mn, want_mx = page_minmax_reference(k, L, n_pages=mn.shape[2])
+    s = page_scores(q, mn, mx, L)
+    s_ref = page_scores_reference(q, want_mn, want_mx, L)
+    fin = torch.isfinite(s_ref)
+    idx, cnt = select_pages(s, L, 128)
+    out = sparse_verify_attention(q, k, v, L, idx, cnt)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    res = {"quest_minmax_exact": bool(torch.equal(mn, want_mn) and torch.equal(mx, want_mx)),
+           "quest_inf_marks_exact": bool(torch.equal(torch.isinf(s), torch.isinf(s_ref))),
+           "quest_scores_rel_err": rel(s[fin], s_ref[fin]),
+           "quest_newest_position_selected": bool(all(int(L[b]) - 1 in idx[b, h, : cnt[b, h]].tolist()
+                                                      for b in range(B) for h in range(Hkv))),
+           "per_head_sparse_rel_err": rel(out, ref(q, k, v, L, idx, cnt))}
+    res["ok"] = (res["quest_minmax_exact"] and res["quest_inf_marks_exact"] and res["quest_newest_position_selected"]
+                 and res["quest_scores_rel_err"] < 1e-3 and res["per_head_sparse_rel_err"] < 1e-2)
+    return res

@@ -142,15 +142,21 @@ def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "
     return Engine.from_models(target, draft, parallel=parallel)
 
 
-def _config(method: str, a, steps: int, accept_prob: float | None = None):
-    """The GenerationConfig of one benchmark session with room for `steps` steps (EOS ignored: every sequence
+def _params(a, steps: int):
+    """Each sequence's sampling in a benchmark session: greedy, room for `steps` steps, EOS ignored (every sequence
     decodes every step)."""
+    from dustin.engine.request import SamplingParams
+
+    return SamplingParams(max_tokens=steps * (gamma_max(a) + 1) + 1, temperature=0, ignore_eos=True)
+
+
+def _config(method: str, a, accept_prob: float | None = None):
+    """The GenerationConfig of one benchmark session."""
     from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
     from dustin.flags import budget_settings
 
     sparse = METHODS[method].policy != "full"
-    return GenerationConfig(method=method, gamma=a.gamma, max_new_tokens=steps * (gamma_max(a) + 1) + 1,
-                            stop_at_eos=False, draft_window=a.draft_window,
+    return GenerationConfig(method=method, gamma=a.gamma, draft_window=a.draft_window,
                             options=ExecutionOptions(cuda_graphs=not a.no_graphs,
                                                      step_graph=not getattr(a, "no_step_graph", False),
                                                      overlap=not getattr(a, "no_overlap", False),
@@ -175,9 +181,9 @@ def bench_session(engine, method: str, batch: int, context: int, a, steps: int):
 
     tau = a.tau if a.tau is not None else DEFAULT_TAU
     p = a.accept_prob if a.accept_prob is not None else accept_prob_for_tau(tau, gamma_max(a))
-    cfg = _config(method, a, steps, None if method == "vanilla" else p)
+    cfg = _config(method, a, None if method == "vanilla" else p)
     prompts = [[1] * context for _ in range(batch)]  # only the lengths matter: the caches are filled with noise
-    return engine.start(prompts, cfg, fill="noise"), cfg
+    return engine.start(prompts, cfg, _params(a, steps), fill="noise"), cfg
 
 
 PROFILED_STEPS = 2  # steps after the timed ones whose GPU kernels are counted (CUDA only)
@@ -211,8 +217,8 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     if prompts is None:
         core, cfg = bench_session(engine, method, batch, context, a, total)
     else:
-        cfg = _config(method, a, total)
-        core = engine.start(prompts, cfg, prefill_cache=prefill_cache)
+        cfg = _config(method, a)
+        core = engine.start(prompts, cfg, _params(a, total), prefill_cache=prefill_cache)
     # tensor parallelism: rank 0 steps and times, the other ranks follow its plans; every rank gets its row
     row = core.executor.lead_or_follow(functools.partial(_time_method, engine, core, cfg, method, batch, context, a,
                                                 profiled))
@@ -325,7 +331,7 @@ def _fits(engine, batch: int, context: int, a) -> bool:
 
     g = gamma_max(a)
     cap = cache_capacity([context], [(a.warmup + a.steps) * (g + 1) + 1], g)  # as `_config` asks
-    return engine.pair.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
+    return engine.pair.kv_fit().fits(batch, cap, copies=2 if a.real else 1)
 
 
 def _read_bandwidth(device: str) -> float:
@@ -395,9 +401,10 @@ def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     limit = pair_context(read_args(t_path, rope), read_args(d_path, rope) if d_path is not None else None)
     if max(contexts) > limit:
         raise InputError(f"--contexts {max(contexts)} is past the model context ({limit} positions)")
-    # check_prompts: prompt + max_new_tokens + Γ + 1 positions, with the max_new_tokens of `_config`
-    g = gamma_max(a)
-    room = limit - ((a.warmup + a.steps + PROFILED_STEPS) * (g + 1) + 1) - g - 1
+    from dustin.engine.kv_manager import positions_needed
+
+    # the longest prompt that leaves the positions of `_params`' max_tokens
+    room = limit - positions_needed(0, _params(a, a.warmup + a.steps + PROFILED_STEPS).max_tokens, gamma_max(a))
     if room < 1:
         raise InputError(f"--warmup {a.warmup} + --steps {a.steps} decode past the model context ({limit})")
     return {"target": t_path.name, "draft": d_path.name if d_path else None, "limit": limit, "room": room,

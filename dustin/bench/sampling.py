@@ -67,17 +67,19 @@ def _check(args) -> list[str]:
 def make_session(engine, prompts: list[list[int]], mode: str, args):
     """An engine core of `mode` over `prompts` (noise-filled caches), long enough for every warm-up and timed step;
     each `step()` is one engine step (its first also fills the caches: a warm-up step)."""
+    from dataclasses import replace
+
     from dustin.engine.config import GenerationConfig
     from dustin.engine.request import SamplingParams
 
     temperature = 0.0 if mode == "greedy" else args.temperature
     rounds = args.warmup + args.steps + 2
-    cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=rounds * (args.gamma + 1),
-                           temperature=temperature, top_p=args.top_p, top_k=args.top_k, stop_at_eos=False)
-    params = None
+    cfg = GenerationConfig(method=args.method, gamma=args.gamma)
+    # one rule for the batch, its rows drawing from the batch's generator
+    params = SamplingParams(max_tokens=rounds * (args.gamma + 1), temperature=temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True)
     if mode == "rows":  # the serving engine's batch: each row its own rule and seed
-        params = [SamplingParams(max_tokens=cfg.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                 top_k=args.top_k, seed=row, ignore_eos=True) for row in range(len(prompts))]
+        params = [replace(params, temperature=args.temperature, seed=row) for row in range(len(prompts))]
     return EngineStepper(engine.start(prompts, cfg, fill="noise", params=params))
 
 

@@ -19,6 +19,7 @@ def run_demo(args) -> int:
 
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
+    from dustin.engine.request import SamplingParams
 
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention,
@@ -37,12 +38,13 @@ def run_demo(args) -> int:
     shared = PrefillCache()
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is
     # prefilled once; each method's decode is timed on its own.
+    params = SamplingParams.from_flags(args, temperature=0)  # greedy: the methods compare token for token
     for method in ("classic", "vanilla", "magicdec", "dustin"):
-        cfg = GenerationConfig(method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                               draft_window=args.draft_window, **budget_settings(args, method == "dustin"),
+        cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
+                               **budget_settings(args, method == "dustin"),
                                sparse_config=args.config if method == "dustin" else None)
         with console.status(f"decoding with {method}..."):
-            results[method] = engine.generate([ids], cfg, prefill_cache=shared)
+            results[method] = engine.generate([ids], cfg, params, prefill_cache=shared)
     results = {m: results[m] for m in DEMO_METHODS}
     reference = results["vanilla"].sequences[0].token_ids
     console.print("\n[bold]Continuation[/bold] (vanilla greedy):")

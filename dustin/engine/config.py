@@ -1,9 +1,7 @@
 """The engine's one config (`GenerationConfig`), validated once, and the table of decoding methods."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dustin.defaults import (
     AUTO_MAX,
@@ -17,9 +15,6 @@ from dustin.defaults import (
 )
 from dustin.errors import InputError
 from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS
-
-if TYPE_CHECKING:  # sampling imports torch, and the CLI reads METHODS from here to build its flags
-    from dustin.engine.sampling import SamplingRule
 
 
 @dataclass(frozen=True)
@@ -103,16 +98,15 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """The engine's one config, validated once: everything an engine core fixes when it starts, and the default
-    sampling of requests that bring no `SamplingParams` of their own. `EngineCore` (the server, `dustin serve`)
-    and `Engine.generate` (offline: eval, bench, profiling, `dustin generate`) both take it.
+    """The engine's one config, validated once: what an engine core fixes when it starts. `EngineCore` (the
+    server, `dustin serve`) and `Engine.generate` (offline: eval, bench, profiling, `dustin generate`) both take it.
 
     Engine-fixed (an engine core is built for them): method, gamma / gamma_auto, draft_kv, draft_sinks,
     draft_window, budget and budget_p / budget_min / budget_max / budget_dense, sparse_config, seed (the engine's
     sampling stream), the serving sizes max_slots, max_context, prefill_chunk, prefill_tokens and max_waiting, and
-    `options` (benchmark and debugging switches).
-    Default request sampling (what `SamplingParams` sets per request; offline batches given no SamplingParams
-    use these): max_new_tokens, temperature, top_p, top_k, stop_at_eos."""
+    `options` (benchmark and debugging switches). What may differ per request (max_tokens, temperature, top_p,
+    top_k, seed, ignore_eos, log-probabilities) is `SamplingParams`' (engine/request.py), its defaults and checks
+    there only: a setting kept in both places would have two defaults that drift apart."""
 
     method: str = DEFAULT_METHOD
     # draft tokens per step (Γ), or "auto": each sequence picks its own Γ in [0 or 1, GAMMA_AUTO_MAX] per step from
@@ -120,15 +114,10 @@ class GenerationConfig:
     # gamma_auto is True
     gamma: int | str = GAMMA
     gamma_auto: bool = False
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
     seed: int = 0
     draft_kv: str | None = None  # None: the method's default
     draft_sinks: int = 4  # streaming draft (MagicDec): 4 sinks + (draft_window - 4) recent positions
     draft_window: int = DRAFT_WINDOW  # positions the streaming draft attends (sinks + recent); `budget` is the verify k
-    stop_at_eos: bool = True
     # sparse verification: k positions per sequence (None: the config's, 512), or "auto": per sequence and step,
     # the fewest positions holding budget_p of the estimated attention mass, in [budget_min, budget_max]
     # (dustin/selection/adaptive.py)
@@ -175,14 +164,6 @@ class GenerationConfig:
             raise InputError(f"--gamma must be >= 1 (draft tokens per step), got {self.gamma}")
         if self.gamma > 15:
             raise InputError(f"--gamma must be <= 15 (the verify kernels take at most 16 queries), got {self.gamma}")
-        if self.max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not (0 <= self.temperature < math.inf):  # NaN fails too
-            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if self.draft_kv is None:
             object.__setattr__(self, "draft_kv", METHODS[self.method].draft_kv)
         elif self.draft_kv not in DRAFT_KV_MODES:
@@ -214,12 +195,6 @@ class GenerationConfig:
     @property
     def spec(self) -> MethodSpec:
         return METHODS[self.method]
-
-    @property
-    def sampling(self) -> SamplingRule:
-        from dustin.engine.sampling import SamplingRule
-
-        return SamplingRule(self.temperature, self.top_k, self.top_p)
 
     @property
     def draft_recent(self) -> int:

@@ -21,9 +21,10 @@ import torch
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.executor import Executor, GangPrefill, TensorParallelExecutor
 from dustin.engine.gamma import GammaRule, StepCosts
-from dustin.engine.kv_manager import KVManager, cache_capacity
+from dustin.engine.kv_manager import KVManager, cache_capacity, max_tokens_room
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Request, RequestOutput, SamplingParams
+from dustin.engine.sampling import GREEDY, SamplingRule
 from dustin.engine.scheduler import EngineStats, Scheduler, Sequence, StepPlan, check_admission
 from dustin.engine.worker.costs import measure_step_costs
 from dustin.engine.worker.runner import Runner
@@ -39,10 +40,12 @@ class EngineCore:
     def __init__(self, pair: ModelPair, config: GenerationConfig, *, slots: int | None = None,
                  capacity: int | None = None, policy=None, kernel_warmup: bool = True, gang: bool = False,
                  gang_prefill: GangPrefill | None = None, step_costs: StepCosts | None = None,
-                 max_new_tokens: int | None = None) -> None:
-        """config: the engine's settings (its sampling fields: the default of rows admitted without SamplingParams).
-        slots/capacity/policy: an offline batch (one slot per prompt, the capacity its prompts need); the server
-        leaves them None. max_new_tokens: the most new tokens a request may ask (None: the engine's context).
+                 max_new_tokens: int | None = None, shared: SamplingRule = GREEDY) -> None:
+        """config: the engine's settings. slots/capacity/policy: an offline batch (one slot per prompt, the capacity
+        its prompts need); the server leaves them None. max_new_tokens: the most new tokens a request may ask (None:
+        the engine's context). shared: the sampling rule under which rows draw from the engine's generator rather
+        than each from its own stream (`RowSampling`): greedy for the server; an offline batch run with one
+        `SamplingParams` passes its rule.
         gang: admit the waiting requests together and prefill them at once (always for a policy that is not
         `row_local`). gang_prefill: what makes a gang's prompt caches instead (dustin/engine/offline/prefill.py).
         step_costs: --gamma auto's cost model (None: measured now, `measure_step_costs`).
@@ -66,9 +69,9 @@ class EngineCore:
             self.kv = KVManager({"target": pair.target} | ({} if draft is None else {"draft": draft}), self.max_slots,
                                 capacity)
             runner = Runner(pair.target, draft, config, pair.vocab_limit, policy, kv=self.kv,
-                            max_new_tokens=max_new_tokens or self.max_context)
+                            max_new_tokens=max_new_tokens or self.max_context, shared=shared)
         except (torch.OutOfMemoryError, OutOfMemoryError):
-            need = pair.kv_cache_bytes(self.max_slots, capacity, config.spec.speculative)
+            need = pair.kv_fit(config.spec.speculative).bytes(self.max_slots, capacity)
             raise OutOfMemoryError(f"{self.max_slots} slots of {capacity} positions need {need / 2**30:.1f} GiB of "
                                    f"KV cache on {pair.device}: lower --max-slots or --max-context") from None
         self.gamma_rule: GammaRule | None = None  # --gamma auto: each sequence's Γ per step
@@ -80,11 +83,11 @@ class EngineCore:
                                                            DEFAULT_PREFILL_TOKENS_GPU if cuda else 512)
         self._budget_read, self._budget_cache = -1e9, None
         gang = gang or gang_prefill is not None or not policy.row_local
-        self.scheduler = Scheduler(self.max_slots, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
+        self.scheduler = Scheduler(self.kv.table, config.max_waiting, config.prefill_chunk, self.prefill_tokens,
                                    gang=gang)
         # the offline batch `queue` added: each request's outputs so far, accumulated into one (all its tokens)
         self._queued: dict[str, RequestOutput] = {}
-        self.eos_ids = set(pair.eos_ids) if config.stop_at_eos else set()
+        self.eos_ids = set(pair.eos_ids)  # a request with ignore_eos does not stop at them
         self.decode_stats = EngineStats()
         self._step_gamma = config.gamma if config.spec.speculative else 0  # a decode step's Γ (fixed Γ)
         self.model_name = "dustin"  # from_pretrained names it after the target's folder
@@ -99,7 +102,7 @@ class EngineCore:
             if kernel_warmup and not gang:
                 from dustin.engine.warmup import start_kernel_warmup
                 warmup = start_kernel_warmup(pair, config, self.max_slots, capacity, self.prefill_tokens,
-                                             config.prefill_chunk)
+                                             config.prefill_chunk, shared=shared)
             self.executor = Executor(runner, self.prefill_tokens, gang_prefill, warmup)
 
     @classmethod
@@ -143,8 +146,12 @@ class EngineCore:
         try:
             check_prompts([prompt_ids], self.config, self.max_context, self.pair.vocab_limit, [params.max_tokens])
         except InputError as e:
-            raise InputError(str(e).replace("prompt 0 ", "the prompt ").replace("--max-new-tokens", "max_tokens")
-                             ) from None
+            raise InputError(str(e).replace("prompt 0 ", "the prompt ")) from None
+
+    def max_tokens_room(self, prompt_len: int) -> int:
+        """The largest max_tokens a prompt of `prompt_len` tokens may ask (`check_request` admits it, and one more
+        it refuses): the server's headroom, by the KV manager's rule (`max_tokens_room`), for `n` of any size."""
+        return max_tokens_room(self.max_context, prompt_len, self.config.gamma)
 
     def add_request(self, request: Request) -> None:
         self.add_requests([request])

@@ -1,19 +1,21 @@
 """Offline generation: the model pair, and batches of prompts run to completion on an `EngineCore`.
 
     engine = Engine.from_pretrained("default", "default", device="cuda")
-    result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4))
+    result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4),
+                             SamplingParams(max_tokens=64, temperature=0))
 
 The config is the engine core's own (`GenerationConfig`), with the batch's sizes: one slot per prompt, the
 models' whole context, and the capacity its prompts need. How a batch is admitted and where its core comes from
 is dustin/engine/offline/batch.py's; every batch runs on the same engine core as the server (dustin/engine/core.py).
-This is one edge of the engine: a batch's prompts and limits are checked here, once. The models, tokenizer and what
+This is one edge of the engine: a batch's prompts and limits are checked here, once (the sampling settings
+where their `SamplingParams` is made). The models, tokenizer and what
 is asked of them are the engine's `pair` (`ModelPair`).
 """
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +25,7 @@ from dustin.engine.offline.batch import OfflineBatches
 from dustin.engine.offline.prefill import PrefillCache
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Logprob, SamplingParams
+from dustin.engine.sampling import GREEDY
 from dustin.errors import InputError, OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
 
@@ -110,39 +113,44 @@ class Engine:
         """The engine core kept across `generate` calls (a GPU's row-local batches), or None."""
         return self.batches.kept_core
 
-    def start(self, prompts: list[list[int]], cfg: GenerationConfig, policy: SelectionPolicy | None = None,
-              prefill_cache: PrefillCache | None = None, fill: str | None = None,
-              limits: list[int] | None = None, params: list[SamplingParams] | None = None,
+    def start(self, prompts: list[list[int]], cfg: GenerationConfig,
+              params: SamplingParams | list[SamplingParams] | None = None, policy: SelectionPolicy | None = None,
+              prefill_cache: PrefillCache | None = None, fill: str | None = None, limits: list[int] | None = None,
               warmup: bool = True, step_costs=None) -> EngineCore:
         """An engine core with `prompts` queued as one offline batch (one slot each), to drive with `step()`.
-        limits: new tokens per prompt (default cfg.max_new_tokens each). params: each prompt's own sampling (its
-        max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the same one over the
-        same prompts share one prefill. fill="noise": the prompt caches are filled with noise instead of computed
-        (benchmarks with random weights); fill="whole": the batch is one gang that computes its prompts."""
+        params: one `SamplingParams` for every prompt (None: `SamplingParams()`), whose rows then draw from the
+        engine's stream (seeded with cfg.seed), as one batch; or one per prompt, each row drawing from its own
+        stream (its `seed`, else one drawn from cfg.seed), as served requests do. limits: new tokens per prompt, in
+        place of the params' max_tokens. prefill_cache: greedy batches given the same one over the same prompts
+        share one prefill. fill="noise": the prompt caches are filled with noise instead of computed (benchmarks
+        with random weights); fill="whole": the batch is one gang that computes its prompts."""
         if cfg.spec.speculative and self.pair.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
-        if params is not None:
-            if len(params) != len(prompts):
-                raise InputError(f"params: one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
-            limits = [p.max_tokens for p in params]
-        self._validate(prompts, cfg, limits, "max_tokens" if params is not None else "--max-new-tokens")
-        if params is None:
-            params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-                      for m in (limits if limits is not None else [cfg.max_new_tokens] * len(prompts))]
-        return self.batches.start(prompts, cfg, params, policy, prefill_cache, fill, warmup, step_costs)
+        one = params is None or isinstance(params, SamplingParams)
+        if one:
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise InputError(f"params: one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
+        if limits is not None:
+            if len(limits) != len(prompts):
+                raise InputError(f"limits: one value per prompt ({len(prompts)}), got {len(limits)}")
+            params = [replace(p, max_tokens=m) for p, m in zip(params, limits, strict=True)]
+        check_prompts(prompts, cfg, self.pair.max_context(cfg.spec.speculative), self.pair.vocab_limit,
+                      [p.max_tokens for p in params])
+        shared = params[0].sampling if one and params[0].seed is None else GREEDY
+        return self.batches.start(prompts, cfg, params, policy, prefill_cache, fill, warmup, step_costs, shared)
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
-                 policy: SelectionPolicy | None = None, chat: bool = False,
-                 prefill_cache: PrefillCache | None = None, limits: list[int] | None = None,
-                 params: list[SamplingParams] | None = None, step_costs=None) -> GenerationResult:
-        """Run a batch to completion on an engine core (`start`): each prompt's new tokens and text, and the run's
-        statistics. limits: new tokens per prompt (default cfg.max_new_tokens for each, the most any may ask).
-        params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's.
-        step_costs: `--gamma auto`'s cost model (a `StepCosts`; None: measured when the core starts), e.g. the
-        `gamma_rule.costs` of an earlier core, so that runs compare under the same Γ decisions."""
+                 params: SamplingParams | list[SamplingParams] | None = None, policy: SelectionPolicy | None = None,
+                 chat: bool = False, prefill_cache: PrefillCache | None = None, limits: list[int] | None = None,
+                 step_costs=None) -> GenerationResult:
+        """Run a batch to completion on an engine core (`start`, whose params and limits these are): each prompt's
+        new tokens and text, and the run's statistics. step_costs: `--gamma auto`'s cost model (a `StepCosts`;
+        None: measured when the core starts), e.g. the `gamma_rule.costs` of an earlier core, so that runs compare
+        under the same Γ decisions."""
         ids = [self.pair.encode(p, chat) for p in prompts]
         try:
-            core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params, step_costs=step_costs)
+            core = self.start(ids, cfg, params, policy, prefill_cache, limits=limits, step_costs=step_costs)
             return core.executor.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
             self.batches.release()
@@ -178,15 +186,3 @@ class Engine:
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
                                 st.prefill_s, st.decode_s, split, used, st.capture_s, self.pair.dtype_name,
                                 s.policy.budget_stats(), warm)
-
-    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
-                  name: str) -> None:
-        """The batch's one check: a limit per prompt in [1, cfg.max_new_tokens], and the prompts (`check_prompts`);
-        name: how the messages call the limit ("max_tokens" for `SamplingParams`)."""
-        limits = limits if limits is not None else [cfg.max_new_tokens] * len(prompts)
-        if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
-            raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
-        try:
-            check_prompts(prompts, cfg, self.pair.max_context(cfg.spec.speculative), self.pair.vocab_limit, limits)
-        except InputError as e:  # its messages name the command line's flag
-            raise InputError(str(e).replace("--max-new-tokens", name)) from None

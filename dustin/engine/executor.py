@@ -27,6 +27,7 @@ from dustin.engine.scheduler import StepPlan
 from dustin.engine.worker.runner import Runner
 from dustin.engine.worker.staging import RowTokens
 from dustin.errors import DustinError
+from dustin.parallel.tp import broadcast_object
 
 GangPrefill = Callable[[Runner], None]  # a gang's prefill made another way (dustin/engine/offline/prefill.py)
 
@@ -152,8 +153,6 @@ class TensorParallelExecutor(Executor):
 
     def _send(self, plan: StepPlan) -> None:
         """Rank 0: broadcast a plan; the followers are "busy" until the caller sets their next state."""
-        from dustin.parallel.tp import broadcast_object
-
         if self.followers != "waiting":
             raise DustinError(f"the tensor-parallel ranks no longer follow this engine ({self.followers})")
         self.followers = "busy"
@@ -163,8 +162,6 @@ class TensorParallelExecutor(Executor):
     def follow(self) -> int:
         """Ranks > 0: receive rank 0's plans and execute them until the stop plan; the number of plans received
         (heartbeats included)."""
-        from dustin.parallel.tp import broadcast_object
-
         if self.rank == 0:
             raise RuntimeError("follow() is for ranks > 0 of a tensor-parallel engine")
         received = 0
@@ -179,8 +176,6 @@ class TensorParallelExecutor(Executor):
         """One offline run: rank 0 calls `lead()` (which steps the core: its plans reach the other ranks), then
         ends the others' `follow()` and hands them its result; the other ranks follow the plans and return that
         result. Every rank returns rank 0's."""
-        from dustin.parallel.tp import broadcast_object
-
         if self.rank != 0:
             self.follow()
             return broadcast_object(None, device=self.device)

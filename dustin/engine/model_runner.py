@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dustin.attention.context import ForwardContext, PrefillPlan, SparsePlan
+from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.cuda_graphs import GraphedForward
+from dustin.kernels.prefill_plan import PrefillPlan
 from dustin.models.transformer import Transformer
 
 

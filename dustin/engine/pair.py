@@ -5,32 +5,30 @@ of them (tokenizer, EOS ids, the verification policy of a method, KV-memory fit,
 """
 from __future__ import annotations
 
-import gc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from dustin.attention.backend import AttentionBackend
 from dustin.engine.config import GenerationConfig
-from dustin.engine.kv_manager import kv_bytes
-from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
+from dustin.engine.kv_manager import MemoryFit, positions_needed
+from dustin.errors import InputError, TokenizerMismatchError
 from dustin.models.args import pair_context
-from dustin.models.loader import load_model
+from dustin.models.fetch import resolve_model_path
+from dustin.models.loader import load_model, read_args
 from dustin.models.transformer import Transformer
+from dustin.parallel.tp import TensorParallel, current_parallel, init_distributed, is_main_process, rank_device
+from dustin.runtime import auto_dtype, resolve_device
 from dustin.selection.base import SelectionPolicy
-
-if TYPE_CHECKING:
-    from dustin.parallel.tp import TensorParallel
-    from dustin.selection.config import SparseConfig
+from dustin.selection.config import BUILTIN, SparseConfig, default_config
+from dustin.selection.policies import make_policy as build_policy
+from dustin.selection.tuned import load_tuned, match_tuned, model_identity, note_identity_match
 
 
 def parse_device(name: str) -> torch.device:
     """--device: auto (cuda when a CUDA GPU is available, else cpu), or cpu or cuda[:N] that exists here, else one
     InputError line (torch raises RuntimeError)."""
-    from dustin.runtime import resolve_device
-
     try:
         dev = torch.device(resolve_device(name))
     except (RuntimeError, TypeError, ValueError):
@@ -46,8 +44,6 @@ def parse_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
-        from dustin.runtime import auto_dtype
-
         return auto_dtype(device)
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
              "fp16": torch.float16, "float16": torch.float16}
@@ -97,10 +93,7 @@ class ModelPair:
         On a GPU the draft and its tokenizer load on a second thread while the target loads (reading the files
         and copying them to the device release the GIL); on a CPU one after the other (host memory is the
         limit there, and both files' pages would be resident at once)."""
-        from dustin.models.fetch import resolve_model_path
-
         dev = parse_device(device)
-        from dustin.parallel.tp import current_parallel, init_distributed, rank_device
         init_distributed()  # under torchrun: join the process group (and pick LOCAL_RANK's GPU) before loading
         dev = rank_device(dev)
         dt = resolve_dtype(dtype, dev)
@@ -145,20 +138,14 @@ class ModelPair:
     def identities(self) -> tuple[dict, dict | None]:
         """(target, draft) model identities: architecture, config and tokenizer, and a weight fingerprint
         (selection/tuned.py). The draft shares the target's tokenizer (checked when both have one)."""
-        from dustin.selection.tuned import model_identity
-
         if self._identities is None:
             self._identities = (model_identity(self.target, self.target_args, self.tokenizer),
                                 None if self.draft is None else model_identity(self.draft, tokenizer=self.tokenizer))
         return self._identities
 
-    def default_sparse_config(self) -> "SparseConfig":
+    def default_sparse_config(self) -> SparseConfig:
         """The shipped tuned config of this pair: profiled on exactly these weights (by fingerprint), else on the
         same models (by identity: noted once on stderr); else the built-in fallback."""
-        from dustin.parallel.tp import is_main_process
-        from dustin.selection.config import default_config
-        from dustin.selection.tuned import load_tuned, match_tuned, note_identity_match
-
         match = match_tuned(*self.identities())
         if match is not None:
             if is_main_process():
@@ -170,10 +157,7 @@ class ModelPair:
         """The verification policy of cfg.method with its sparse config: --config's file, else the tuned
         config shipped for this pair, else the built-in fallback. Configs name global heads (the target's
         unsharded shape); under tensor parallelism the `TensorParallel` object builds the policy's TP form."""
-        from dustin.selection.config import BUILTIN, SparseConfig, default_config
-        from dustin.selection.policies import make_policy
-
-        build = make_policy if self.parallel is None else self.parallel.make_policy
+        build = build_policy if self.parallel is None else self.parallel.make_policy
         if cfg.spec.policy == "full":
             return build("full", None)
         d_args = self.draft.args if self.draft is not None else None
@@ -196,36 +180,11 @@ class ModelPair:
         """Text of generated ids (special tokens dropped); None without a tokenizer."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
-        """Bytes of the KV caches a batch of `batch` sequences x `capacity` positions allocates: the target's
-        (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
+    def kv_fit(self, speculative: bool = True) -> MemoryFit:
+        """The KV manager's memory rule for this pair's caches: the target's (this rank's KV heads under tensor
+        parallelism) plus the draft's when speculating, in the weights' dtype, on the pair's device."""
         args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
-        return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
-
-    def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
-        """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
-        memory (the rest is work space: activations, logits, graph pools). True where free memory is unknown."""
-        free = _free_memory(self.device)
-        return free is None or copies * self.kv_cache_bytes(batch, capacity, speculative) <= 0.9 * free
-
-    def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
-                          advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
-        """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
-        over one shared prefill holds a batch's caches and the prefill's copy of them) that would not fit in
-        90% of the free device memory; the line says how many sequences would."""
-        need = copies * self.kv_cache_bytes(batch, capacity, speculative)
-        if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
-            # memory of finished batches may still sit in PyTorch's cache or in unreachable graph pools: give it
-            # back before refusing (an `Engine` drops its kept engine core itself, `Engine.release_cached`)
-            gc.collect()
-            torch.cuda.empty_cache()
-        if not self.kv_memory_fits(batch, capacity, speculative, copies):
-            free = _free_memory(self.device)
-            held = "" if copies == 1 else f", held {copies} times,"
-            fits = int(0.9 * free // max(need // batch, 1))
-            raise OutOfMemoryError(f"the KV caches for {batch} sequences x {capacity} positions{held} need "
-                                   f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB of {self.device} "
-                                   f"memory is free ({fits} sequences would fit): {advice}")
+        return MemoryFit(args, self.target.embed_tokens.weight.element_size(), self.device)
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -247,11 +206,11 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
-def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
-                  vocab_limit: int | None = None, limits: list[int] | None = None) -> None:
+def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int, vocab_limit: int | None,
+                  limits: list[int], limit_name: str = "max_tokens") -> None:
     """No prompts, an empty prompt, ids outside the vocabulary, or a prompt that leaves no room for
-    its new tokens (`limits[i]`, default --max-new-tokens) and Γ within the model context: one InputError line
-    naming the prompt."""
+    its new tokens (`limits[i]`) and Γ within the model context: one InputError line naming the prompt.
+    limit_name: what the caller calls the limit (a command line's flag: --max-new-tokens)."""
     if not prompts:
         raise InputError("no prompts given")
     for i, p in enumerate(prompts):
@@ -259,24 +218,22 @@ def check_prompts(prompts: list[list[int]], cfg: GenerationConfig, context: int,
             raise InputError(f"prompt {i} is empty")
         if vocab_limit is not None and (max(p) >= vocab_limit or min(p) < 0):
             raise InputError(f"prompt {i} holds token ids outside the vocabulary (0..{vocab_limit - 1})")
-        new = cfg.max_new_tokens if limits is None else limits[i]
-        need = len(p) + new + cfg.gamma + 1
+        new = limits[i]
+        need = positions_needed(len(p), new, cfg.gamma)
         if need > context:
-            raise InputError(f"prompt {i} has {len(p)} tokens; with --max-new-tokens {new} and "
+            raise InputError(f"prompt {i} has {len(p)} tokens; with {limit_name} {new} and "
                              f"gamma {cfg.gamma} it needs {need} positions, more than the model context "
                              f"({context})")
 
 
 def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list[str], cfg: GenerationConfig,
-                     chat: bool = False, rope_scaling: str | None = None) -> tuple[object, list[list[int]] | None]:
+                     max_tokens: int, chat: bool = False, rope_scaling: str | None = None
+                     ) -> tuple[object, list[list[int]] | None]:
     """`check_prompts` from the models' config.json and the target's tokenizer, before any weights load: an
     empty or over-long prompt fails in about a second instead of after both models loaded. Returns the tokenizer
     and the prompts' token ids (chat template applied with `chat`), which the caller passes on to
     `Engine.from_pretrained` and `Engine.generate` instead of loading and encoding again; (None, None) when the
     folder has no tokenizer."""
-    from dustin.models.fetch import resolve_model_path
-    from dustin.models.loader import read_args
-
     t_path = resolve_model_path(str(target), "target")
     d_args = (read_args(resolve_model_path(str(draft), "draft"), rope_scaling)
               if draft is not None and cfg.spec.speculative else None)
@@ -285,21 +242,8 @@ def precheck_prompts(target: str | Path, draft: str | Path | None, prompts: list
     if tokenizer is None:
         return None, None
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
-    check_prompts(ids, cfg, context)
+    check_prompts(ids, cfg, context, None, [max_tokens] * len(ids), "--max-new-tokens")
     return tokenizer, ids
-
-
-def _free_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _check_same_vocabulary(target, draft, tok_t, tok_d) -> None:

@@ -12,6 +12,9 @@ from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's cap on top_logprobs)
+# a SamplingParams field -> the command-line flag that sets it (`SamplingParams.from_flags`)
+_FLAGS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+          "ignore_eos": "ignore_eos"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,21 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
                 raise InputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+
+    @classmethod
+    def from_flags(cls, args, **fixed) -> "SamplingParams":
+        """The sampling flags of a command line (--max-new-tokens, --temperature, --top-p, --top-k, --ignore-eos;
+        those the command lacks keep the defaults above, `fixed` overrides), with a bad value's message naming its
+        flag. The checks stay in `__post_init__`, so a value is checked by one rule whichever edge it came through."""
+        values = {f: getattr(args, a) for f, a in _FLAGS.items() if getattr(args, a, None) is not None} | fixed
+        try:
+            return cls(**values)
+        except InputError as e:
+            msg = str(e)
+            for f, a in _FLAGS.items():
+                if msg.startswith(f + " "):
+                    msg = "--" + a.replace("_", "-") + msg[len(f):]
+            raise InputError(msg) from None
 
     @property
     def sampling(self) -> SamplingRule:

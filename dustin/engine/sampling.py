@@ -40,6 +40,9 @@ class SamplingRule:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
+GREEDY = SamplingRule()  # the rule of idle rows, and the server's shared rule (`BatchState`)
+
+
 def _largest(x: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` largest values of each row of x, in descending order."""
     return torch.sort(x, dim=-1, descending=True).values if size >= x.shape[-1] else torch.topk(x, size, dim=-1).values

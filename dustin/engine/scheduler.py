@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dustin.engine.gamma import GammaRule, RowGamma
+from dustin.engine.kv_manager import SlotTable
 from dustin.engine.logprobs import to_logprob
 from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import SamplingRule
@@ -108,10 +109,12 @@ class Scheduler:
       specattn, snapkv, oracle) run this way, and so do offline batches whose prompt caches are copied or filled
       another way (dustin/engine/offline/prefill.py)."""
 
-    def __init__(self, n_rows: int, max_waiting: int, chunk: int, budget: int, gang: bool = False) -> None:
+    def __init__(self, slots: SlotTable, max_waiting: int, chunk: int, budget: int, gang: bool = False) -> None:
+        """slots: the KV manager's slot table (which row each sequence holds); the scheduler takes and gives back
+        rows through it, and touches no cache."""
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence (prefilling or decoding)
-        self.free = list(range(n_rows))
+        self.slots = slots
         self.max_waiting, self.chunk, self.budget = max_waiting, chunk, budget
         self.gang = gang
         self.plans = 0  # prefill plans made (`prefill_chunks` calls)
@@ -180,14 +183,14 @@ class Scheduler:
         out = []
         if self.gang and self.running:
             return out  # a gang runs alone until all its sequences finished
-        while self.waiting and self.free:
+        while self.waiting and self.slots.n_free:
             group = self.waiting[0].group or [self.waiting[0]]
-            if len(group) > len(self.free):
+            if len(group) > self.slots.n_free:
                 break
             for seq in group:  # a group waits in one piece, its first member first
                 popped = self.waiting.popleft()
                 assert popped is seq
-                seq.row = self.free.pop(0)
+                seq.row = self.slots.allocate()
                 self.running[seq.row] = seq
                 if self.gang:  # prefilled by the gang's one prefill (each member its own)
                     seq.prefilled = len(seq.request.prompt_ids)
@@ -234,8 +237,7 @@ class Scheduler:
 
     def finish(self, row: int) -> Sequence:
         seq = self.running.pop(row)
-        self.free.append(row)
-        self.free.sort()
+        self.slots.release(row)
         return seq
 
     # ---------------------------------------------------------------- after the step

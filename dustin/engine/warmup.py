@@ -267,10 +267,11 @@ class Plan:
 
 
 def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
-                    prefill_chunk: int = 512) -> Plan:
+                    prefill_chunk: int = 512, shared=None) -> Plan:
     """The Triton launches of the first prefill forward (`prefill_tokens` tokens of `prefill_chunk`-token chunks, as
     the engine loop packs them) and first decode step of a `Runner` of `slots` rows and `capacity` positions running
     `cfg` on `pair`'s models, found by running them on a fake twin (module docstring): one specialization each.
+    shared: the runner's shared sampling rule (`BatchState`; None: greedy), which picks the first step's code path.
     The models are left as they were, and fake tensors the code left in dict caches are removed. Raises
     RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor is left anywhere else."""
     draft = pair.draft if cfg.spec.speculative else None
@@ -280,7 +281,7 @@ def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 
     step: list[Launch] = []
     with track_fakes() as fakes:
         try:
-            prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+            prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk, shared)
         except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
             error = f"{type(e).__name__}: {e}"
         finally:
@@ -296,13 +297,14 @@ def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 
     return Plan(prefill, step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4), removed)
 
 
-def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
+def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int, shared
              ) -> tuple[list[Launch], list[Launch]]:
     """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
     makes is local to this call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dustin.engine.kv_manager import KVManager
+    from dustin.engine.sampling import GREEDY
     from dustin.engine.timing import NullTimer
     from dustin.engine.worker.runner import Runner
 
@@ -311,7 +313,8 @@ def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
         models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
-        twin = Runner(pair.target, draft, cfg, pair.vocab_limit, policy, kv=KVManager(models, slots, capacity))
+        twin = Runner(pair.target, draft, cfg, pair.vocab_limit, policy, kv=KVManager(models, slots, capacity),
+                      max_new_tokens=capacity, shared=shared or GREEDY)
         twin.batch.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
     # gives the policy's observers the state the first step reads (e.g. S_target's last query)
@@ -485,7 +488,7 @@ def warmup_enabled() -> bool:
 
 
 def start_kernel_warmup(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
-                        prefill_chunk: int = 512) -> KernelWarmup | None:
+                        prefill_chunk: int = 512, shared=None) -> KernelWarmup | None:
     """Plan a runner's first prefill forward and decode step (`plan_first_step`) and start compiling them in the
     background, when kernels are compiled on the engine's device (a GPU without Triton's interpreter) and the
     warm-up is on; else, or if the plan fails (the steps then compile their kernels themselves, as without a
@@ -494,7 +497,7 @@ def start_kernel_warmup(pair, cfg, slots: int, capacity: int, prefill_tokens: in
         return None
     t0 = time.perf_counter()
     try:
-        plan = plan_first_step(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+        plan = plan_first_step(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk, shared)
         return KernelWarmup(plan, pair.device, plan_s=time.perf_counter() - t0).start()
     except FakeTensorLeak:
         raise

@@ -52,9 +52,11 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens of `model` with the full cache, on the engine core (the model verifying alone)."""
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
+    from dustin.engine.request import SamplingParams
 
-    cfg = GenerationConfig(method="vanilla", max_new_tokens=n, stop_at_eos=False)
-    return Engine.from_models(model).generate([prompt], cfg).sequences[0].token_ids
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    out = Engine.from_models(model).generate([prompt], GenerationConfig(method="vanilla"), params)
+    return out.sequences[0].token_ids
 
 
 @torch.inference_mode()

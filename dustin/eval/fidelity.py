@@ -14,6 +14,7 @@ import time
 from dustin.engine.config import DUSTIN_METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix, long_code_prompt
+from dustin.eval.sweep import row_params
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list
 
 DEFAULT_SOURCES = ("argparse.py", "inspect.py", "tarfile.py", "typing.py", "pydoc.py")
@@ -53,8 +54,8 @@ def run(args) -> int:
     console = Console(stderr=True, quiet=not main)
     pair = engine.pair
     prompts = [pair.encode(long_code_prompt(pair.tokenizer, args.context, s)[0]) for s in args.sources.split(",")]
-    base = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, draft_kv=args.draft_kv,
-                draft_window=args.draft_window, sparse_config=args.config)
+    base = dict(gamma=args.gamma, draft_kv=args.draft_kv, draft_window=args.draft_window, sparse_config=args.config)
+    params = row_params(args.max_new_tokens)
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "settings": vars(args).copy(), "runs": {}}
     results["settings"].pop("func", None)
 
@@ -65,7 +66,7 @@ def run(args) -> int:
     def generate(method: str, **kw):
         t0 = time.perf_counter()
         with console.status(f"{method} {kw or ''}..."):
-            r = engine.generate(prompts, GenerationConfig(method=method, **{**base, **kw}),
+            r = engine.generate(prompts, GenerationConfig(method=method, **{**base, **kw}), params,
                                 prefill_cache=shared)
         console.print(f"{method} {kw or ''}: tau {r.tau:.3f}, {time.perf_counter() - t0:.0f}s")
         return r
@@ -105,7 +106,7 @@ def run(args) -> int:
 
             probe = ARRProbe(policies, k)
             with console.status(f"ARR at k={k}..."):
-                engine.generate(prompts, cfg, policy=probe, prefill_cache=shared)
+                engine.generate(prompts, cfg, params, policy=probe, prefill_cache=shared)
             results.setdefault("arr", {})[str(k)] = probe.mean_arr()
     _print(results, Table, Console(quiet=not main))
     if args.json_out and main:

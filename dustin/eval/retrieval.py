@@ -17,7 +17,7 @@ from dustin.engine.config import METHODS
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
 from dustin.eval.results import load_results, save_results
-from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
+from dustin.eval.sweep import add_rows_arg, row_config, row_name, row_params, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
 if TYPE_CHECKING:
@@ -103,9 +103,10 @@ def run(args) -> int:
     main = is_main_process()  # under torchrun only rank 0 reports and writes
     console = Console(stderr=True, quiet=not main)
     limit = engine.pair.max_context(speculative)
-    room = limit - args.max_new_tokens - args.gamma - 1
+    from dustin.engine.kv_manager import cache_capacity, positions_needed
+
+    room = limit - positions_needed(0, args.max_new_tokens, args.gamma)  # the longest prompt that fits
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
-    from dustin.engine.kv_manager import cache_capacity
     from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
@@ -114,7 +115,7 @@ def run(args) -> int:
         # the depths are one batch, holding its session's KV caches and the shared prefill's copy: refuse now
         # what would run out of memory only at the first speculative row, after a whole prefill
         capacity = cache_capacity([n], [args.max_new_tokens], args.gamma if speculative else 0)
-        engine.pair.require_kv_memory(args.depths, capacity, speculative, copies=2, advice="lower --depths")
+        engine.pair.kv_fit(speculative).require(args.depths, capacity, copies=2, advice="lower --depths")
         if n < ctx:
             console.print(f"context {ctx}: prompts of {n} tokens (model limit {limit} minus generation room)")
         with console.status(f"{kind} {ctx}: building {args.depths} prompts..."):
@@ -132,11 +133,12 @@ def run(args) -> int:
 
 
 def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared: PrefillCache) -> dict:
-    cfg = row_config(method, budget, args, args.max_new_tokens)
+    cfg = row_config(method, budget, args)
     name = row_name(method, budget)
     t0 = time.perf_counter()
     with console.status(f"{kind} {ctx}: {name} on {len(prompts)} prompts..."):
-        r = engine.generate([q.ids for q in prompts], cfg, prefill_cache=shared)
+        r = engine.generate([q.ids for q in prompts], cfg, row_params(args.max_new_tokens),
+                            prefill_cache=shared)
     samples = []
     for q, s in zip(prompts, r.sequences, strict=False):
         recall = rouge1_recall(s.text or "", q.answer)

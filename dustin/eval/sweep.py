@@ -6,6 +6,8 @@ fixed k of --budgets; an `auto:P` budget sizes k per sequence and step from Dust
 (dustin/selection/adaptive.py), so only the Dustin methods get those rows."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from dustin.engine.config import DUSTIN_METHODS, FULL_METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.flags import auto_p, check_sparse_config
@@ -60,20 +62,29 @@ def sweep_rows(methods: list[str], budgets: list[int | str], args, max_new_token
     autos = [k for m, k in rows if auto_p(k) is not None]
     check_sparse_config(args.config, [k for _, k in rows if k is not None and auto_p(k) is None]
                         + ([args.budget_max] if autos else []))
+    row_params(max_new_tokens)
     for m, k in rows:
-        row_config(m, k, args, max_new_tokens)
+        row_config(m, k, args)
     return rows, ({"budget_range": [args.budget_min, args.budget_max], "budget_dense": args.budget_dense}
                   if autos else {})
 
 
-def row_config(method: str, budget: int | str | None, args, max_new_tokens: int = 128) -> GenerationConfig:
+def row_params(max_new_tokens: int):
+    """Every row's sampling: greedy (rows compare token for token), `max_new_tokens` each (a bad count's message
+    names --max-new-tokens)."""
+    from dustin.engine.request import SamplingParams  # imports torch: not at the flags' parse
+
+    return SamplingParams.from_flags(SimpleNamespace(max_new_tokens=max_new_tokens), temperature=0)
+
+
+def row_config(method: str, budget: int | str | None, args) -> GenerationConfig:
     """One row's generation settings: a fixed k, or auto:P within --budget-min / --budget-max (--budget-dense: rows
     too spread out for --budget-max verify against the whole cache)."""
     p = auto_p(budget)
     extra = {} if p is None else {"budget": "auto", "budget_p": p, "budget_min": args.budget_min,
                                   "budget_max": args.budget_max, "budget_dense": args.budget_dense}
     return GenerationConfig(**{"method": method, "gamma": args.gamma, "draft_window": args.draft_window,
-                               "max_new_tokens": max_new_tokens, "budget": budget, "sparse_config": args.config,
+                               "budget": budget, "sparse_config": args.config,
                                "seed": args.seed, **extra})
 
 

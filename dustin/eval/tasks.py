@@ -21,7 +21,16 @@ from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix
 from dustin.eval.results import load_results, save_results
 from dustin.eval.stats import average_interval, mean_interval, paired_difference_interval
-from dustin.eval.sweep import HYBRID_FAMILY, LOSSLESS, add_rows_arg, budget_order, row_config, row_name, sweep_rows
+from dustin.eval.sweep import (
+    HYBRID_FAMILY,
+    LOSSLESS,
+    add_rows_arg,
+    budget_order,
+    row_config,
+    row_name,
+    row_params,
+    sweep_rows,
+)
 from dustin.flags import (
     add_model_args,
     add_sparse_args,
@@ -109,7 +118,7 @@ def run(args) -> int:
         console = Console(stderr=True, quiet=not main)
         console.print(f"dustin eval tasks: {engine.pair.device}, {engine.pair.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        from dustin.engine.kv_manager import cache_capacity
+        from dustin.engine.kv_manager import cache_capacity, positions_needed
         from dustin.engine.offline.prefill import PrefillCache
         from dustin.tasks.catalog import build_samples
 
@@ -119,13 +128,13 @@ def run(args) -> int:
             for ctx, tasks in pending.items():
                 if not tasks:
                     continue
-                length = min(ctx, limit - args.gamma - 1)
+                length = min(ctx, limit - positions_needed(0, 0, args.gamma))  # a sample's prompt and answer
                 # a batch holds its session's KV caches and the shared prefill's copy: refuse now what would run
                 # out of memory only at the first speculative row, after the samples and a whole prefill
                 gamma = args.gamma if speculative else 0
                 capacity = cache_capacity([length], [max(t.max_new_tokens for t in tasks)], gamma)
-                engine.pair.require_kv_memory(min(args.batch_size, len(tasks) * args.samples), capacity, speculative,
-                                         copies=2, advice="lower --batch-size")
+                engine.pair.kv_fit(speculative).require(min(args.batch_size, len(tasks) * args.samples), capacity,
+                                                        copies=2, advice="lower --batch-size")
                 progress.update(bar, description=f"building {len(tasks)} task(s) at {ctx}")
                 samples = [s for s in build_samples(tasks, engine.pair.tokenizer, length, args.samples, args.seed)
                            if missing(s.task, ctx, s.index)]
@@ -168,9 +177,9 @@ def _evaluate(engine, tasks: dict, samples, ctx: int, method, budget, args, rows
     """One greedy generation over a batch of samples of any tasks, each sequence stopping at its own task's
     answer length. Rows are keyed by the requested context `ctx` (a sample
     may be shorter: the model's own limit caps it)."""
-    cfg = row_config(method, budget, args, max(s.max_new_tokens for s in samples))
+    cfg = row_config(method, budget, args)
     t0 = time.perf_counter()
-    r = engine.generate([s.prompt_ids for s in samples], cfg, prefill_cache=shared,
+    r = engine.generate([s.prompt_ids for s in samples], cfg, row_params(1), prefill_cache=shared,
                         limits=[s.max_new_tokens for s in samples])
     seconds = time.perf_counter() - t0
     tau = r.tau if cfg.spec.speculative else None

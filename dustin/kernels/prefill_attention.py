@@ -6,7 +6,7 @@ Layout (FlashInfer-style: the host plans once per forward, the kernel runs over 
 - k_cache, v_cache: one layer's [B, Hkv, S_cap, D]; chunk c's keys and values are row[c]'s positions
   0 .. pos0[c] + len[c] - 1 (the chunk's own K/V already written there);
 - the query at packed index q_start[c] + i sits at position pos0[c] + i and sees keys j <= pos0[c] + i.
-`PrefillPlan` (attention/context.py) holds the per-chunk arrays and a tile list (chunk, query block) that sizes
+`PrefillPlan` (prefill_plan.py) holds the per-chunk arrays and a tile list (chunk, query block) that sizes
 the grid exactly, so ragged chunks cost only their own tiles and no [N, S] mask is ever built.
 
 Why this design:
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.attention.context import PrefillPlan
 from dustin.kernels.dispatch import interpreting
+from dustin.kernels.prefill_plan import PrefillPlan
 
 BLOCK_N = 64  # keys per inner step (also the anchor of the batch-invariant key blocking)
 

@@ -248,35 +248,3 @@ def quest_select_reference(scores, lengths, k, page_size=PAGE_SIZE):
             indices[b, h, : len(row)] = torch.tensor(row, dtype=torch.int32)
             counts[b, h] = len(row)
     return indices, counts
-
-
-def check_on_device(dev) -> dict:
-    """Small bf16 check of the kernels on `dev` against the fp32 references (run by `dustin bench attention`
-    before timing, since the tests only run the CPU interpreter): exactness flags and relative errors."""
-    from dustin.attention.reference import sparse_verify_attention_reference as ref
-    from dustin.kernels.sparse_verify import sparse_verify_attention
-
-    g = torch.Generator(device=dev).manual_seed(0)
-    B, Hq, Hkv, T, D, cap = 3, 28, 4, 5, 128, 700
-    L = torch.tensor([650, 77, 300], dtype=torch.int32, device=dev)
-    k, v = (torch.randn(B, Hkv, cap, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(B, Hq, T, D, device=dev, generator=g, dtype=torch.bfloat16)
-    mn, mx = (torch.zeros(B, Hkv, cap // 16 + 1, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    page_minmax(k, L - 40, mn, mx)
-    page_minmax(k, L, mn, mx, lengths_before=L - 40, max_new=40)
-    want_mn, want_mx = page_minmax_reference(k, L, n_pages=mn.shape[2])
-    s = page_scores(q, mn, mx, L)
-    s_ref = page_scores_reference(q, want_mn, want_mx, L)
-    fin = torch.isfinite(s_ref)
-    idx, cnt = select_pages(s, L, 128)
-    out = sparse_verify_attention(q, k, v, L, idx, cnt)
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    res = {"quest_minmax_exact": bool(torch.equal(mn, want_mn) and torch.equal(mx, want_mx)),
-           "quest_inf_marks_exact": bool(torch.equal(torch.isinf(s), torch.isinf(s_ref))),
-           "quest_scores_rel_err": rel(s[fin], s_ref[fin]),
-           "quest_newest_position_selected": bool(all(int(L[b]) - 1 in idx[b, h, : cnt[b, h]].tolist()
-                                                      for b in range(B) for h in range(Hkv))),
-           "per_head_sparse_rel_err": rel(out, ref(q, k, v, L, idx, cnt))}
-    res["ok"] = (res["quest_minmax_exact"] and res["quest_inf_marks_exact"] and res["quest_newest_position_selected"]
-                 and res["quest_scores_rel_err"] < 1e-3 and res["per_head_sparse_rel_err"] < 1e-2)
-    return res

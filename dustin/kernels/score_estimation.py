@@ -57,10 +57,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.attention.reference import (  # noqa: F401  (re-exported: the kernels' semantics)
-    attention_scores_multi_reference,
-    attention_scores_reference,
-)
 from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start
 

@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dustin.attention.reference import sparse_verify_attention_reference  # noqa: F401  (re-exported)
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
 from dustin.kernels.dispatch import interpreting
 from dustin.kernels.launch import num_sms, pdl_options, pdl_start

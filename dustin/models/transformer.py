@@ -261,7 +261,8 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(args)
         self.backend = backend or AttentionBackend.for_device("cpu")
         # the decoder layers of the decode forwards it takes, in one persistent kernel (a draft's
-        # dustin.kernels.draft_decoder.DraftDecoder, attached by `draft_decoder.attach`); None: layer by layer
+        # dustin.kernels.draft_decoder.DraftDecoder, attached by `dustin.models.draft_kernel.attach`); None: layer by
+        # layer
         self.layer_kernel = None
 
     def set_fused_ops(self, on: bool) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dustin.errors import InputError
+from dustin.parallel.tp_selection import tp_policy
 
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -222,8 +223,6 @@ class TensorParallel:
 
     def make_policy(self, name: str, cfg):
         """The selection policy `name` with sparse config `cfg` (global heads) for this rank."""
-        from dustin.parallel.tp_selection import tp_policy
-
         return tp_policy(name, cfg, self.rank, self.group)
 
 

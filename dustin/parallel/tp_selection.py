@@ -23,7 +23,7 @@ from dustin.errors import InputError
 from dustin.selection.base import StepState
 from dustin.selection.config import DUSTIN_POLICIES, ScoreHeads
 from dustin.selection.estimators import TargetHistoricalScores
-from dustin.selection.policies import DustinSelection
+from dustin.selection.policies import DustinSelection, make_policy
 
 TP_POLICIES = ("full", "streaming", *DUSTIN_POLICIES)
 
@@ -86,8 +86,6 @@ def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
 
 def tp_policy(name: str, cfg, rank: int, group=None):
     """The TP form of selection policy `name` (cfg: the sparse config in global heads, None for "full")."""
-    from dustin.selection.policies import make_policy
-
     if name not in TP_POLICIES:
         raise InputError(f"policy {name!r} is not supported with tensor parallelism; supported policies: "
                          f"{', '.join(TP_POLICIES)}")

@@ -80,6 +80,7 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
     steps that generated a needle token, hits [B], generated ids)."""
     from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.engine import Engine
+    from dustin.engine.request import SamplingParams
 
     a, dev = model.args, model.embed_tokens.weight.device
     spans = torch.tensor([p.spans[p.asked] for p in prompts], device=dev)
@@ -89,8 +90,9 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
     probe = NeedleMassProbe(a.n_layers, a.n_heads, spans, needle)
     runner = engine if model is engine.pair.target else Engine.from_models(model, None, engine.pair.tokenizer)
     # each step read back before the next is launched, so that `done` masks every token past a row's stop
-    cfg = GenerationConfig(method="vanilla", max_new_tokens=max_new_tokens, options=ExecutionOptions(overlap=False))
-    out = runner.generate([p.ids for p in prompts], cfg, policy=probe)
+    cfg = GenerationConfig(method="vanilla", options=ExecutionOptions(overlap=False))
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0)
+    out = runner.generate([p.ids for p in prompts], cfg, params, policy=probe)
     return probe.total, probe.hits.tolist(), [s.token_ids for s in out.sequences]
 
 

@@ -17,6 +17,7 @@ import torch
 
 from dustin.attention.context import LayerPlanner, LookaheadCapture, QueryObserver, SparsePlan
 from dustin.cache.kv_cache import KVCache
+from dustin.errors import InputError
 from dustin.models.transformer import Transformer
 
 VerifyPlan = SparsePlan | LayerPlanner | None  # what `plan` returns: one set, a per-layer planner, or full
@@ -110,8 +111,6 @@ class SelectionPolicy:
 
     def use_auto_budget(self, rule) -> None:
         """`--budget auto` (an AutoBudget): only Dustin's policies size k from their scores."""
-        from dustin.errors import InputError
-
         raise InputError(f"--budget auto sizes Dustin's selection; {self.name!r} takes a fixed --budget")
 
     def budget_stats(self, reset: bool = False) -> dict | None:

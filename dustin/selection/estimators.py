@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dustin.attention.context import ForwardContext, LookaheadCapture
+from dustin.attention.reference import attention_scores_reference
 from dustin.kernels.dispatch import triton_ok
 from dustin.selection.config import ScoreHeads
 
@@ -28,9 +29,10 @@ from dustin.selection.config import ScoreHeads
 def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths,
                       accumulate: bool = True) -> None:
     """out[b, j] (+)= softmax mass of q_sel on position j < ctx_lengths[b] (Triton on GPU, PyTorch on CPU)."""
-    from dustin.kernels import score_estimation as se
-
-    fn = se.attention_scores if triton_ok(q_sel) else se.attention_scores_reference
+    if triton_ok(q_sel):
+        from dustin.kernels.score_estimation import attention_scores as fn  # imports Triton: only where it runs
+    else:
+        fn = attention_scores_reference
     fn(q_sel.contiguous(), k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths=ctx_lengths,
        accumulate=accumulate)
 

@@ -20,6 +20,10 @@ from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budg
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
+from dustin.selection.ladder import LadderOracle
+from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
+from dustin.selection.oracle import oracle_set, window_attention
+from dustin.selection.snapkv import SnapKVSelection
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
@@ -158,8 +162,6 @@ class OracleSelection(SelectionPolicy):
         self.cfg = cfg
 
     def plan(self, state: StepState) -> SparsePlan:
-        from dustin.selection.oracle import oracle_set, window_attention
-
         mass = window_attention(state.target, state.target_cache, state.verify_input, state.verify_positions)
         idx, counts = oracle_set(mass, state.target_cache.lengths, self.cfg.budget, self.cfg.sinks, self.cfg.window)
         return SparsePlan(idx, counts)
@@ -180,13 +182,10 @@ def policy_class(name: str) -> type[SelectionPolicy]:
     if name == "oracle":
         return OracleSelection
     if name in ORACLE_RUNGS:
-        from dustin.selection.ladder import LadderOracle
         return LadderOracle
     if name in ("quest", "specattn"):
-        from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
         return QuestSelection if name == "quest" else SpecAttnSelection
     if name == "snapkv":
-        from dustin.selection.snapkv import SnapKVSelection
         return SnapKVSelection
     raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
 

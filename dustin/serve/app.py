@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dustin.engine.request import Logprob, RequestOutput, SamplingParams
 from dustin.engine.request import Request as EngineRequest
-from dustin.errors import DustinError, InputError
+from dustin.errors import InputError
 from dustin.serve.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from dustin.serve.detokenize import IncrementalDetokenizer, TokenText, text_decoder
 from dustin.serve.logprobs import chat_logprobs, completion_logprobs
@@ -381,7 +381,6 @@ class _Server:
         self.created = now()
         self.counts: Counter = Counter({s: 0 for s in STATUSES})
         self.latency = Latency()
-        self._headroom: int | None = None
 
     # ------------------------------------------------------------------ input
     def check_model(self, model: str | None) -> None:
@@ -434,29 +433,8 @@ class _Server:
             raise ApiError(400, f"{param} holds token ids outside the vocabulary (0..{limit - 1})", param=param)
 
     def room(self, prompt_len: int) -> int:
-        """The largest max_tokens a prompt of `prompt_len` tokens may ask for (the engine's context minus the
-        prompt and the engine's per-request headroom, found once by asking check_request)."""
-        if self._headroom is None:
-            self._headroom = self._probe_headroom()
-        return self.engine.max_context - prompt_len - self._headroom
-
-    def _probe_headroom(self) -> int:
-        ctx = self.engine.max_context
-
-        def fits(m: int) -> bool:
-            try:
-                self.engine.check_request([0], SamplingParams(max_tokens=m))
-                return True
-            except DustinError:
-                return False
-
-        if not fits(1):
-            return ctx
-        lo, hi = 1, ctx  # fits(lo); find the largest m that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return ctx - 1 - lo
+        """The largest max_tokens a prompt of `prompt_len` tokens may ask (the engine's rule, `max_tokens_room`)."""
+        return self.engine.max_tokens_room(prompt_len)
 
     def params(self, body, max_tokens: int, choice: int, logprobs: int | None = None,
                prompt_logprobs: int | None = None) -> SamplingParams:

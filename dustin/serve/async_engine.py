@@ -216,6 +216,10 @@ class AsyncEngineCore:
         """EngineCore.check_request (InputError), run by the caller: it reads only settings fixed at start."""
         self.engine.check_request(prompt_ids, params, n)
 
+    def max_tokens_room(self, prompt_len: int) -> int:
+        """EngineCore.max_tokens_room, run by the caller: it reads only settings fixed at start."""
+        return self.engine.max_tokens_room(prompt_len)
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request and return its output stream once the engine accepted it.
 

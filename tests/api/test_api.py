@@ -16,6 +16,7 @@ import torch
 from dustin import LLM, RequestResult, SamplingParams
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
+from tests.offline import offline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,7 @@ def _ids(results):
 def test_greedy_equals_engine_generate(llm):
     prompts = _prompts([5, 23, 40])
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=20,
+    ref = llm.engine.generate(prompts, *offline(method="classic", gamma=3, max_new_tokens=20,
                                                         stop_at_eos=False))
     assert all(isinstance(r, RequestResult) for r in out)
     assert _ids(out) == [s.token_ids for s in ref.sequences]
@@ -71,7 +72,7 @@ def test_eos_stops_and_is_reported(llm):
     saved, llm.engine.pair.eos_ids = llm.engine.pair.eos_ids, {eos}
     try:
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25))
-        ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
+        ref = llm.engine.generate(prompts, *offline(method="classic", gamma=3, max_new_tokens=25))
         ignored = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
     finally:
         llm.engine.pair.eos_ids = saved
@@ -136,7 +137,7 @@ def test_default_method_and_vanilla(tiny_pair, llm):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     sparse = LLM(str(target), str(draft), budget=32, device="cpu", dtype="fp32")
     assert sparse.method == "dustin" and sparse.engine.pair.draft is not None
-    ref = sparse.engine.generate(prompts, GenerationConfig(method="dustin", budget=32, max_new_tokens=10,
+    ref = sparse.engine.generate(prompts, *offline(method="dustin", budget=32, max_new_tokens=10,
                                                            stop_at_eos=False))
     assert _ids(sparse.generate(prompts, params)) == [s.token_ids for s in ref.sequences]
     vanilla = LLM(str(target), str(draft), method="vanilla", device="cpu", dtype="fp32")

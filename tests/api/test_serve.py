@@ -33,6 +33,7 @@ from dustin.engine.request import SamplingParams
 from dustin.serve.async_engine import AsyncEngineCore
 from dustin.serve.detokenize import IncrementalDetokenizer
 from dustin.serve.local import LocalServer
+from tests.offline import offline
 
 MODEL = "tiny"
 CONTEXT = 1024
@@ -349,7 +350,7 @@ def test_unknown_path_and_model(live):
 def test_greedy_output_equals_engine_generate(live, reference):
     prompts = _prompts([5, 23, 61, 12])
     for p in prompts:
-        ref = reference.generate([p], GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=24))
+        ref = reference.generate([p], *offline(method="classic", gamma=GAMMA, max_new_tokens=24))
         want = ref.sequences[0]
         resp = live.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0,
                                               extra_body={"return_token_ids": True})
@@ -427,7 +428,7 @@ def test_concurrent_requests_all_complete(live, reference):
 
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
-    ref = reference.generate(prompts, GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=max(limits),
+    ref = reference.generate(prompts, *offline(method="classic", gamma=GAMMA, max_new_tokens=max(limits),
                                                        stop_at_eos=False), limits=limits)
     for (choice, usage), limit, want in zip(results, limits, ref.sequences, strict=False):
         assert usage.completion_tokens == limit and choice.finish_reason == "length"
@@ -1195,9 +1196,9 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     question = "Write a Python function that reverses a string."
     code = "def fibonacci(n):\n"
     n = 16
-    cfg = GenerationConfig(method="classic", gamma=GAMMA, max_new_tokens=n)
-    want_chat = engine.generate([question], cfg, chat=True).sequences[0]
-    want_text = engine.generate([code], cfg).sequences[0]
+    cfg, params = offline(method="classic", gamma=GAMMA, max_new_tokens=n)
+    want_chat = engine.generate([question], cfg, params, chat=True).sequences[0]
+    want_text = engine.generate([code], cfg, params).sequences[0]
     # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
     # prefill is padded to prefill_tokens (512 by default on a CPU)
     llm = EngineCore(engine.pair, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,

@@ -17,6 +17,7 @@ from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.serve.local import LocalServer
 from tests.conftest import without_interpreter
+from tests.offline import offline
 
 MODEL = "tiny"
 
@@ -116,9 +117,9 @@ def test_64_clients_mixed_load(setup):
             return out
 
     results = asyncio.run(run())
-    cfg = GenerationConfig(method="dustin", gamma=3, budget=24, draft_window=32, max_new_tokens=12,
+    cfg, params = offline(method="dustin", gamma=3, budget=24, draft_window=32, max_new_tokens=12,
                            stop_at_eos=False)
-    want = ref.generate([p for p, _ in good], cfg, limits=[n for _, n in good]).sequences
+    want = ref.generate([p for p, _ in good], cfg, params, limits=[n for _, n in good]).sequences
     for (ids, finish), w, (_, n) in zip(results[:48], want, good, strict=True):
         assert finish == "length" and len(ids) == n and ids == w.token_ids
     assert results[48:56] == ["left"] * 8

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dustin.cli.main import main
+from tests.offline import offline
 
 
 def _kinds() -> list[str]:
@@ -100,7 +101,6 @@ def test_shared_prefill_is_exact(text_pair):
     from transformers import AutoTokenizer
 
     from dustin.bench.e2e import real_prompts
-    from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
     from dustin.engine.offline.prefill import PrefillCache
 
@@ -108,9 +108,9 @@ def test_shared_prefill_is_exact(text_pair):
     prompts = real_prompts(AutoTokenizer.from_pretrained(str(text_pair[0])), "code", 72, 3, seed=1)
 
     def outputs(method, cache):
-        cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=17, stop_at_eos=False, budget=32,
+        cfg, params = offline(method=method, gamma=3, max_new_tokens=17, stop_at_eos=False, budget=32,
                                draft_window=24)
-        core = engine.start(prompts, cfg, prefill_cache=cache)
+        core = engine.start(prompts, cfg, params, prefill_cache=cache)
         ids = {}
         outs = [o for _ in range(4) for o in core.step()]  # the prefill and 4 steps
         core.drain()

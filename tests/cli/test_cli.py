@@ -324,12 +324,12 @@ def test_the_draft_kernel_switch_reaches_every_engine_it_names(flag, on, tiny_pa
     serve_cli.build_engine(build_parser(["serve"]).parse_args(["serve", *flag]))
     seen["bench serve"] = bench_serve._serve_config(
         build_parser(["bench", "serve"]).parse_args(["bench", "serve", *flag]), "dustin", 4)
-    seen["bench e2e"] = e2e._config("dustin", build_parser(["bench", "e2e"]).parse_args(["bench", "e2e", *flag]), 4)
+    seen["bench e2e"] = e2e._config("dustin", build_parser(["bench", "e2e"]).parse_args(["bench", "e2e", *flag]))
     real_generate = Engine.generate
 
-    def generate(self, prompts, cfg, **kw):
+    def generate(self, prompts, cfg, *args, **kw):
         seen["generate"] = cfg
-        return real_generate(self, prompts, cfg, **kw)
+        return real_generate(self, prompts, cfg, *args, **kw)
 
     monkeypatch.setattr(Engine, "generate", generate)
     target, draft = tiny_pair

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from dustin.cli.main import main
+from tests.offline import offline
 
 CONTEXT, NEW, GAMMA, WINDOW = 300, 16, 3, 24
 
@@ -25,7 +26,6 @@ def _demo(text_pair, capsys, monkeypatch, budget: int) -> str:
 def _reference(text_pair, budget: int) -> tuple[list[int], dict[str, list[int]], str]:
     """The demo's prompt and every method's greedy tokens, decoded here through the API (one shared prefill, as
     the demo runs them)."""
-    from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
     from dustin.engine.offline.prefill import PrefillCache
     from dustin.eval.inputs import long_code_prompt
@@ -34,9 +34,9 @@ def _reference(text_pair, budget: int) -> tuple[list[int], dict[str, list[int]],
     ids = engine.pair.encode(long_code_prompt(engine.pair.tokenizer, CONTEXT, "argparse.py")[0])
     shared, out = PrefillCache(), {}
     for m in ("classic", "vanilla", "magicdec", "dustin"):
-        cfg = GenerationConfig(method=m, gamma=GAMMA, max_new_tokens=NEW, draft_window=WINDOW,
+        cfg, params = offline(method=m, gamma=GAMMA, max_new_tokens=NEW, draft_window=WINDOW,
                                budget=budget if m == "dustin" else None)
-        out[m] = engine.generate([ids], cfg, prefill_cache=shared).sequences[0].token_ids
+        out[m] = engine.generate([ids], cfg, params, prefill_cache=shared).sequences[0].token_ids
     return ids, out, engine.pair.decode(out["vanilla"])
 
 

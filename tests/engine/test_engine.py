@@ -1,14 +1,18 @@
 """Exactness of the speculative methods, batching, stopping, and bad input."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.offline.prefill import PrefillCache
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
+from tests.offline import offline
 from tests.tiny_models import make_tiny_checkpoint
 
 
@@ -25,7 +29,7 @@ def _prompts(lengths, seed=0):
 
 def _run(engine, prompts, **kw):
     kw.setdefault("stop_at_eos", False)
-    return engine.generate(prompts, GenerationConfig(**kw))
+    return engine.generate(prompts, *offline(**kw))
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
@@ -95,7 +99,7 @@ def test_each_sequence_stops_on_its_own_eos(engine):
     eos = ref.sequences[1].token_ids[6]  # make a token the second sequence emits early its stop token
     engine.pair.eos_ids, saved = {eos}, engine.pair.eos_ids
     try:
-        out = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
+        out = engine.generate(prompts, *offline(method="classic", gamma=3, max_new_tokens=25))
     finally:
         engine.pair.eos_ids = saved
     for r, s in zip(ref.sequences, out.sequences, strict=False):
@@ -103,12 +107,59 @@ def test_each_sequence_stops_on_its_own_eos(engine):
         assert s.token_ids == expected
 
 
-@pytest.mark.parametrize("kwargs,match", [({"gamma": 0}, "gamma"), ({"top_p": 0.0}, "top-p"),
-                                          ({"method": "nope"}, "unknown method"), ({"temperature": -1}, "temperature"),
-                                          ({"max_new_tokens": 0}, "max-new-tokens")])
+@pytest.mark.parametrize("kwargs,match", [({"gamma": 0}, "gamma"), ({"method": "nope"}, "unknown method")])
 def test_bad_generation_config(kwargs, match):
     with pytest.raises(InputError, match=match):
         GenerationConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"top_p": 0.0}, "top_p must be in"),
+                                          ({"temperature": -1}, "temperature must be a finite number"),
+                                          ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+                                          ({"top_k": -1}, "top_k must be >= 0")])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "temperature", "top_p", "top_k", "stop_at_eos"])
+def test_sampling_settings_are_not_the_engine_config(name):
+    """One source for sampling defaults and checks: `SamplingParams`. The engine's config has no field of its own
+    for them, so no second default can drift from the first."""
+    with pytest.raises(TypeError, match=name):
+        GenerationConfig(**{name: 1})
+
+
+def test_one_sampling_params_for_a_batch_draws_from_the_engine_stream(engine):
+    """`Engine.generate` with one SamplingParams: its rows draw from the engine's stream (cfg.seed), as one batch,
+    and equal a list of the same params only where each row is greedy; a sampled list draws per row, so a
+    prompt's tokens there do not depend on the batch, and a different config seed changes the one-params batch."""
+    prompts = _prompts([9, 14, 6], seed=7)
+    cfg = GenerationConfig(method="classic", gamma=3, seed=2)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    one = engine.generate(prompts, cfg, greedy)
+    assert [s.token_ids for s in one.sequences] == \
+        [s.token_ids for s in engine.generate(prompts, cfg, [greedy] * 3).sequences]
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    rows = [s.token_ids for s in engine.generate(prompts, cfg, [sampled] * 3).sequences]
+    alone = [s.token_ids for s in engine.generate(prompts[:1], cfg, [sampled]).sequences]
+    assert rows[0] == alone[0]  # the first row's stream is seeded the same, whatever follows it
+    batch = [s.token_ids for s in engine.generate(prompts, cfg, sampled).sequences]
+    reseeded = [s.token_ids for s in engine.generate(prompts, replace(cfg, seed=3), sampled).sequences]
+    assert batch != reseeded
+
+
+def test_limits_replace_max_tokens_and_are_checked(engine):
+    prompts = _prompts([9, 14], seed=8)
+    cfg = GenerationConfig(method="classic", gamma=3)
+    out = engine.generate(prompts, cfg, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), limits=[3, 5])
+    assert [len(s.token_ids) for s in out.sequences] == [3, 5]
+    with pytest.raises(InputError, match="max_tokens must be an integer >= 1"):
+        engine.generate(prompts, cfg, SamplingParams(temperature=0), limits=[0, 5])
+    with pytest.raises(InputError, match="limits: one value per prompt"):
+        engine.generate(prompts, cfg, SamplingParams(temperature=0), limits=[4])
+    with pytest.raises(InputError, match="one SamplingParams per prompt"):
+        engine.generate(prompts, cfg, [SamplingParams(temperature=0)])
 
 
 def test_prompt_longer_than_context(engine):
@@ -128,23 +179,23 @@ def test_mismatched_vocabularies(tmp_path, tiny_pair):
 
 
 def test_batch_too_large_for_memory(engine, monkeypatch):
-    from dustin.engine import pair as pair_mod
+    from dustin.engine import kv_manager
     from dustin.errors import OutOfMemoryError
 
-    monkeypatch.setattr(pair_mod, "_free_memory", lambda device: 1024)
+    monkeypatch.setattr(kv_manager, "free_memory", lambda device: 1024)
     with pytest.raises(OutOfMemoryError, match="lower the batch size"):
         _run(engine, _prompts([10, 10]), method="classic")
 
 
 def test_kv_cache_bytes_match_the_allocated_caches(engine):
     """The memory check (and `bench e2e`'s fit test) count exactly what a session allocates."""
-    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=5)
+    cfg, params = offline(method="classic", gamma=3, max_new_tokens=5)
     prompts = _prompts([10, 7])
-    s = engine.start(prompts, cfg).runner.batch
+    s = engine.start(prompts, cfg, params).runner.batch
     allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
                     for c in (s.target_cache, s.draft_cache))
-    assert engine.pair.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated
-    assert engine.pair.kv_cache_bytes(2, 100, speculative=False) < engine.pair.kv_cache_bytes(2, 100)
+    assert engine.pair.kv_fit().bytes(2, s.target_cache.k.shape[3]) == allocated
+    assert engine.pair.kv_fit(speculative=False).bytes(2, 100) < engine.pair.kv_fit().bytes(2, 100)
 
 
 def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
@@ -172,12 +223,12 @@ def test_reused_prefill_gives_the_same_tokens(tiny_pair):
     fresh = {m: _run(eng, prompts, method=m, gamma=3, max_new_tokens=20) for m in ("classic", "vanilla", "magicdec")}
     kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
     shared = PrefillCache()
-    reused = {m: eng.generate(prompts, GenerationConfig(method=m, **kw), prefill_cache=shared)
+    reused = {m: eng.generate(prompts, *offline(method=m, **kw), prefill_cache=shared)
               for m in ("classic", "vanilla", "magicdec")}
     for m in fresh:
         assert [s.token_ids for s in reused[m].sequences] == [s.token_ids for s in fresh[m].sequences], m
     assert shared.state is not None and shared.state.draft_kv is not None
-    other = eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
+    other = eng.generate(_prompts([30, 7, 51]), *offline(method="vanilla", **kw), prefill_cache=shared)
     assert other.sequences[2].prompt_len == 51  # different prompts never reuse the saved caches
 
 
@@ -190,23 +241,23 @@ def test_speculative_session_after_vanilla_adds_only_the_draft_caches(tiny_pair)
     prompts = _prompts([30, 7, 52])
     kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
     shared = PrefillCache()
-    eng.generate(prompts, GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
+    eng.generate(prompts, *offline(method="vanilla", **kw), prefill_cache=shared)
     target_kv = shared.state.target_kv
     assert shared.state.draft_kv is None
     for m in ("classic", "magicdec"):
-        reused = eng.generate(prompts, GenerationConfig(method=m, **kw), prefill_cache=shared)
+        reused = eng.generate(prompts, *offline(method=m, **kw), prefill_cache=shared)
         fresh = _run(eng, prompts, method=m, gamma=3, max_new_tokens=20)
         assert [s.token_ids for s in reused.sequences] == [s.token_ids for s in fresh.sequences], m
         assert shared.state.target_kv is target_kv and shared.state.draft_kv is not None
-    eng.generate(_prompts([30, 7, 51]), GenerationConfig(method="vanilla", **kw), prefill_cache=shared)
+    eng.generate(_prompts([30, 7, 51]), *offline(method="vanilla", **kw), prefill_cache=shared)
     assert shared.state.target_kv is not target_kv and shared.state.draft_kv is None
 
 
 def test_kv_memory_refusal_says_what_fits(tiny_pair):
     target, draft = tiny_pair
     eng = Engine.from_models(load_model(target), load_model(draft))
-    per_seq = eng.pair.kv_cache_bytes(1, 1 << 20, speculative=True)
-    eng.pair.require_kv_memory(1, 1 << 10, True, copies=2)  # a few MB: fits
+    per_seq = eng.pair.kv_fit(speculative=True).bytes(1, 1 << 20)
+    eng.pair.kv_fit(True).require(1, 1 << 10, copies=2)  # a few MB: fits
     with pytest.raises(OutOfMemoryError, match=r"held 2 times.*sequences would fit\): lower --batch-size") as e:
-        eng.pair.require_kv_memory(int(1e13 // per_seq) + 1, 1 << 20, True, copies=2, advice="lower --batch-size")
+        eng.pair.kv_fit(True).require(int(1e13 // per_seq) + 1, 1 << 20, copies=2, advice="lower --batch-size")
     assert "\n" not in str(e.value)

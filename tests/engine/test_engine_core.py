@@ -15,6 +15,7 @@ from dustin.engine.engine import Engine
 from dustin.engine.request import Request, SamplingParams
 from dustin.engine.scheduler import QueueFullError
 from dustin.errors import InputError
+from tests.offline import offline
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -31,8 +32,8 @@ def _prompts(n: int, seed: int = 0, low: int = 5, high: int = 120) -> list[list[
 
 
 def _offline(engine, prompts, method, max_new, **kw):
-    cfg = GenerationConfig(method=method, max_new_tokens=max_new, stop_at_eos=False, **kw)
-    return [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
+    cfg, params = offline(method=method, max_new_tokens=max_new, stop_at_eos=False, **kw)
+    return [engine.generate([p], cfg, params).sequences[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("method", ["vanilla", "classic", "magicdec", "dustin", "dustin-t", "streaming"])
@@ -58,9 +59,9 @@ def test_whole_batch_policies_are_served_in_gangs(engine, method):
     greedy tokens equal offline generation of its gang's prompts."""
     kw = dict(budget=40, draft_window=32)
     prompts = _prompts(5, seed=8, low=50, high=120)
-    cfg = GenerationConfig(method=method, max_new_tokens=10, stop_at_eos=False, **kw)
-    ref = [s.token_ids for s in engine.generate(prompts[:3], cfg).sequences]
-    ref += [s.token_ids for s in engine.generate(prompts[3:], cfg).sequences]
+    cfg, params = offline(method=method, max_new_tokens=10, stop_at_eos=False, **kw)
+    ref = [s.token_ids for s in engine.generate(prompts[:3], cfg, params).sequences]
+    ref += [s.token_ids for s in engine.generate(prompts[3:], cfg, params).sequences]
     llm = EngineCore(engine.pair, GenerationConfig(method=method, max_slots=3, max_context=256, **kw))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i in range(3):
@@ -266,6 +267,6 @@ def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monk
 
     monkeypatch.setattr(EngineCore, "step", step_with_a_capture)
     res = engine.generate(_prompts(3, seed=4, low=5, high=30),
-                          GenerationConfig(method="classic", max_new_tokens=16, stop_at_eos=False, draft_window=32))
+                          *offline(method="classic", max_new_tokens=16, stop_at_eos=False, draft_window=32))
     assert res.capture_s == 5.0  # booked to the call, apart from both timings
     assert res.decode_s > 0 and res.tokens_per_s < 1e7  # before the fix: decode_s 0, tokens/s ~1e10

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
+from tests.offline import offline
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +41,9 @@ def test_kept_session_equals_fresh_sessions(engines):
     fresh, kept = engines
     for method, lengths, pseed, kw in CALLS:
         prompts = _prompts(lengths, pseed)
-        cfg = GenerationConfig(method=method, stop_at_eos=False, **kw)
-        want = fresh.generate(prompts, cfg)
-        got = kept.generate(prompts, cfg)
+        cfg, params = offline(method=method, stop_at_eos=False, **kw)
+        want = fresh.generate(prompts, cfg, params)
+        got = kept.generate(prompts, cfg, params)
         assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences], (method, lengths)
         assert got.steps == want.steps and got.tau == pytest.approx(want.tau)
         assert all(len(s.token_ids) == kw["max_new_tokens"] for s in got.sequences)
@@ -57,9 +57,9 @@ def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, metho
     prompt, then `decode`) token for token in fp32."""
     fresh, _ = engines
     prompts = _prompts([70, 5, 133, 41], 12)
-    cfg = GenerationConfig(method=method, max_new_tokens=24, stop_at_eos=False, **kw)
-    got = fresh.generate(prompts, cfg)
-    want = [o.new_token_ids for o in fresh.start(prompts, cfg, fill="whole").run_queued()[0]]
+    cfg, params = offline(method=method, max_new_tokens=24, stop_at_eos=False, **kw)
+    got = fresh.generate(prompts, cfg, params)
+    want = [o.new_token_ids for o in fresh.start(prompts, cfg, params, fill="whole").run_queued()[0]]
     assert [s.token_ids for s in got.sequences] == want
 
 
@@ -69,16 +69,16 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     monkeypatch.setattr(batch_module, "KEPT_ROUNDING", 64)  # small slots, so a longer context outgrows them
     _, kept = engines
     kept.release_cached()
-    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
-    kept.generate(_prompts([20, 30]), cfg)
+    cfg, params = offline(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
+    kept.generate(_prompts([20, 30]), cfg, params)
     first = kept.kept_core
     assert first.runner.batch.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
-    kept.generate(_prompts([25, 11], seed=9), cfg)
+    kept.generate(_prompts([25, 11], seed=9), cfg, params)
     assert kept.kept_core is first  # same method, batch and a context that fits: the same caches (and graphs)
-    kept.generate(_prompts([25, 11, 4], seed=9), cfg)
+    kept.generate(_prompts([25, 11, 4], seed=9), cfg, params)
     assert kept.kept_core is not first  # another batch size: a new session
     second = kept.kept_core
-    kept.generate(_prompts([100, 5, 5]), cfg)
+    kept.generate(_prompts([100, 5, 5]), cfg, params)
     # outgrown: a larger one
     assert kept.kept_core is not second and kept.kept_core.runner.batch.target_cache.capacity == 128
     kept.release_cached()
@@ -90,19 +90,19 @@ def test_kept_session_stops_at_eos_per_call(engines):
     fresh, kept = engines
     prompts = _prompts([10, 50, 31], seed=11)
     for stop in (False, True, False):
-        cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=40, stop_at_eos=stop)
-        assert [s.token_ids for s in kept.generate(prompts, cfg).sequences] == \
-            [s.token_ids for s in fresh.generate(prompts, cfg).sequences]
+        cfg, params = offline(method="classic", gamma=2, max_new_tokens=40, stop_at_eos=stop)
+        assert [s.token_ids for s in kept.generate(prompts, cfg, params).sequences] == \
+            [s.token_ids for s in fresh.generate(prompts, cfg, params).sequences]
 
 
 def test_kept_session_bad_input_leaves_it_usable(engines):
     fresh, kept = engines
-    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
+    cfg, params = offline(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
     with pytest.raises(InputError):
-        kept.generate([[1, 2, 3], []], cfg)
+        kept.generate([[1, 2, 3], []], cfg, params)
     prompts = _prompts([14, 9])
-    assert [s.token_ids for s in kept.generate(prompts, cfg).sequences] == \
-        [s.token_ids for s in fresh.generate(prompts, cfg).sequences]
+    assert [s.token_ids for s in kept.generate(prompts, cfg, params).sequences] == \
+        [s.token_ids for s in fresh.generate(prompts, cfg, params).sequences]
 
 
 @pytest.mark.parametrize("method", ["quest", "specattn"])
@@ -111,7 +111,7 @@ def test_whole_batch_policies_run_fresh_sessions(engines, method):
     (it used to stop with an InputError on a GPU, where sessions are kept by default)."""
     fresh, kept = engines
     prompts = _prompts([70, 33, 51], 9)
-    cfg = GenerationConfig(method=method, gamma=3, max_new_tokens=8, budget=32, stop_at_eos=False)
-    want = fresh.generate(prompts, cfg)
-    got = kept.generate(prompts, cfg)
+    cfg, params = offline(method=method, gamma=3, max_new_tokens=8, budget=32, stop_at_eos=False)
+    want = fresh.generate(prompts, cfg, params)
+    got = kept.generate(prompts, cfg, params)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]

@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dustin.engine.config import ExecutionOptions, GenerationConfig
+from dustin.engine.config import ExecutionOptions
 from dustin.engine.engine import Engine
 from dustin.models.loader import load_model
+from tests.offline import offline
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +27,9 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(engine, prompts, cfg, limits, eos):
+def _run(engine, prompts, cfg, params, limits, eos):
     """(each prompt's tokens, the core) of a run to the end, with `eos` as the EOS ids."""
-    core = engine.start(prompts, cfg, limits=limits)
+    core = engine.start(prompts, cfg, params, limits=limits)
     core.eos_ids = eos
     return [o.new_token_ids for o in core.run_queued()[0]], core
 
@@ -49,12 +50,12 @@ CASES = [
 def test_overlapped_decode_equals_step_by_step(engine, method, kw):
     prompts = _prompts([37, 5, 70, 21])
     limits = [13, 3, 9, 16]  # rows stop at different steps; row 1 after one or two steps
-    base = GenerationConfig(method=method, max_new_tokens=16, **kw)
+    base, params = offline(method=method, max_new_tokens=16, **kw)
     # an EOS the first row emits mid-way, so that one row stops early by EOS rather than by its limit
-    probe, _ = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), limits, set())
+    probe, _ = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), params, limits, set())
     eos = {probe[0][len(probe[0]) // 2]}
-    want, ref = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), limits, eos)
-    got, core = _run(engine, prompts, base, limits, eos)
+    want, ref = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), params, limits, eos)
+    got, core = _run(engine, prompts, base, params, limits, eos)
     assert core.runner.policy.graph_safe  # so the engine loop really ran one step ahead
     assert got == want
     assert len(got[0]) < limits[0] and got[0][-1] in eos
@@ -70,11 +71,11 @@ def test_engine_steps_overlapped_equal_steps_read_back_at_once(engine):
     """n engine steps a step ahead of the host, then `drain`, leave exactly what n steps read back one by one
     leave; more steps continue from there, and running to the end gives the same tokens."""
     prompts = _prompts([40, 12, 33], seed=1)
-    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=60, stop_at_eos=False)
-    ref = engine.start(prompts, replace(cfg, options=ExecutionOptions(overlap=False)))
+    cfg, params = offline(method="classic", gamma=3, max_new_tokens=60, stop_at_eos=False)
+    ref = engine.start(prompts, replace(cfg, options=ExecutionOptions(overlap=False)), params)
     for _ in range(7):
         ref.step()
-    core = engine.start(prompts, cfg)
+    core = engine.start(prompts, cfg, params)
     s, r = core.runner.batch, ref.runner.batch
     for _ in range(4):
         core.step()
@@ -104,7 +105,7 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
     limits = [12, 40]  # 1 + 5 + 5 = 11 tokens after two steps: the third ends at 16, 4 past the limit
     for overlap in (False, True):
         # a gang: the stopped row is frozen, not released, until the other one finished
-        core = e.start(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=40, budget=24,
+        core = e.start(prompts, *offline(method=method, gamma=4, max_new_tokens=40, budget=24,
                                                  stop_at_eos=False, options=ExecutionOptions(overlap=overlap)),
                        limits=limits, fill="whole")
         out = [o.new_token_ids for o in core.run_queued()[0]]

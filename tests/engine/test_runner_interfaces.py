@@ -8,10 +8,10 @@ import random
 import pytest
 
 from dustin.attention.context import SparsePlan
-from dustin.engine.config import GenerationConfig
 from dustin.engine.draft_step import DraftStep
 from dustin.engine.engine import Engine
 from dustin.selection.base import SelectionPolicy
+from tests.offline import offline
 
 
 class PerKVHead(SelectionPolicy):
@@ -56,16 +56,16 @@ def engine(tiny_pair):
 def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(60, 150))] for _ in range(3)]
-    cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=24, stop_at_eos=False)
-    want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
+    cfg, params = offline(method="dustin", budget=24, draft_window=32, max_new_tokens=24, stop_at_eos=False)
+    want = [s.token_ids for s in engine.generate(prompts, cfg, params).sequences]
     hkv = engine.pair.target.args.n_kv_heads
     policy = PerKVHead(engine.pair.make_policy(cfg), hkv)
-    got = [s.token_ids for s in engine.generate(prompts, cfg, policy=policy).sequences]
+    got = [s.token_ids for s in engine.generate(prompts, cfg, params, policy=policy).sequences]
     assert got == want
     assert policy.shapes and all(s[:2] == (3, hkv) for s in policy.shapes)
     # the sets matter here: full verification gives other tokens, so a plan the runner ignored would show
-    full = GenerationConfig(method="classic", draft_window=32, max_new_tokens=24, stop_at_eos=False)
-    assert [s.token_ids for s in engine.generate(prompts, full).sequences] != want
+    full, full_params = offline(method="classic", draft_window=32, max_new_tokens=24, stop_at_eos=False)
+    assert [s.token_ids for s in engine.generate(prompts, full, full_params).sequences] != want
 
 
 class Recording(DraftStep):
@@ -87,10 +87,10 @@ def test_the_draft_step_is_handed_the_lookahead_to_record_as_data(engine, tiny_s
 
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(40, 90))] for _ in range(2)]
-    cfg = GenerationConfig(method="dustin", sparse_config=tiny_sparse_config, draft_window=32, max_new_tokens=12,
+    cfg, params = offline(method="dustin", sparse_config=tiny_sparse_config, draft_window=32, max_new_tokens=12,
                            stop_at_eos=False)
-    want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
-    core = engine.start(prompts, cfg)
+    want = [s.token_ids for s in engine.generate(prompts, cfg, params).sequences]
+    core = engine.start(prompts, cfg, params)
     step = core.runner.device_step.draft_step = Recording(core.runner.device_step.draft_step)
     outs, _ = core.run_queued()
     assert [o.new_token_ids for o in outs] == want

@@ -12,6 +12,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.sampling import SamplingRule, accept_speculative, probabilities
 from dustin.models.loader import load_model
+from tests.offline import offline
 
 
 def chi2_pvalue_upper(stat: float, dof: int) -> float:
@@ -64,9 +65,9 @@ def test_generated_tokens_follow_target_distribution(tiny_pair):
     prompt = [5, 17, 42, 8, 33, 71]
     N, V = 3000, engine.pair.vocab_limit
     params = SamplingRule(temperature=1.0, top_k=20)
-    cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=3, temperature=1.0, top_k=20, seed=1,
+    cfg, params = offline(method="classic", gamma=2, max_new_tokens=3, temperature=1.0, top_k=20, seed=1,
                            stop_at_eos=False)
-    out = engine.generate([prompt] * N, cfg)
+    out = engine.generate([prompt] * N, cfg, params)
     toks = torch.tensor([s.token_ids for s in out.sequences])
 
     def next_probs(prefixes: torch.Tensor) -> torch.Tensor:

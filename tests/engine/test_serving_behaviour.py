@@ -20,10 +20,12 @@ from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
+from dustin.engine.kv_manager import SlotTable
 from dustin.engine.request import Request, SamplingParams
 from dustin.engine.sampling import SamplingRule, probabilities
 from dustin.engine.scheduler import Scheduler
 from dustin.engine.scheduler import Sequence as _Sequence
+from tests.offline import offline
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -41,8 +43,8 @@ def _prompts(n: int, seed: int, low: int = 5, high: int = 120) -> list[list[int]
 
 
 def _offline(engine, prompt, method, max_new, **kw) -> list[int]:
-    cfg = GenerationConfig(method=method, max_new_tokens=max_new, stop_at_eos=False, **kw)
-    return engine.generate([prompt], cfg).sequences[0].token_ids
+    cfg, params = offline(method=method, max_new_tokens=max_new, stop_at_eos=False, **kw)
+    return engine.generate([prompt], cfg, params).sequences[0].token_ids
 
 
 def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
@@ -256,8 +258,8 @@ def test_eos_stops_with_reason_stop_and_ignore_eos_runs_to_length(engine):
     eos = toks[j]
     # a prompt whose first greedy token is some token not in toks[:j]: declared EOS too
     candidates = _prompts(16, seed=4, low=5, high=40)
-    cfg = GenerationConfig(method="classic", max_new_tokens=1, stop_at_eos=False)
-    firsts = [s.token_ids[0] for s in engine.generate(candidates, cfg).sequences]
+    cfg, params = offline(method="classic", max_new_tokens=1, stop_at_eos=False)
+    firsts = [s.token_ids[0] for s in engine.generate(candidates, cfg, params).sequences]
     f, q = next((f, q) for f, q in zip(firsts, candidates, strict=True) if f not in toks[:j])
     llm = _llm(engine, eos={eos, f}, method="classic", max_slots=3, max_context=128)
     got, reasons, completion = _drain(llm, [
@@ -299,13 +301,13 @@ def test_ignore_eos_request_ending_on_an_eos_token_reports_length(engine):
 def _check_admissions(sched: Scheduler) -> list[_Sequence]:
     """sched.admissions(), checked: the oldest waiting requests, in arrival order, to the lowest free rows, as
     many as there are free rows."""
-    waiting, free = list(sched.waiting), sorted(sched.free)
+    waiting, free = list(sched.waiting), sched.slots.free_rows()
     out = sched.admissions()
     k = min(len(waiting), len(free))
     assert [id(s) for s in out] == [id(s) for s in waiting[:k]]
     assert [s.row for s in out] == free[:k]
     assert all(sched.running[s.row] is s for s in out)
-    assert sorted(sched.free) == free[k:] and list(sched.waiting) == waiting[k:]
+    assert sched.slots.free_rows() == free[k:] and list(sched.waiting) == waiting[k:]
     return out
 
 
@@ -354,7 +356,7 @@ def test_scheduler_invariants_randomized():
     rng = random.Random(0)
     for _ in range(300):
         rows, chunk = rng.randint(1, 4), rng.randint(1, 24)
-        sched = Scheduler(rows, 64, chunk, rng.randint(chunk, 3 * chunk + 7))
+        sched = Scheduler(SlotTable(rows), 64, chunk, rng.randint(chunk, 3 * chunk + 7))
         clock, todo, done = 0, rng.randint(1, 12), 0
         while done < todo:
             for _ in range(rng.choice([0, 0, 1, 2]) if clock < todo else 0):  # arrivals
@@ -470,9 +472,9 @@ def test_dustin_d_served_equals_offline_generation(engine):
     loop) of all the prompts (fp32, budget 24, draft window 32: the sparse selection is active, its output differs
     from full verification)."""
     prompts = _prompts(6, seed=7, low=5, high=110)
-    cfg = GenerationConfig(method="dustin-d", max_new_tokens=12, stop_at_eos=False, **SPARSE)
-    ref = [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
-    assert [o.new_token_ids for o in engine.start(prompts, cfg, fill="whole").run_queued()[0]] == ref
+    cfg, params = offline(method="dustin-d", max_new_tokens=12, stop_at_eos=False, **SPARSE)
+    ref = [engine.generate([p], cfg, params).sequences[0].token_ids for p in prompts]
+    assert [o.new_token_ids for o in engine.start(prompts, cfg, params, fill="whole").run_queued()[0]] == ref
     llm = _llm(engine, method="dustin-d", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=80,
                **SPARSE)
     assert llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == ref

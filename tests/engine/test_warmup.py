@@ -20,6 +20,7 @@ from dustin.engine.engine import Engine
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.warmup import Launch, plan_first_step, record_launches, start_kernel_warmup
 from dustin.engine.worker.runner import Runner
+from tests.offline import offline
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -35,8 +36,8 @@ def triton_pair(tmp_path_factory):
     return Engine.from_pretrained(str(target), str(draft), attention="triton")
 
 
-def _cfg(method: str, cap: int) -> GenerationConfig:
-    return GenerationConfig(method=method, max_new_tokens=cap, stop_at_eos=False,
+def _cfg(method: str) -> GenerationConfig:
+    return GenerationConfig(method=method,
                             **(SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_window": 32}))
 
 
@@ -48,7 +49,8 @@ def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
     draft = engine.pair.draft if cfg.spec.speculative else None
     kv = KVManager({"target": engine.pair.target} | ({} if draft is None else {"draft": draft}), slots, cap)
-    s = Runner(engine.pair.target, draft, cfg, engine.pair.vocab_limit, engine.pair.make_policy(cfg), kv=kv)
+    s = Runner(engine.pair.target, draft, cfg, engine.pair.vocab_limit, engine.pair.make_policy(cfg), kv=kv,
+               max_new_tokens=cap)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):
@@ -74,7 +76,7 @@ def test_plan_is_the_first_launches(triton_pair, method):
     not launch. The plan is the code's own: the dustin step's score estimation (target and draft), selection and
     sparse verify kernels are all there."""
     slots, cap = 3, 200
-    cfg = _cfg(method, cap)
+    cfg = _cfg(method)
     plan = _plan(triton_pair, cfg, slots, cap)
     planned = {x.signature for x in plan.launches}
     prefill, first, second = _real_run(triton_pair, cfg, slots, cap)
@@ -93,11 +95,11 @@ def test_plan_is_the_first_launches(triton_pair, method):
 def test_a_plan_for_other_sizes_misses_launches(triton_pair):
     """The comparison above can fail: a plan for another batch size (grid-derived constexprs of the estimation)
     or another capacity (its ints' divisibility by 16) misses launches of the real step."""
-    cfg = _cfg("dustin", 200)
+    cfg = _cfg("dustin")
     _, first = _real_run(triton_pair, cfg, 3, 200, steps=1)
     assert first <= {x.signature for x in _plan(triton_pair, cfg, 3, 200).launches}
     assert not first <= {x.signature for x in _plan(triton_pair, cfg, 2, 200).launches}
-    assert not first <= {x.signature for x in _plan(triton_pair, _cfg("dustin", 208), 3, 208).launches}
+    assert not first <= {x.signature for x in _plan(triton_pair, _cfg("dustin"), 3, 208).launches}
 
 
 def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
@@ -108,13 +110,13 @@ def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
     model = triton_pair.pair.target
     before = {n: t.clone() for n, t in model.state_dict().items()}
     keys = set(vars(model.layers[0]))
-    cfg = GenerationConfig(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
-    ref = triton_pair.generate([[5, 6, 7] * 12], cfg).sequences[0].token_ids
-    _plan(triton_pair, _cfg("dustin", 200), 3, 200)
+    cfg, params = offline(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
+    ref = triton_pair.generate([[5, 6, 7] * 12], cfg, params).sequences[0].token_ids
+    _plan(triton_pair, _cfg("dustin"), 3, 200)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     assert set(vars(model.layers[0])) == keys
-    assert triton_pair.generate([[5, 6, 7] * 12], cfg).sequences[0].token_ids == ref
+    assert triton_pair.generate([[5, 6, 7] * 12], cfg, params).sequences[0].token_ids == ref
 
     state = _module_state([model])
     model.layers[0].lazy = torch.zeros(1)
@@ -182,7 +184,7 @@ def test_the_warmup_is_on_unless_switched_off(monkeypatch):
 
 
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
-    assert start_kernel_warmup(triton_pair.pair, _cfg("dustin", 200), 3, 200) is None
+    assert start_kernel_warmup(triton_pair.pair, _cfg("dustin"), 3, 200) is None
     from dustin.engine.core import EngineCore
 
     llm = EngineCore(triton_pair.pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
@@ -279,7 +281,7 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
 
     monkeypatch.setattr(Runner, "dry_step", caching_step)
     _Cache.by_device.clear()
-    plan = _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
+    plan = _plan(triton_pair, _cfg("vanilla"), 3, 200)
     assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
 
     def holding_step(self):
@@ -288,7 +290,7 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
 
     monkeypatch.setattr(Runner, "dry_step", holding_step)
     with pytest.raises(FakeTensorLeak, match="held by list"):
-        _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
+        _plan(triton_pair, _cfg("vanilla"), 3, 200)
     _Cache.held.clear()
 
 

@@ -37,14 +37,16 @@ def _args(**kw):
 
 def test_auto_rows_only_for_dustin_methods_and_their_settings():
     from dustin.eval.sweep import row_config as generation_config
+    from dustin.eval.sweep import row_params
     from dustin.eval.tasks import plan
 
     p = plan(_args())
     assert p["rows"] == [("vanilla", None), ("dustin", 256), ("quest", 256), ("dustin", "auto:0.9")]
     assert p["settings"]["budget_range"] == [128, 1024]
-    cfg = generation_config("dustin", "auto:0.9", _args(), 32)
-    assert (cfg.budget, cfg.budget_p, cfg.budget_min, cfg.budget_max, cfg.max_new_tokens) == ("auto", 0.9, 128,
-                                                                                             1024, 32)
+    cfg = generation_config("dustin", "auto:0.9", _args())
+    assert (cfg.budget, cfg.budget_p, cfg.budget_min, cfg.budget_max) == ("auto", 0.9, 128, 1024)
+    params = row_params(32)  # every row's sampling: greedy, the tasks' answer length at most
+    assert (params.max_tokens, params.temperature) == (32, 0)
     assert generation_config("quest", 256, _args()).budget == 256
     # --budget-dense reaches the auto rows (and is recorded with the results), never a fixed-k row
     assert p["settings"]["budget_dense"] is False and plan(_args(budget_dense=True))["settings"]["budget_dense"]

@@ -20,7 +20,7 @@ NO_MODEL = ["--target", "/nonexistent/model"]  # reaching the model load would f
     (["--methods", "vanilla,foo"], "--methods: unknown method foo; choose from vanilla,"),
     (["--depths", "0"], "--depths must be >= 1 (prompts per kind and context), got 0"),
     (["--kinds", "single,triple"], "--kinds must be a comma-separated subset of single, multikey"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     (["--config", "/nonexistent.json"], "sparse config /nonexistent.json does not exist"),
     (["--config", "/"], "sparse config / is a directory"),
 ])

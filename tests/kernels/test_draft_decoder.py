@@ -18,8 +18,10 @@ import torch
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.kernels import draft_decoder as dd
+from dustin.models import draft_kernel
 from dustin.models.args import ModelArgs
 from dustin.models.transformer import Transformer
+from tests.offline import offline
 
 
 def _model(dtype, *, heads=4, kv_heads=2, head_dim=64, bias=True, layers=2):
@@ -361,7 +363,7 @@ def _gpu_draft(draft: str, n_layers: int, rows: int, vocab: int | None = None):
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0, 0.02)
     model.fuse_projections().eval()
-    assert dd.attach(model, 4, 508, rows=(rows,), vocab=vocab) is None
+    assert draft_kernel.attach(model, 4, 508, rows=(rows,), vocab=vocab) is None
     return model, args
 
 
@@ -604,17 +606,17 @@ def test_engine_with_the_kernel_keeps_full_verification_exact():
 def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
     """`ExecutionOptions(draft_kernel=True)` where the kernel cannot run (a CPU): nothing attached, the same tokens
     as without it, and `attach` says why."""
-    from dustin.engine.config import ExecutionOptions, GenerationConfig
+    from dustin.engine.config import ExecutionOptions
     from dustin.engine.engine import Engine
 
     engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]))
     prompts = [[5, 9, 14, 3, 22, 7], [11, 4, 8]]
     kw = dict(method="dustin", budget=24, draft_window=32, max_new_tokens=12, stop_at_eos=False)
-    off = engine.generate(prompts, GenerationConfig(**kw))
-    on = engine.generate(prompts, GenerationConfig(**kw, options=ExecutionOptions(draft_kernel=True)))
+    off = engine.generate(prompts, *offline(**kw))
+    on = engine.generate(prompts, *offline(**kw, options=ExecutionOptions(draft_kernel=True)))
     assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
     assert engine.pair.draft.layer_kernel is None
-    assert dd.attach(engine.pair.draft, 4, 28) == "not on a GPU"
+    assert draft_kernel.attach(engine.pair.draft, 4, 28) == "not on a GPU"
 
 
 @needs_nvcc

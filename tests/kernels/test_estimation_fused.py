@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from dustin.kernels.score_estimation import attention_scores_multi, attention_scores_multi_reference
+from dustin.attention.reference import attention_scores_multi_reference
+from dustin.kernels.score_estimation import attention_scores_multi
 from dustin.selection.config import ScoreHeads
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores, stacked_cache
 
@@ -165,7 +166,7 @@ def test_target_estimator_one_launch_equals_per_layer():
     views = {layer: cache[layer] for layer in est.layers}
     got = est.compute(views, L).clone()
     want = torch.zeros(B, cap)
-    from dustin.kernels.score_estimation import attention_scores_reference
+    from dustin.attention.reference import attention_scores_reference
     for sh in heads:
         attention_scores_reference(est.last_queries[sh.layer], cache[sh.layer], est.kv_heads[sh.layer], L,
                                    (L.long() - 1)[:, None], want)

@@ -13,13 +13,9 @@ import types
 import pytest
 import torch
 
+from dustin.attention.reference import attention_scores_multi_reference, attention_scores_reference
 from dustin.kernels import score_estimation as se
-from dustin.kernels.score_estimation import (
-    attention_scores,
-    attention_scores_multi,
-    attention_scores_multi_reference,
-    attention_scores_reference,
-)
+from dustin.kernels.score_estimation import attention_scores, attention_scores_multi
 from dustin.selection.config import ScoreHeads
 from dustin.selection.estimators import DraftLookaheadScores, TargetHistoricalScores
 

@@ -8,8 +8,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the triton import
 import pytest
 import torch
 
-from dustin.attention.reference import sparse_verify_attention_reference, verify_attention_reference
-from dustin.kernels.score_estimation import attention_scores, attention_scores_reference
+from dustin.attention.reference import (
+    attention_scores_reference,
+    sparse_verify_attention_reference,
+    verify_attention_reference,
+)
+from dustin.kernels.score_estimation import attention_scores
 from dustin.kernels.selection import _select_dustin_torch, select_dustin, select_dustin_reference, select_streaming
 from dustin.kernels.sparse_verify import sparse_verify_attention
 

@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from dustin.engine.config import GenerationConfig
 from dustin.eval.inputs import long_code_prompt
 from tests.conftest import REAL_PAIR
 from tests.exactness import NEAR_TIE_EPS, assert_same_or_near_tie
+from tests.offline import offline
 
 pytestmark = [pytest.mark.realmodels, pytest.mark.slow]
 N_TOKENS = int(os.environ.get("DUSTIN_REAL_TEST_TOKENS", "1536"))
@@ -48,8 +48,8 @@ def shared():
 
 @pytest.fixture(scope="module")
 def vanilla(prompts, shared):
-    cfg = GenerationConfig(method="vanilla", max_new_tokens=NEW_TOKENS)
-    return REAL_PAIR.get(torch.float32).generate(prompts, cfg, prefill_cache=shared)
+    cfg, params = offline(method="vanilla", max_new_tokens=NEW_TOKENS)
+    return REAL_PAIR.get(torch.float32).generate(prompts, cfg, params, prefill_cache=shared)
 
 
 def _score_fn(engine):
@@ -73,7 +73,7 @@ def test_tokenizers_are_shared(engine):
 
 @pytest.mark.parametrize("method", ["classic", "magicdec"])
 def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, shared, method):
-    out = engine.generate(prompts, GenerationConfig(method=method, gamma=4, max_new_tokens=NEW_TOKENS),
+    out = engine.generate(prompts, *offline(method=method, gamma=4, max_new_tokens=NEW_TOKENS),
                           prefill_cache=shared)
     # cut after the last `def` of the second half
     assert all(n // 2 < len(p) <= n for p, n in zip(prompts, LENGTHS, strict=True))
@@ -85,6 +85,6 @@ def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, share
 def test_batch_equals_single_on_real_code(engine, prompts, vanilla):
     """The shortest prompt decoded alone (on the serving loop, its own chunked prefill) equals its row of the
     ragged batch."""
-    single = engine.generate([prompts[2]], GenerationConfig(method="classic", gamma=4, max_new_tokens=NEW_TOKENS))
+    single = engine.generate([prompts[2]], *offline(method="classic", gamma=4, max_new_tokens=NEW_TOKENS))
     assert_same_or_near_tie(vanilla.sequences[2].token_ids, single.sequences[0].token_ids, prompts[2],
                             _score_fn(engine), NEAR_TIE_EPS[torch.float32])

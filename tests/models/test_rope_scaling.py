@@ -10,6 +10,7 @@ import pytest
 from dustin.errors import InputError
 from dustin.models.args import named_config, with_rope_scaling
 from dustin.models.loader import read_args
+from tests.offline import offline
 
 
 def test_equals_a_config_edited_for_yarn(tiny_pair, tmp_path):
@@ -50,7 +51,6 @@ def test_qwen25_takes_the_documented_factor_only():
 
 
 def test_engine_scales_both_models_and_admits_longer_prompts(tiny_pair):
-    from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
 
     target, draft = tiny_pair
@@ -59,10 +59,10 @@ def test_engine_scales_both_models_and_admits_longer_prompts(tiny_pair):
     n = plain.pair.target.args.max_position_embeddings
     assert long.pair.target.args.max_position_embeddings == long.pair.draft.args.max_position_embeddings == 4 * n
     prompt = [5 + i % 80 for i in range(n + 100)]
-    cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=4, stop_at_eos=False)
+    cfg, params = offline(method="classic", gamma=2, max_new_tokens=4, stop_at_eos=False)
     with pytest.raises(InputError, match="model context"):
-        plain.generate([prompt], cfg)
-    assert len(long.generate([prompt], cfg).sequences[0].token_ids) == 4
+        plain.generate([prompt], cfg, params)
+    assert len(long.generate([prompt], cfg, params).sequences[0].token_ids) == 4
 
 
 def test_cli_refuses_a_bad_spec(tiny_pair, capsys):

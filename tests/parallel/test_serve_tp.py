@@ -33,6 +33,7 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
+from tests.offline import offline
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-tp"
@@ -58,8 +59,8 @@ def reference(tiny_pair):
     engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="fp32")
     out = []
     for p, n in zip(_prompts(), LIMITS, strict=False):
-        cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=n)
-        out.append(engine.generate([p], cfg).sequences[0])
+        cfg, params = offline(method="dustin", budget=24, draft_window=32, max_new_tokens=n)
+        out.append(engine.generate([p], cfg, params).sequences[0])
     return out
 
 

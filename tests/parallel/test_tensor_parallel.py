@@ -17,6 +17,7 @@ from dustin.engine.engine import Engine
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.parallel.tp import TensorParallel, finish_distributed, shard_transformer
+from tests.offline import offline
 from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
 
 WORKER_TIMEOUT_S = 120
@@ -34,8 +35,8 @@ RUNS = {  # name -> GenerationConfig kwargs
 }
 
 
-def _cfg(kw) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=12, stop_at_eos=False, **kw)
+def _cfg(kw):
+    return offline(max_new_tokens=12, stop_at_eos=False, **kw)
 
 
 def _prompts():
@@ -45,7 +46,7 @@ def _prompts():
 
 def _generate_all(engine) -> dict[str, list[list[int]]]:
     prompts = _prompts()
-    return {name: [s.token_ids for s in engine.generate(prompts, _cfg(kw)).sequences] for name, kw in RUNS.items()}
+    return {name: [s.token_ids for s in engine.generate(prompts, *_cfg(kw)).sequences] for name, kw in RUNS.items()}
 
 
 def _free_port() -> int:
@@ -72,7 +73,7 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
         fused_rows = engine.pair.target.layers[0].self_attn.qkv_proj.weight.shape[0]  # [q | k | v] of the rank's heads
         assert fused_rows == (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
         outputs = _generate_all(engine)
-        s = engine.start(_prompts(), _cfg(RUNS["classic"])).runner.batch  # the cache holds only this rank's KV heads
+        s = engine.start(_prompts(), *_cfg(RUNS["classic"])).runner.batch  # the cache holds only this rank's KV heads
         assert s.target_cache.k.shape[2] == 4 // world
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outputs, f)
@@ -135,7 +136,6 @@ def test_shard_rejects_indivisible_kv_heads(tp_pair):
 def test_parallel_object_is_handed_in_not_patched(tp_pair):
     """Without torchrun there is no TensorParallel; with one, the engine keeps the full shape for sparse configs
     and asks the object for the TP form of a policy (unsupported ones are one InputError); nothing is patched."""
-    from dustin.engine.config import GenerationConfig
     from dustin.parallel.tp import current_parallel
     from dustin.parallel.tp_selection import TPDustinSelection
 

@@ -27,6 +27,7 @@ from dustin.profiling.observe import RowRecorder, SpanMass
 from dustin.scoring import causal_probs
 from dustin.selection.oracle import ARR_WINDOW, WindowAttention, oracle_set, topk_set
 from tests.conftest import real_pair_or_skip
+from tests.offline import offline
 
 
 def _cache(B, Hkv, S, D, layers=1):
@@ -793,14 +794,14 @@ def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_pa
                                     "budget": 40, "draft_topm": 4}))
     own = e.pair.make_policy(GenerationConfig(method="dustin", sparse_config=str(explicit))).cfg
     assert own.source == str(explicit) and own.budget == 40 and own.target[0].layer == 0
-    out = json.loads(json.dumps(e.generate([_ids(70, 5)], GenerationConfig(
+    out = json.loads(json.dumps(e.generate([_ids(70, 5)], *offline(
         method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False, draft_window=24)).to_json()))
     assert out["sparse_config"]["source"] == "tuned: pair.json" and out["sparse_config"]["budget"] == 48
     assert out["sparse_config"]["draft"] == [{"layer": 0, "heads": [3]}, {"layer": 1, "heads": [0, 7]}]
-    out = e.generate([_ids(70, 5)], GenerationConfig(method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False,
+    out = e.generate([_ids(70, 5)], *offline(method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False,
                                                      draft_window=24, sparse_config=str(explicit))).to_json()
     assert out["sparse_config"]["source"] == str(explicit)
-    classic = e.generate([_ids(70, 5)], GenerationConfig(method="classic", gamma=2, max_new_tokens=4)).to_json()
+    classic = e.generate([_ids(70, 5)], *offline(method="classic", gamma=2, max_new_tokens=4)).to_json()
     assert classic["sparse_config"] is None
 
 

@@ -8,6 +8,7 @@ import torch
 from dustin.errors import InputError
 from dustin.kernels.selection import rows_contain, select_dustin_reference
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
+from tests.offline import offline
 
 
 def test_k_follows_the_mass_by_hand():
@@ -122,12 +123,11 @@ def _prompts():
 def test_auto_with_room_for_everything_is_full_verification(engine):
     """k_min above every context: each row keeps all its positions, so greedy tokens equal classic's; the k
     reported are the rows' own lengths."""
-    from dustin.engine.config import GenerationConfig
 
-    auto = GenerationConfig(method="dustin", gamma=3, max_new_tokens=12, stop_at_eos=False, draft_window=32,
+    auto, auto_params = offline(method="dustin", gamma=3, max_new_tokens=12, stop_at_eos=False, draft_window=32,
                             budget="auto", budget_min=1024, budget_max=1024)
-    full = GenerationConfig(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False, draft_window=32)
-    got, want = engine.generate(_prompts(), auto), engine.generate(_prompts(), full)
+    full, full_params = offline(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False, draft_window=32)
+    got, want = engine.generate(_prompts(), auto, auto_params), engine.generate(_prompts(), full, full_params)
     assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
     k = got.budget_k
     assert k["samples"] >= 3 * 3  # every row, at least 3 steps each
@@ -135,13 +135,12 @@ def test_auto_with_room_for_everything_is_full_verification(engine):
 
 
 def test_auto_k_grows_with_the_mass_to_cover(engine):
-    from dustin.engine.config import GenerationConfig
 
     means = []
     for p in (0.3, 0.99):
-        cfg = GenerationConfig(method="dustin", gamma=3, max_new_tokens=10, stop_at_eos=False, draft_window=32,
+        cfg, params = offline(method="dustin", gamma=3, max_new_tokens=10, stop_at_eos=False, draft_window=32,
                                budget="auto", budget_p=p, budget_min=21, budget_max=64)
-        r = engine.generate(_prompts(), cfg)
+        r = engine.generate(_prompts(), cfg, params)
         assert 21 <= r.budget_k["p50"] <= 64 and r.budget_k["samples"] > 0
         means.append(r.budget_k["mean"])
     assert means[0] < means[1]
@@ -226,12 +225,12 @@ def test_dense_rows_give_full_verification_tokens(tiny_pair):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (150, 220, 180)]
     kw = dict(max_new_tokens=16, stop_at_eos=False, draft_window=32)
-    full = [s.token_ids for s in engine.generate(prompts, GenerationConfig(method="classic", **kw)).sequences]
+    full = [s.token_ids for s in engine.generate(prompts, *offline(method="classic", **kw)).sequences]
     auto = dict(method="dustin", budget="auto", budget_p=1.0, budget_min=21, budget_max=40, **kw)
-    dense = engine.generate(prompts, GenerationConfig(budget_dense=True, **auto))
+    dense = engine.generate(prompts, *offline(budget_dense=True, **auto))
     assert [s.token_ids for s in dense.sequences] == full
     assert dense.budget_k["dense"] == 1.0
-    sparse = engine.generate(prompts, GenerationConfig(**auto))
+    sparse = engine.generate(prompts, *offline(**auto))
     assert [s.token_ids for s in sparse.sequences] != full
     with pytest.raises(InputError, match="--budget-dense goes with --budget auto"):
         GenerationConfig(method="dustin", budget=64, budget_dense=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS
 from dustin.engine.engine import Engine
 from dustin.models.loader import load_model
 from dustin.selection.config import ORACLE_RUNGS, oracle_rung
 from dustin.selection.ladder import LadderOracle, round_robin_scores, rung_set
 from dustin.selection.oracle import window_probs
+from tests.offline import offline
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +92,8 @@ def test_budget_above_context_is_exactly_classic(engine, tiny_sparse_config, met
     """With k >= every sequence's length each layer's set is the whole cache: classic's output."""
     prompts = _prompts([20, 47, 9])
     cfg = dict(stop_at_eos=False, max_new_tokens=24, gamma=3, temperature=0.0, draft_kv="full")
-    classic = engine.generate(prompts, GenerationConfig(method="classic", **cfg))
-    ladder = engine.generate(prompts, GenerationConfig(method=method, budget=200, sparse_config=tiny_sparse_config,
+    classic = engine.generate(prompts, *offline(method="classic", **cfg))
+    ladder = engine.generate(prompts, *offline(method=method, budget=200, sparse_config=tiny_sparse_config,
                                                        **cfg))
     assert [s.token_ids for s in ladder.sequences] == [s.token_ids for s in classic.sequences]
 
@@ -101,7 +102,7 @@ def test_small_budget_plans_differ_by_layer_and_head(engine, tiny_sparse_config)
     """At k far below the context: dense layers get no set, the others one per KV head, and the sets of two
     layers, and of the two KV heads of one layer, are not all the same."""
     prompts = _prompts([150, 210])
-    cfg = GenerationConfig(method="oracle-head-d1", gamma=3, max_new_tokens=8, stop_at_eos=False, budget=32,
+    cfg, params = offline(method="oracle-head-d1", gamma=3, max_new_tokens=8, stop_at_eos=False, budget=32,
                            sparse_config=tiny_sparse_config, temperature=0.0)
     policy = engine.pair.make_policy(cfg)
     assert isinstance(policy, LadderOracle) and policy.dense_layers == 1
@@ -114,7 +115,7 @@ def test_small_budget_plans_differ_by_layer_and_head(engine, tiny_sparse_config)
         return p
 
     policy.plan_layer = recording
-    engine.start(prompts, cfg, policy=policy).step()  # the prefill and step 1
+    engine.start(prompts, cfg, params, policy=policy).step()  # the prefill and step 1
     n_layers = engine.pair.target.args.n_layers
     assert set(seen) == set(range(n_layers)) and seen[0] == [None]
     sets = [seen[layer][0] for layer in range(1, n_layers)]

@@ -16,6 +16,7 @@ from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.policies import DustinSelection
+from tests.offline import offline
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def _prompts(lengths, seed=0):
 
 
 def _run(engine, prompts, **kw):
-    return engine.generate(prompts, GenerationConfig(stop_at_eos=False, max_new_tokens=24, gamma=3, **kw))
+    return engine.generate(prompts, *offline(stop_at_eos=False, max_new_tokens=24, gamma=3, **kw))
 
 
 @pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
@@ -66,7 +67,7 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
         assert out.time_split_s.get("estimate", 0) > 0
 
     k, gamma, n_steps = 32, 3, 5
-    cfg = GenerationConfig(method=method, gamma=gamma, max_new_tokens=64, stop_at_eos=False, budget=k,
+    cfg, params = offline(method=method, gamma=gamma, max_new_tokens=64, stop_at_eos=False, budget=k,
                            sparse_config=sparse_cfg)
     policy = engine.pair.make_policy(cfg)
     plans, plan = [], policy.plan
@@ -120,7 +121,7 @@ def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
         policies = {m: engine.pair.make_policy(GenerationConfig(method=m, budget=k, sparse_config=sparse_cfg))
                     for m in ("dustin", "dustin-t", "streaming")}
         probe = ARRProbe(policies, cfg.budget)
-        s = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=24, stop_at_eos=False),
+        s = engine.generate(prompts, *offline(method="classic", gamma=3, max_new_tokens=24, stop_at_eos=False),
                             policy=probe)
         arr = probe.mean_arr()
         assert [x.token_ids for x in s.sequences] == [x.token_ids for x in classic.sequences]
@@ -139,15 +140,15 @@ def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
     from dustin.eval.arr import ARRProbe
 
     prompts = _prompts([120, 90], seed=6)
-    cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False)
-    classic = [x.token_ids for x in engine.generate(prompts, cfg).sequences]
+    cfg, params = offline(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False)
+    classic = [x.token_ids for x in engine.generate(prompts, cfg, params).sequences]
     policies = {m: engine.pair.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
                 for m in ("quest", "specattn", "dustin")}
     probe = ARRProbe(policies, 32)
     shared = PrefillCache() if reuse else None
     if reuse:  # the prefill-reuse path calls after_verify before any plan (Quest has no pages yet)
-        engine.generate(prompts, cfg, prefill_cache=shared)
-    s = engine.generate(prompts, cfg, policy=probe, prefill_cache=shared)
+        engine.generate(prompts, cfg, params, prefill_cache=shared)
+    s = engine.generate(prompts, cfg, params, policy=probe, prefill_cache=shared)
     arr = probe.mean_arr()
     assert [x.token_ids for x in s.sequences] == classic
     assert arr["quest"] is None and arr["specattn"] is None and 0.0 < arr["dustin"] < 1.0
@@ -161,7 +162,7 @@ def test_target_scores_use_the_last_cached_query(engine):
     cfg = SparseConfig(target=(heads,), draft=(), budget=40, draft_topm=0)
     policy = DustinSelection(cfg, "dustin-t")
     prompt = _prompts([60])[0]
-    core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
+    core = engine.start([prompt], *offline(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
     s = core.runner.batch
@@ -217,7 +218,7 @@ def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
     engines = [Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri)),
                Engine.from_models(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
-    outs = [e.generate(prompts, GenerationConfig(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
+    outs = [e.generate(prompts, *offline(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
                                                  sparse_config=str(path), draft_window=24)) for e in engines]
     assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]
 
@@ -229,7 +230,7 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
     policy = DustinSelection(cfg, "dustin-d")
     prompt = _prompts([50], seed=2)[0]
     gamma = 3
-    core = engine.start([prompt], GenerationConfig(method="dustin-d", gamma=gamma, max_new_tokens=20,
+    core = engine.start([prompt], *offline(method="dustin-d", gamma=gamma, max_new_tokens=20,
                                                    stop_at_eos=False, draft_kv="full",
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     L0 = len(prompt)
@@ -267,7 +268,7 @@ def _recorded_plans(engine, policy, prompts):
         return p
 
     policy.plan = recording
-    out = engine.generate(prompts, GenerationConfig(method=policy.name, gamma=3, max_new_tokens=16,
+    out = engine.generate(prompts, *offline(method=policy.name, gamma=3, max_new_tokens=16,
                                                     stop_at_eos=False, draft_window=24), policy=policy)
     return plans, [s.token_ids for s in out.sequences]
 

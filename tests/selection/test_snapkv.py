@@ -7,7 +7,7 @@ import torch
 from dustin.attention.backend import sparse_mask
 from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
-from dustin.engine.config import METHODS, GenerationConfig
+from dustin.engine.config import METHODS
 from dustin.engine.engine import Engine
 from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
@@ -16,6 +16,7 @@ from dustin.scoring import causal_probs
 from dustin.selection.config import SparseConfig
 from dustin.selection.policies import POLICIES, make_policy
 from dustin.selection.snapkv import SNAPKV_KERNEL, SNAPKV_WINDOW, SnapKVSelection
+from tests.offline import offline
 
 K = 48  # budget: > the 32-token window, < the long prompts below
 RAGGED = [90, 130, 40]  # two prompts longer than k (compressed), one shorter (kept whole)
@@ -32,14 +33,14 @@ def _prompts(lengths, seed=0):
 
 
 def _cfg(**kw):
-    return GenerationConfig(**{"method": "snapkv", "gamma": 3, "max_new_tokens": 20, "stop_at_eos": False,
-                               "draft_window": 16, **kw})
+    return offline(**{"method": "snapkv", "gamma": 3, "max_new_tokens": 20, "stop_at_eos": False,
+                      "draft_window": 16, **kw})
 
 
 def _session(engine, prompts, budget=K, **kw):
     """The batch's session after its (gang) prefill and first step, and its policy."""
     policy = SnapKVSelection(SparseConfig(budget=budget, draft_topm=0))
-    core = engine.start(prompts, _cfg(budget=budget, **kw), policy=policy)
+    core = engine.start(prompts, *_cfg(budget=budget, **kw), policy=policy)
     core.step()
     return core, policy
 
@@ -119,8 +120,8 @@ def test_budget_above_prompt_is_exactly_classic(engine):
     """k >= every prompt: every prompt position is kept and every generated one attended: classic's output."""
     prompts = _prompts([20, 47, 9])
     kw = {"gamma": 3, "max_new_tokens": 24, "stop_at_eos": False, "draft_kv": "streaming", "draft_window": 16}
-    classic = engine.generate(prompts, GenerationConfig(method="classic", **kw))
-    snap = engine.generate(prompts, GenerationConfig(method="snapkv", budget=200, **kw))
+    classic = engine.generate(prompts, *offline(method="classic", **kw))
+    snap = engine.generate(prompts, *offline(method="snapkv", budget=200, **kw))
     assert [s.token_ids for s in snap.sequences] == [s.token_ids for s in classic.sequences]
     assert snap.steps == classic.steps and "sparse_verify" in snap.time_split_s
 
@@ -160,7 +161,7 @@ def test_plan_is_prompt_picks_and_generated_positions(engine):
 
 def test_generate_completes_and_reports_tau(engine):
     prompts = _prompts([150, 210, 64], seed=2)
-    out = engine.generate(prompts, _cfg(budget=40, max_new_tokens=24))
+    out = engine.generate(prompts, *_cfg(budget=40, max_new_tokens=24))
     assert out.method == "snapkv" and all(len(s.token_ids) == 24 for s in out.sequences)
     assert 1.0 <= out.tau <= 4.0 and out.steps > 0
     assert {"draft", "select", "sparse_verify"} <= set(out.time_split_s) and "verify" not in out.time_split_s
@@ -174,18 +175,17 @@ def test_reuse_prefill_runs_its_own_prefill(engine):
     prompts = _prompts(RAGGED, seed=3)
     kw = {"gamma": 3, "max_new_tokens": 16, "stop_at_eos": False, "draft_window": 16}
     shared = PrefillCache()
-    engine.generate(prompts, GenerationConfig(method="classic", **kw), prefill_cache=shared)
+    engine.generate(prompts, *offline(method="classic", **kw), prefill_cache=shared)
     saved = shared.state
     assert saved is not None
-    fresh = engine.generate(prompts, GenerationConfig(method="snapkv", budget=K, **kw))
-    reused = engine.generate(prompts, GenerationConfig(method="snapkv", budget=K, **kw), prefill_cache=shared)
+    fresh = engine.generate(prompts, *offline(method="snapkv", budget=K, **kw))
+    reused = engine.generate(prompts, *offline(method="snapkv", budget=K, **kw), prefill_cache=shared)
     assert [s.token_ids for s in reused.sequences] == [s.token_ids for s in fresh.sequences]
     assert shared.state is not None and shared.state.key == saved.key  # later methods reuse it
     assert torch.equal(shared.state.target_kv[0], saved.target_kv[0])  # snapkv's own prefill: same caches
 
-    cfg = GenerationConfig(method="snapkv", budget=K, **kw)
     with pytest.raises(InputError, match="snapkv needs its own prefill"):
-        engine.start(prompts, cfg, fill="noise").step()
+        engine.start(prompts, *offline(method="snapkv", budget=K, **kw), fill="noise").step()
 
 
 def test_triton_backend_gives_the_same_tokens(tmp_path):
@@ -199,5 +199,5 @@ def test_triton_backend_gives_the_same_tokens(tmp_path):
     engines = [Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri)),
                Engine.from_models(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
-    outs = [e.generate(prompts, _cfg(budget=40, max_new_tokens=8)) for e in engines]
+    outs = [e.generate(prompts, *_cfg(budget=40, max_new_tokens=8)) for e in engines]
     assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]

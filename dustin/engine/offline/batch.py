@@ -21,6 +21,7 @@ from dustin.engine.kv_manager import cache_capacity
 from dustin.engine.offline.prefill import NoisePrefill, PrefillCache, SharedPrefill, prefill_key
 from dustin.engine.pair import ModelPair
 from dustin.engine.request import SamplingParams
+from dustin.engine.sampling import GREEDY, SamplingRule
 from dustin.engine.scheduler import check_admission
 from dustin.errors import OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
@@ -46,17 +47,19 @@ class OfflineBatches:
 
     def start(self, prompts: list[list[int]], cfg: GenerationConfig, params: list[SamplingParams],
               policy: SelectionPolicy | None = None, prefill_cache: PrefillCache | None = None,
-              fill: str | None = None, warmup: bool = True, step_costs=None) -> EngineCore:
+              fill: str | None = None, warmup: bool = True, step_costs=None,
+              shared: SamplingRule = GREEDY) -> EngineCore:
         """An engine core with `prompts` queued as one batch (checked by the caller), each with its `params`.
         fill: "whole" (a gang computing its prompts), "noise" (a gang of noise-filled caches), or None: a gang over
-        `prefill_cache` when given and greedy, a gang for a policy with whole-batch state, else chunked."""
+        `prefill_cache` when given and every row greedy, a gang for a policy with whole-batch state, else chunked.
+        shared: the rule of rows drawing from the core's generator (`EngineCore`'s `shared`)."""
         pair = self.pair
         own_policy = policy is None
         policy = policy or pair.make_policy(cfg)
         gang_prefill = None
         if fill == "noise":
             gang_prefill = NoisePrefill()
-        elif fill is None and prefill_cache is not None and cfg.sampling.greedy:
+        elif fill is None and prefill_cache is not None and all(p.sampling.greedy for p in params):
             gang_prefill = SharedPrefill(prefill_cache)
         gang = fill is not None or gang_prefill is not None or not policy.row_local
         for p in params:
@@ -67,7 +70,7 @@ class OfflineBatches:
         limits = [p.max_tokens for p in params]
         need = cache_capacity([len(p) for p in prompts], limits, cfg.gamma if cfg.spec.speculative else 0)
         keep = self.keep and not gang
-        key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(prompts))
+        key = (astuple(replace(cfg, seed=0)), shared, len(prompts))
         kept = self._kept
         if kept is None or not keep or kept[0] != key or kept[1].runner.batch.target_cache.capacity < need:
             self._kept = None
@@ -75,14 +78,15 @@ class OfflineBatches:
             if pair.device.type == "cuda":
                 torch.cuda.empty_cache()
             cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if keep else need
-            pair.require_kv_memory(len(prompts), cap, cfg.spec.speculative)
+            pair.kv_fit(cfg.spec.speculative).require(len(prompts), cap)
             # the batch's sizes: a slot per prompt, all of them waiting at once, the models' whole context (a kept
             # core may later serve calls that ask more tokens: any limit its capacity holds)
             sized = replace(cfg, max_context=pair.max_context(cfg.spec.speculative), max_waiting=len(prompts))
             try:
                 core = EngineCore(pair, sized, slots=len(prompts), capacity=cap, policy=policy,
                                   kernel_warmup=warmup and own_policy, gang=gang, gang_prefill=gang_prefill,
-                                  step_costs=step_costs, max_new_tokens=cap if keep else cfg.max_new_tokens)
+                                  step_costs=step_costs, max_new_tokens=cap if keep else max(limits),
+                                  shared=shared)
             except torch.OutOfMemoryError:
                 raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {pair.device} memory: "
                                        f"lower the batch size, the prompt length or --max-new-tokens") from None

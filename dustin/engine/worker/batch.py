@@ -19,7 +19,7 @@ import torch
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.kv_manager import cache_capacity
-from dustin.engine.sampling import RowSampling, SamplingRule
+from dustin.engine.sampling import GREEDY, RowSampling, SamplingRule
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
 
@@ -30,10 +30,15 @@ class BatchState:
     done, row_gamma; on the host: finished, prompts, host_lengths, tokens (prompt, then every token read back),
     draft_lag, seeds, and the prompt of each row still prefilling with its count of cached tokens. Set by each
     step before the policy plans: verify_input, verify_positions. The batch's sampling (`sampler`, `generator`)
-    and phase timer (`timer`) live here too: the device step, the prefill and the policies all use them."""
+    and phase timer (`timer`) live here too: the device step, the prefill and the policies all use them.
+
+    `shared`: the rule of the rows that draw from the batch's generator (seeded with cfg.seed) instead of each
+    from its own stream, and of idle rows: greedy for the server, whose rows must not depend on each other; an
+    offline batch given one `SamplingParams` for all its prompts passes that one's rule."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, vocab_limit: int,
-                 caches: dict[str, KVCache], max_new_tokens: int, min_gamma: int) -> None:
+                 caches: dict[str, KVCache], max_new_tokens: int, min_gamma: int,
+                 shared: SamplingRule = GREEDY) -> None:
         self.target, self.draft, self.cfg = target, draft, cfg
         self.V = vocab_limit
         self.device = target.embed_tokens.weight.device
@@ -48,7 +53,8 @@ class BatchState:
         self.draft_lag = [0] * self.B
         self.tokens: list[list[int]] = [[] for _ in range(self.B)]
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.sampler = RowSampling(self.B, cfg.sampling, self.generator, seed=cfg.seed)
+        self.shared = shared
+        self.sampler = RowSampling(self.B, shared, self.generator, seed=cfg.seed)
         self.timer = PhaseTimer(self.device)
         self.finished = [True] * self.B  # rows that do not decode: idle or prefilling
         self.prompts: list[list[int]] = [[] for _ in range(self.B)]
@@ -76,7 +82,7 @@ class BatchState:
         assert cache_capacity([len(prompt)], [limit], self.gamma) <= self.target_cache.capacity, (len(prompt), limit)
         self.prompt_rows[row], self.prefilled[row] = list(prompt), 0
         self.prompts[row] = list(prompt)
-        self.sampler.set_row(row, params or self.cfg.sampling, seed, self.device)
+        self.sampler.set_row(row, params or self.shared, seed, self.device)
         self.seeds[row] = seed
 
     def reseed(self, row: int) -> None:
@@ -115,7 +121,7 @@ class BatchState:
         self.stop(row)
         self.target_cache.lengths[row] = 1
         self.host_lengths[row] = 1
-        self.sampler.set_row(row, self.cfg.sampling, None, self.device)
+        self.sampler.set_row(row, self.shared, None, self.device)
         self.tokens[row] = []
         self.draft_lag[row] = 0
         if self._row_gamma[row] != self.gamma:

@@ -21,13 +21,14 @@ from dustin.engine.draft_step import EagerDraftStep
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.model_runner import ModelRunner
 from dustin.engine.request import Logprob
-from dustin.engine.sampling import SamplingRule
+from dustin.engine.sampling import GREEDY, SamplingRule
 from dustin.engine.timing import PhaseTimer
 from dustin.engine.worker.batch import BatchState
 from dustin.engine.worker.prefill import Prefill
 from dustin.engine.worker.staging import RowTokens, Staging
 from dustin.engine.worker.step import DeviceStep
 from dustin.kernels import draft_decoder
+from dustin.models import draft_kernel
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
 
@@ -38,10 +39,12 @@ class Runner:
     `complete`)."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, cfg: GenerationConfig, vocab_limit: int,
-                 policy: SelectionPolicy | None = None, *, kv: KVManager, max_new_tokens: int | None = None) -> None:
-        """cfg: the batch's decoding settings (Γ, defaults of the rows' sampling, graphs and overlap). kv: the
-        batch's caches (a row per slot): "target", and "draft" when `draft` drafts. max_new_tokens: the most new
-        tokens a row may ask (None: cfg.max_new_tokens); a row's prompt and new tokens must also fit its slot."""
+                 policy: SelectionPolicy | None = None, *, kv: KVManager, max_new_tokens: int,
+                 shared: SamplingRule = GREEDY) -> None:
+        """cfg: the batch's decoding settings (Γ, graphs and overlap). kv: the batch's caches (a row per slot):
+        "target", and "draft" when `draft` drafts. max_new_tokens: the most new tokens a row may ask; a row's
+        prompt and new tokens must also fit its slot. shared: the sampling rule of rows that draw from the batch's
+        generator, and of idle rows (`BatchState`)."""
         self.cfg, self.kv = cfg, kv
         self.policy = policy = policy or FullSelection()
         self.device = device = target.embed_tokens.weight.device
@@ -60,7 +63,7 @@ class Runner:
         # plain row can be verified densely; else 1 (a sparse method's selection reads its drafts' lookahead)
         min_gamma = 0 if policy.full_verify or dense_plain else 1
         self.batch = BatchState(target, draft if speculative else None, cfg, vocab_limit, kv.caches,
-                                max_new_tokens or cfg.max_new_tokens, min_gamma)
+                                max_new_tokens, min_gamma, shared)
         draft_step = None
         if speculative:
             self.models["draft"] = ModelRunner(draft, kv.caches["draft"], use_graphs)
@@ -72,7 +75,7 @@ class Runner:
                 if cfg.options.draft_kernel and device.type == "cuda" and window > 0:
                     # a step's draft forwards; greedy ones also choose their tokens in the launch
                     B = self.batch.B
-                    draft_decoder.attach(draft, sinks, window, rows=(B, 2 * B), vocab=vocab_limit)
+                    draft_kernel.attach(draft, sinks, window, rows=(B, 2 * B), vocab=vocab_limit)
             draft_step = EagerDraftStep(self.models["draft"], self.batch.sampler, vocab_limit, self.batch.gamma,
                                         sinks, window)
         self.staging = Staging(self.batch)
