@@ -235,17 +235,27 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
-def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """U[0, 1) noise [B, n] from a counter-based generator: draw j of row b is splitmix64(seed[b] + golden *
-    (offset[b] + j)), its top 24 bits as a float. A row's numbers depend only on its own seed and how many it drew
-    before, never on the batch or on other rows' draws, and the state is two device tensors: a CUDA graph replays
-    it by reading them (callers advance `offsets` in place)."""
-    j = offsets[:, None] + torch.arange(n, device=seeds.device)[None, :]
-    z = seeds[:, None] + j * _GOLDEN
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors: a bijection of the 64-bit values that spreads every input bit over
+    the output (distinct inputs give distinct outputs)."""
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 40).float() * (1.0 / (1 << 24))
+    return z ^ _shr(z, 31)
+
+
+def counter_bits(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Random int64 [B, n] from a counter-based generator: draw j of row b is splitmix64(seed[b] + golden *
+    (offset[b] + j)). A row's numbers depend only on its own seed and how many it drew before, never on the batch
+    or on other rows' draws, and the state is two device tensors: a CUDA graph replays it by reading them (callers
+    advance `offsets` in place). Within a row, fewer than 2^64 draws are all distinct (golden is odd and the
+    finalizer a bijection): sorting by them is a uniform random order without ties."""
+    j = offsets[:, None] + torch.arange(n, device=seeds.device)[None, :]
+    return mix64(seeds[:, None] + j * _GOLDEN)
+
+
+def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """U[0, 1) noise [B, n]: the top 24 bits of `counter_bits` as a float."""
+    return _shr(counter_bits(seeds, offsets, n), 40).float() * (1.0 / (1 << 24))
 
 
 class RowSampling:
@@ -299,6 +309,14 @@ class RowSampling:
     @property
     def greedy(self) -> bool:
         return all(p.greedy for p in self.params)
+
+    def row_keys(self, greedy_key: int) -> torch.Tensor:
+        """[B] int64: one key per row for the random choices made for a row outside its token choice (the sampled
+        tail of sparse verification: dustin/selection/tail.py). A sampled row's is its own seed (its request's, or
+        the one drawn at admission), so that its tail is as reproducible as its tokens; a greedy row's is
+        `greedy_key`, the same for every greedy row, so that greedy output depends on nothing but the row itself:
+        the same run to run, alone or in any batch, in any slot."""
+        return torch.where(self._greedy, _i64(greedy_key), self._seeds)
 
     @property
     def mode(self) -> str:
