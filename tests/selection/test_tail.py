@@ -37,6 +37,24 @@ def _cache(B, Hq, Hkv, T, D, lengths, gen):
     return q, k, v, torch.tensor(lengths, dtype=torch.int32)
 
 
+# ---- the rows' keys
+
+
+def test_row_keys_fixed_for_greedy_rows_and_the_seed_for_sampled_ones():
+    """A greedy row's key is the same in any slot and batch; a sampled row's follows its own seed, not its slot."""
+    from dustin.engine.sampling import RowSampling, SamplingRule
+
+    hot = SamplingRule(temperature=0.8)
+    a = RowSampling(3, SamplingRule(), None, seed=1)
+    a.set_row(1, hot, seed=7)
+    b = RowSampling(4, SamplingRule(), None, seed=2)
+    b.set_row(3, hot, seed=7)
+    b.set_row(0, hot, seed=8)
+    ka, kb = a.row_keys(99).tolist(), b.row_keys(99).tolist()
+    assert ka[0] == ka[2] == kb[1] == kb[2] == 99
+    assert ka[1] == kb[3] != kb[0] and ka[1] != 99
+
+
 # ---- names, the split, bad input
 
 
