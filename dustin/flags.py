@@ -203,10 +203,12 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: 
             "; auto:P entries size k per sequence and step to cover P of the estimated attention mass (dustin "
             "methods only)" if auto else ""))
     if auto:
-        g.add_argument("--budget-min", type=int, default=AUTO_MIN, help="--budget auto: smallest k")
-        g.add_argument("--budget-max", type=int, default=AUTO_MAX, help="--budget auto: largest k")
+        # a sweep sizes k with its auto:P entries (no --budget-p); the other commands with --budget auto --budget-p P
+        which, mass = ("auto:P entries", "P") if sweep is not None else ("--budget auto", "--budget-p")
+        g.add_argument("--budget-min", type=int, default=AUTO_MIN, help=f"{which}: smallest k")
+        g.add_argument("--budget-max", type=int, default=AUTO_MAX, help=f"{which}: largest k")
         g.add_argument("--budget-dense", action="store_true",
-                       help="--budget auto: a sequence whose --budget-max best positions hold less than --budget-p of "
-                            "its estimated attention verifies against the whole cache that step")
+                       help=f"{which}: a sequence whose --budget-max best positions hold less than {mass} of its "
+                            f"estimated attention verifies against the whole cache that step")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
     return g

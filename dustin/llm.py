@@ -20,7 +20,6 @@ from pathlib import Path
 from dustin.defaults import DEFAULT_METHOD, DRAFT_WINDOW, GAMMA
 from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine, GenerationResult
-from dustin.engine.pair import check_prompts
 from dustin.engine.request import Logprob, SamplingParams
 from dustin.errors import InputError
 
@@ -95,7 +94,7 @@ class LLM:
             raise InputError(f"method {method!r} needs a draft model")
         self.engine = Engine.from_pretrained(target, draft if speculative else None, device=device, dtype=dtype)
         if METHODS[method].policy != "full":
-            self.engine.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate
+            self.engine.pair.make_policy(self.base_config)  # a bad sparse config or budget fails now, not at generate
 
     @property
     def method(self) -> str:
@@ -104,7 +103,7 @@ class LLM:
     @property
     def tokenizer(self):
         """The target's Hugging Face tokenizer (None when its folder has none)."""
-        return self.engine.tokenizer
+        return self.engine.pair.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None, *, chat: bool = False) -> list[RequestResult]:
@@ -130,15 +129,9 @@ class LLM:
         for i, p in enumerate(prompts):
             if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (not p or _is_token_ids(p)))):
                 raise InputError(f"prompt {i} is a {type(p).__name__}: pass text or a list of token ids")
-        ids = [self.engine.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
-        limits = [p.max_tokens for p in plist]
-        try:
-            check_prompts(ids, replace(self.base_config, max_new_tokens=max(limits)), self._context(),
-                          self.engine.vocab_limit, limits)
-        except InputError as e:  # its messages name the command line's flags
-            raise InputError(str(e).replace("--max-new-tokens", "max_tokens")) from None
-
-        cfg = replace(self.base_config, max_new_tokens=max(limits))
+        ids = [self.engine.pair.encode(p if isinstance(p, str) else list(p), chat) for p in prompts]
+        # the prompts and limits are checked once, by `Engine.generate`
+        cfg = replace(self.base_config, max_new_tokens=max(p.max_tokens for p in plist))
         out = self.engine.generate(ids, cfg, params=plist)
         metrics = Metrics.of(out)
         results = []
@@ -146,10 +139,6 @@ class LLM:
             results.append(RequestResult(p, seq.token_ids, seq.text, seq.finish_reason, metrics, seq.logprobs,
                                          seq.prompt_logprobs))
         return results
-
-    def _context(self) -> int:
-        """Positions a prompt and its new tokens may take: the target's context, and the draft's when it drafts."""
-        return self.engine.max_context(self.base_config.spec.speculative)
 
 
 def _is_token_ids(prompts) -> bool:

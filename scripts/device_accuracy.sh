@@ -13,8 +13,6 @@
 #   ladder32  the same at 32k for LADDER32
 #   diverge   the first divergence from vanilla's greedy text: 16 stdlib modules as code prompts (CODE16) of
 #             DCONTEXTS tokens (16384), 256 tokens, DMETHODS at DBUDGETS (512)
-#   anchor16  RULER 16k, SAMPLES (50) each, rows ANCHOR16 (dustin-anchor against vanilla and dustin)
-#   anchorspeed  `bench e2e --real` code 16 x SCONTEXTS (16384,29000): vanilla, dustin, dustin-anchor
 #   dense16   RULER 16k, SAMPLES (50) each, rows DENSE16: the auto rows with --budget-dense, --budget-max BMAXD (1024)
 #   densespeed  `bench e2e --real` code 16 x SCONTEXTS: vanilla and dustin@512, then dustin --budget auto
 #             --budget-dense (p DENSEP, 0.95; --budget-max BMAXD)
@@ -58,8 +56,6 @@ L512=oracle-layer@512,oracle-kv@512,oracle-head@512,oracle-layer-d1@512,oracle-k
 L512=$L512,oracle-layer-d2@512,oracle-kv-d2@512,oracle-head-d2@512
 LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,$L512,oracle-head-d1@256,oracle-head-d1@1024,oracle-kv-d1@1024}
 LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
-# dustin-anchor (head-aware selection from anchor layers) against vanilla and dustin, same prompts
-ANCHOR16=${ANCHOR16:-vanilla,dustin@512,dustin-anchor@512,dustin-anchor@1024}
 DENSE16=${DENSE16:-vanilla,dustin@512,dustin@auto:0.9,dustin@auto:0.95}
 # 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
 CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}
@@ -98,11 +94,6 @@ for j in "$@"; do
                  --max-new-tokens 256 --methods "$DMETHODS" --budgets ${DBUDGETS:-512} --with-vanilla --no-arr \
                  --json-out $A/diverge_$c.json || break 2
              done ;;
-    anchor16) job anchor16 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 16384 \
-               --batch-size 65 --rows "$ANCHOR16" --json-out $A/ruler_16k_anchor.json || break ;;
-    anchorspeed) job anchorspeed python3 -m dustin bench e2e --real --device cuda --prompts code \
-                   --contexts ${SCONTEXTS:-16384,29000} --batches 16 --methods vanilla,dustin,dustin-anchor --warmup 4 \
-                   --steps 40 --json-out $A/speed_anchor.json --plot-out $A/speed_anchor.png || break ;;
     dense16) job dense16 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 16384 \
                --batch-size 65 --rows "$DENSE16" --budget-dense --budget-max ${BMAXD:-1024} \
                --json-out $A/ruler_16k_dense.json || break ;;

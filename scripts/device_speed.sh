@@ -24,10 +24,11 @@
 #                                        # PARTS=fixed: dustin at Γ = 2 and 3 on the same contexts
 #   bash scripts/device_speed.sh random  # no weights: step-graph check, step anatomy (overlapped and not),
 #                                        # Llama-3.1-8B + 3.2-1B e2e, 32B attention
-#   bash scripts/device_speed.sh draft   # no weights: the persistent draft-layer kernel's GPU tests (eager and
-#                                        # graphed), its time per forward, `bench e2e` 16 x 16k / 32k with and without
-#                                        # it, and 16 x 16k with per-forward graphs (the draft's ms per forward);
-#                                        # random weights of the pair's shapes, acceptance-controlled
+#   bash scripts/device_speed.sh draft   # no weights: the persistent draft-layer kernel's compile test and GPU tests
+#                                        # (eager and graphed), its time per forward, `bench e2e` 16 x 16k / 32k with
+#                                        # and without it, and 16 x 16k with per-forward graphs (the draft's ms per
+#                                        # forward); random weights of the pair's shapes, acceptance-controlled;
+#                                        # PARTS="drift tests ncu time phase e2e" picks parts (see the mode)
 #   bash scripts/device_speed.sh draft8b # no weights: Llama-3.1-8B + 3.2-1B shapes, 32k x 16, with and without it
 #   bash scripts/device_speed.sh grid    # after staging: `bench e2e --real` code, vanilla and dustin, on the grid
 #                                        # 16 x 2k, 16k, 29.5k, 8 x 64k (YaRN), 32 x 16k, 64 x 8k; FLAGS are added
@@ -132,16 +133,33 @@ elif [ "$mode" = draft8b ]; then
       --json-out "$OUT/bench_e2e_llama8b${flag:+_kernel}.json"
   done
 elif [ "$mode" = draft ]; then
-  # the GPU tests only (the conftest's Triton interpreter off); each new build compiles with nvcc first
-  run 300 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_draft_decoder.py -k "matches or stages or \
-head_chooses or engine_with" -p no:cacheprovider || exit 1
-  run 60 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16
-  e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
-  for flag in "" --draft-kernel; do  # the step graph; then per-forward graphs, whose phases time the draft apart
-    run $(( (560 - SECONDS) / 2 )) $e2e --contexts 16384,32768 --methods vanilla,dustin --steps 30 $flag \
-      --json-out "$OUT/bench_e2e_draft${flag:+_kernel}.json"
-    run 60 $e2e --contexts 16384 --methods dustin --steps 20 --no-step-graph $flag \
-      --json-out "$OUT/bench_e2e_draft_phase${flag:+_kernel}.json"
+  # PARTS picks and orders the parts (default "tests time e2e"):
+  #   drift  each layer's residual stream, kernel / per-layer kernels / plain ops / emulation against fp32
+  #   tests  the compile test (every exported name) first, then the GPU tests (the conftest's interpreter off)
+  #   ncu    Nsight Compute's summary of one layer-stack launch (16 rows; speed of light, warp states, memory)
+  #   time   the kernel's time per forward against the per-layer kernels (scripts/gpu_draft_decoder.py)
+  #   phase  bench e2e 16 x 16k with per-forward graphs, with and without the kernel: the draft's ms per forward
+  #   e2e    bench e2e 16 x 16k / 32k, vanilla and dustin, with and without the kernel, then the phases as above
+  for part in ${PARTS:-tests time e2e}; do
+    case $part in
+      drift) run 200 python3 scripts/gpu_draft_drift.py --layers 4,24 --batch 16 ;;
+      tests) run 60 env TRITON_INTERPRET=0 DUSTIN_REQUIRE_NVCC=1 python3 -m pytest -q tests/kernels/test_draft_decoder.py \
+               -k "compiles or bind" -p no:cacheprovider || exit 1
+             run 300 env TRITON_INTERPRET=0 python3 -m pytest -q -x tests/kernels/test_draft_decoder.py \
+               -k "matches or stages or head_chooses or engine_with" -p no:cacheprovider || exit 1 ;;
+      ncu) run 150 ncu --kernel-name regex:draft_layers --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+             --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
+             python3 scripts/gpu_draft_decoder.py --unchecked --only stack --batch 16 ;;
+      time) run 90 python3 scripts/gpu_draft_decoder.py --draft qwen2.5-0.5b --batch 16 ;;
+      phase|e2e)
+        e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --batches 16 --warmup 4"
+        for flag in --no-draft-kernel --draft-kernel; do  # the step graph; then per-forward graphs (the draft apart)
+          [ $part = e2e ] && run $(( (560 - SECONDS) / 2 )) $e2e --contexts 16384,32768 --methods vanilla,dustin \
+            --steps 30 $flag --json-out "$OUT/bench_e2e_draft_${flag#--}.json"
+          run 90 $e2e --contexts 16384 --methods vanilla,dustin --steps 20 --no-step-graph $flag \
+            --json-out "$OUT/bench_e2e_draft_phase_${flag#--}.json"
+        done ;;
+    esac
   done
 elif [ "$mode" = grid ]; then
   tag=$(printf %s "${FLAGS:-}" | tr -c 'a-z0-9' '_')

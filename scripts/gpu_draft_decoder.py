@@ -119,7 +119,7 @@ def main() -> int:
         row["layer_stack_pct_of_bytes"] = round(100 * row["layer_bytes_ms"] / ms_stack, 1)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if os.environ.get("OUT"):
+    if os.environ.get("OUT") and a.only == "all":  # (a profiling run leaves the timing run's file alone)
         Path(os.environ["OUT"], f"draft_decoder_{a.draft}.json").write_text(json.dumps(out, indent=1))
     return 0
 

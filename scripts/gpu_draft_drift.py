@@ -8,7 +8,9 @@ The implementations (random weights of the draft's shape, as tests/kernels/test_
 - `emulated`: `reference_plan` in bf16, the kernel's arithmetic tile by tile in PyTorch;
 - `per_layer`: the per-layer Triton kernels (`DecoderLayer.decode_forward`), what the engine runs without it;
 - `torch`: the plain PyTorch ops (`DecoderLayer.forward` with fused ops off; Hugging Face's rounding order);
-- `fp32`: `reference_plan` on an fp32 copy of the model, caches and inputs (no rounding but fp32's).
+- `fp32`: `reference_plan` on an fp32 copy of the model, caches and inputs (no rounding but fp32's);
+- `nudged`: `torch` from embeddings moved one bf16 step each (`nudged~torch`: how far one rounding step at the
+  input carries through the stack, the scale any two bf16 forwards drift apart on).
 
 Per layer it prints max|a - b| / max|b| (the self-check's measure) of each against fp32 and of the kernel against the
 others. If the kernel is no farther from fp32 than the others are, the difference between it and the per-layer
@@ -99,15 +101,19 @@ def main() -> int:
                     return ForwardContext(cache, positions, lengths, int(lengths.max()) + T, sinks=sinks,
                                           window=window)
 
-                # torch: DecoderLayer.forward with the plain ops; the residual stream after layer l is residual + h
+                # torch: DecoderLayer.forward with the plain ops; the residual stream after layer l is residual + h.
+                # nudged: the same from embeddings each moved one bf16 step up or down (a random sign each): how far
+                # one rounding step at the input carries through the stack (the scale of rounding drift)
                 model.set_fused_ops(False)
-                ctx = ctx_of(k0, v0)
-                h, residual, out = x.view(B, T, -1), None, []
                 cos3, sin3 = model.rotary(positions)
-                for layer in model.layers:
-                    h, residual = layer(h, residual, cos3, sin3, ctx, model.backend)
-                    out.append((residual + h).reshape(M, -1))
-                hs["torch"] = out
+                step = torch.randint(0, 2, x.shape, device=dev, dtype=torch.int16) * 2 - 1
+                for name, x0 in (("torch", x), ("nudged", (x.view(torch.int16) + step).view(torch.bfloat16))):
+                    ctx = ctx_of(k0, v0)
+                    h, residual, out = x0.view(B, T, -1), None, []
+                    for layer in model.layers:
+                        h, residual = layer(h, residual, cos3, sin3, ctx, model.backend)
+                        out.append((residual + h).reshape(M, -1))
+                    hs[name] = out
                 model.set_fused_ops(True)
                 if gpu or interpreting():  # the per-layer Triton kernels (on a CPU: TRITON_INTERPRET=1, slow)
                     from dustin.kernels.decode_linear import row_norm
@@ -137,6 +143,8 @@ def main() -> int:
                 logits = {name: model.lm_head(model.norm(v[-1])).float() for name, v in hs.items() if name != "fp32"}
                 ref_logits = dd._norm(hs["fp32"][-1], _Norm32(model.norm)) @ model.lm_head.weight.float().T
             names = [n for n in ("kernel", "per_layer", "torch", "emulated") if n in hs]
+            nudged = hs.pop("nudged")
+            nudged_logits = logits.pop("nudged")
             rows = []
             for layer in range(L):
                 row = {"layer": layer}
@@ -147,12 +155,14 @@ def main() -> int:
                         row[f"kernel~{n}"] = rel(hs["kernel"][layer], hs[n][layer])
                 if "per_layer" in hs:  # two trusted bf16 implementations apart: the scale of rounding drift
                     row["per_layer~torch"] = rel(hs["per_layer"][layer], hs["torch"][layer])
+                row["nudged~torch"] = rel(nudged[layer], hs["torch"][layer])
                 rows.append(row)
             final = {f"{n}~fp32": rel(logits[n], ref_logits) for n in names}
             if "kernel" in logits:
                 final.update({f"kernel~{n}": rel(logits["kernel"], logits[n]) for n in names[1:]})
             if "per_layer" in logits:
                 final["per_layer~torch"] = rel(logits["per_layer"], logits["torch"])
+            final["nudged~torch"] = rel(nudged_logits, logits["torch"])
             results.append({"draft": a.draft, "layers": L, "B": B, "T": T, "per_layer": rows, "logits": final,
                             "device": torch.cuda.get_device_name() if gpu else "cpu"})
             print(f"\n== {a.draft}, {L} layers, {B} x {T} rows: max|a - b| / max|b| of each layer's residual stream")

@@ -33,12 +33,12 @@ def main() -> int:
         from dustin.attention.context import ForwardContext
         from dustin.cache.kv_cache import KVCache
         ids = prompt + ref[:i]
-        a, T = eng.target.args, len(ids)
+        a, T = eng.pair.target.args, len(ids)
         cache = KVCache(a.n_layers, 1, a.n_kv_heads, a.head_dim, T, torch.bfloat16, "cuda")
         ctx = ForwardContext(cache, torch.arange(T, device="cuda")[None], torch.zeros(1, dtype=torch.int32,
                              device="cuda"), T, fresh=True)
         with torch.inference_mode():
-            top = torch.topk(eng.target(torch.tensor([ids], device="cuda"), ctx)[0, -1], 2).values
+            top = torch.topk(eng.pair.target(torch.tensor([ids], device="cuda"), ctx)[0, -1], 2).values
         return round(float(top[0] - top[1]), 4)
 
     def run(graphs=True, **kw):
@@ -69,8 +69,8 @@ def main() -> int:
             "identical": [a.token_ids == b.token_ids for a, b in zip(g.sequences, e.sequences, strict=True)],
             "tokens_per_s_graphs": round(g.tokens_per_s, 1), "tokens_per_s_eager": round(e.tokens_per_s, 1)}
     # the fused norm / RoPE kernels against the plain PyTorch ops (bf16: equal up to rare near-ties)
-    plain_eng = Engine(load_model(target, "cuda", torch.bfloat16, be, fuse=False),
-                       load_model(draft, "cuda", torch.bfloat16, be, fuse=False))
+    plain_eng = Engine.from_models(load_model(target, "cuda", torch.bfloat16, be, fuse=False),
+                                   load_model(draft, "cuda", torch.bfloat16, be, fuse=False))
     plain = plain_eng.generate(prompts, GenerationConfig(max_new_tokens=64, stop_at_eos=False, method="vanilla",
                                                           options=ExecutionOptions(fused_ops=False)))
     del plain_eng

@@ -27,8 +27,8 @@ def main() -> None:
     methods = [m for m in sys.argv[1:] if m != "fp32"] or ["classic", "magicdec", "dustin", "vanilla"]
     backend = AttentionBackend.for_device("cuda")
     a = named_config("qwen2.5-0.5b")
-    eng = Engine(random_model(a, "cuda", dtype, seed=0, backend=backend),
-                 random_model(a, "cuda", dtype, seed=1, backend=backend))
+    eng = Engine.from_models(random_model(a, "cuda", dtype, seed=0, backend=backend),
+                             random_model(a, "cuda", dtype, seed=1, backend=backend))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 150000) for _ in range(rng.randrange(300, 3000))] for _ in range(10)]
     new = 48
@@ -38,7 +38,8 @@ def main() -> None:
         ref = [eng.generate([p], GenerationConfig(method=method, max_new_tokens=new, stop_at_eos=False, **kw))
                .sequences[0].token_ids for p in prompts]
         t_ref = time.perf_counter() - t0
-        llm = EngineCore(eng, GenerationConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024, **kw))
+        llm = EngineCore(eng.pair, GenerationConfig(method=method, max_slots=4, max_context=4096, prefill_chunk=1024,
+                                                    **kw))
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # capture the graphs
         t0 = time.perf_counter()
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))

@@ -48,13 +48,13 @@ def main() -> None:
     lengths = tuple(int(x) for x in a.lengths.split(","))
     if a.real:
         eng = Engine.from_pretrained("default", "default", device="cuda", dtype=a.dtype)
-        prompts = make_prompts(eng.tokenizer, "code", lengths, 16, 0, eng.vocab_limit)
+        prompts = make_prompts(eng.pair.tokenizer, "code", lengths, 16, 0, eng.pair.vocab_limit)
     else:
         from dustin.bench.e2e import build_engine
         from dustin.models.args import named_config
 
         eng = build_engine(named_config("qwen2.5-1.5b"), named_config("qwen2.5-0.5b"), "cuda", dtype=a.dtype)
-        prompts = make_prompts(None, "random", lengths, 16, 0, eng.vocab_limit)
+        prompts = make_prompts(None, "random", lengths, 16, 0, eng.pair.vocab_limit)
     n_prompt = sum(len(p) for p in prompts)
     report = {"real": a.real, "dtype": a.dtype, "prompt_tokens": n_prompt, "prompt_lens": [len(p) for p in prompts],
               "max_tokens": a.max_tokens, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -86,7 +86,7 @@ def main() -> None:
 
             kw = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
             eng.release_cached()
-            llm = EngineCore(eng, GenerationConfig(method=method, max_slots=16, max_context=24576, **kw))
+            llm = EngineCore(eng.pair, GenerationConfig(method=method, max_slots=16, max_context=24576, **kw))
             params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # capture, compile
             walls = []

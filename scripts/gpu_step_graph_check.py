@@ -77,8 +77,8 @@ def main() -> int:
     from dustin.models.loader import load_model
 
     be = AttentionBackend("triton")
-    plain = Engine(load_model(target, "cuda", torch.float32, be, fuse=False),
-                   load_model(draft, "cuda", torch.float32, be, fuse=False))
+    plain = Engine.from_models(load_model(target, "cuda", torch.float32, be, fuse=False),
+                               load_model(draft, "cuda", torch.float32, be, fuse=False))
     for method in ("vanilla", "dustin"):
         kw = dict(method=method, stop_at_eos=False, **({"budget": 128} if method == "dustin" else {}))
         a = eng.generate(prompts, GenerationConfig(max_new_tokens=48, **kw))
@@ -102,13 +102,13 @@ def main() -> int:
     from dustin.engine.request import SamplingParams
 
     for method in ("dustin", "classic"):
-        llm = EngineCore(eng, GenerationConfig(method=method, budget=128 if method == "dustin" else None,
+        llm = EngineCore(eng.pair, GenerationConfig(method=method, budget=128 if method == "dustin" else None,
                                                max_slots=3, max_context=4096, prefill_chunk=1024))
         served = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         offline = run(method=method, **({"budget": 128} if method == "dustin" else {}))
         same = [a == b.token_ids for a, b in zip(served, offline.sequences, strict=True)]
         ok &= all(same)
-        report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": bool(llm.session._graphs)}
+        report[f"serve-{method}"] = {"equals_offline": same, "step_graph_captured": bool(llm.runner.graph_keys())}
         print(f"serve-{method}", report[f"serve-{method}"], flush=True)
         del llm
     return _finish(report, ok)

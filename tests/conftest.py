@@ -127,7 +127,8 @@ class _RealPair:
         # accepted, never the output. Where bf16 is native the draft holds 1.3 GB less (measured on such a CPU:
         # all test processes together 11.4 GB); an AVX2-only CPU keeps an fp32 draft (bf16 is slow there)
         draft = Engine.from_pretrained(real_pair_or_skip()[1], device="cpu", dtype=name[real_pair_dtype()])
-        self.engine = Engine(target.target, draft.target, target.tokenizer, draft.tokenizer)
+        self.engine = Engine.from_models(target.pair.target, draft.pair.target, target.pair.tokenizer,
+                                         draft.pair.tokenizer)
         self.dtype, self.loads = dtype, self.loads + 1
         return self.engine
 
@@ -211,7 +212,7 @@ def real_pair_cli(real_pair, monkeypatch):
                  and other.pop("attention", "auto") == "auto" and all(v is None for v in other.values()))
         if plain and str(target) in ("default", target_dir) and (draft is None or str(draft) in ("default", draft_dir)):
             if draft is None:
-                return Engine(real_pair.target, None, real_pair.tokenizer)
+                return Engine.from_models(real_pair.pair.target, None, real_pair.pair.tokenizer)
             return real_pair
         return load(target, draft, **kw)
 

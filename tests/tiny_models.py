@@ -127,7 +127,7 @@ def gpu_check_pair(dtype: torch.dtype):
     target = make_tiny_checkpoint(root / "t", "qwen2", layers=4, dim=256, heads=4, kv_heads=2, seed=5, vocab=512)
     draft = make_tiny_draft(target, root / "d", noise=0.1)
     be = AttentionBackend("triton")
-    eng = Engine(load_model(target, "cuda", dtype, be), load_model(draft, "cuda", dtype, be))
+    eng = Engine.from_models(load_model(target, "cuda", dtype, be), load_model(draft, "cuda", dtype, be))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 700, 1500, 3001)]
     return eng, prompts, (target, draft)

@@ -188,14 +188,6 @@ def compile_all_kernels() -> list[Compiled]:
                                 torch.zeros(B, dtype=lng), torch.zeros(B, 3, 4, 4, 64, dtype=bf)[:, 1],
                                 torch.zeros(B, 4, dtype=lng))
         selection.select_streaming(L, 512)
-        # dustin-anchor's scoring at the 1.5B target's anchor layers (12 heads on 2 KV heads, D 128, Γ = 4: one KV
-        # head's 6 heads x 4 queries per launch entry), per KV head and per layer; routed as on a GPU
-        from dustin.selection import anchors
-
-        qa, ka = torch.zeros(B, 12, 5, 128, dtype=bf), torch.zeros(B, 2, S, 128, dtype=bf)
-        with mock.patch.object(anchors, "triton_ok", lambda q: True):
-            for granularity in ("kv", "layer"):
-                anchors.anchor_scores(qa, ka, L, torch.zeros(B, 5, dtype=torch.long), S, granularity)
         compile_decode_layers(decode_linear)
         # packed chunked prefill: the 1.5B target (12 heads on 2, D 128), the 0.5B draft (14 on 2, D 64)
         plan = prefill_attention.PrefillPlan.build([(0, 0, 100), (1, 300, 64)], "cpu")

@@ -10,7 +10,7 @@ probability p (`--accept-prob`, or `--tau` solved for p; default τ = 2.2 at Γ 
 `ExecutionOptions.accept_prob`. Everything else of each method runs for real: Γ draft forwards (full or streaming
 draft cache), score estimation on the configured heads, selection, the sparse or full verify forward, all_reduces.
 Results are labelled "acceptance-controlled". The prompt caches are filled with noise (a "noise" gang,
-`Session.prefill_gang`) instead of running a prefill, which does not change a decode step's cost.
+dustin/engine/offline/prefill.py) instead of running a prefill, which does not change a decode step's cost.
 
 Real weights (`--real`): the staged pair (`--target`/`--draft`, default the fetched default pair) on real
 prompts, verified for real (greedy), so τ is measured; labelled "real weights":
@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 DEFAULT_PAIRS = "qwen2.5-72b:qwen2.5-0.5b,llama-3.3-70b:llama-3.2-1b"
 METHODS = ("vanilla", "classic", "magicdec", "dustin")
 REAL_METHODS = ("vanilla", "classic", "magicdec", "streaming", "dustin")
-# also accepted: the ablations, dustin-anchor and the per-layer baselines (graph-safe: each step one CUDA graph like
-# dustin's). Not snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
-EXTRA_METHODS = ("dustin-t", "dustin-d", "dustin-anchor", "streaming", "quest", "specattn")
+# also accepted: the ablations and the per-layer baselines (graph-safe: each step one CUDA graph like dustin's). Not
+# snapkv / oracle: SnapKV needs its own prefill's observation window, the oracle reads the whole cache.
+EXTRA_METHODS = ("dustin-t", "dustin-d", "streaming", "quest", "specattn")
 DEFAULT_TAU = 2.2
 PROMPT_KINDS = {"code": "code", "prose": "essays"}  # --prompts kind -> `dustin.data.corpora` text kind
 
@@ -139,7 +139,7 @@ def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "
     parallel = current_parallel()
     target = random_model(t_args, dev, dt, seed=0, backend=backend, shard=parallel)
     draft = random_model(replace(d_args, vocab_size=t_args.vocab_size), dev, dt, seed=1, backend=backend)
-    return Engine(target, draft, parallel=parallel)
+    return Engine.from_models(target, draft, parallel=parallel)
 
 
 def _config(method: str, a, steps: int, accept_prob: float | None = None):
@@ -197,7 +197,7 @@ def _kernels_per_step(core, steps: int) -> float:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_steps(core, steps)
-        _sync(core.session.device)
+        _sync(core.runner.device)
     return round(sum(e.device_type.name == "CUDA" for e in prof.events()) / steps, 1)
 
 
@@ -206,7 +206,7 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     (on a GPU) count the kernels of `PROFILED_STEPS` more. prompts: real token ids, `batch` of `context` each,
     verified for real (greedy; runs given the same `prefill_cache` share one prefill); None: acceptance-controlled
     over noise-filled caches (`bench_session`)."""
-    profiled = PROFILED_STEPS if engine.device.type == "cuda" else 0
+    profiled = PROFILED_STEPS if engine.pair.device.type == "cuda" else 0
     total = max(a.warmup, 1) + a.steps + profiled
     if prompts is None:
         core, cfg = bench_session(engine, method, batch, context, a, total)
@@ -217,13 +217,13 @@ def run_method(engine, method: str, batch: int, context: int, a, prompts=None, p
     row = core.executor.lead_or_follow(functools.partial(_time_method, engine, core, cfg, method, batch, context, a,
                                                 profiled))
     del core
-    _free(engine.device)
+    _free(engine.pair.device)
     return row
 
 
 def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, profiled: int) -> dict:
     """`run_method`'s timing of a started core (rank 0's part under tensor parallelism)."""
-    s = core.session
+    s = core.runner
     _sync(s.device)
     t0 = time.perf_counter()
     run_steps(core, 1)  # the prefill, and the first decode step
@@ -232,8 +232,7 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
     run_steps(core, max(a.warmup - 1, 0))
     _sync(s.device)
     warmup_s = time.perf_counter() - t0
-    s.timer.totals()
-    s.timer = type(s.timer)(s.device)  # phases of the timed steps only
+    s.reset_timer()  # phases of the timed steps only
     s.policy.budget_stats(reset=True)  # --budget auto: the k of the timed steps only
     st = core.decode_stats
     steps0, tokens0, seq_steps0, gammas0 = st.steps, st.step_tokens, st.active_seq_steps, dict(st.gammas)
@@ -261,8 +260,9 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
         from dustin.bench.roofline import step_bytes
 
         mean_ctx = context + st.produced // (2 * batch)
-        b = step_bytes(method, engine.target, engine.draft, batch, mean_ctx, a.gamma, draft_window=a.draft_window,
-                       sparse_cfg=s.policy.cfg, target_args=engine.target_args)
+        pair = engine.pair
+        b = step_bytes(method, pair.target, pair.draft, batch, mean_ctx, a.gamma, draft_window=a.draft_window,
+                       sparse_cfg=s.policy.cfg, target_args=pair.target_args)
         row["bytes_per_step"] = {"target": b.target, "draft": b.draft, "estimate": b.estimate, "total": b.total}
         # 4 significant digits: on a CPU a step reads its bytes in ~0.01% of its time (1 decimal rounded to 0)
         share = b.seconds(a.read_bw) / (elapsed / a.steps)
@@ -319,13 +319,13 @@ def _ints(text: str, flag: str) -> list[int]:
 def _fits(engine, batch: int, context: int, a) -> bool:
     """KV caches of target (this rank's heads) and draft against free GPU memory; with --real held twice, the
     session's and the saved prefill's (`PrefillCache`: a copy of the prompt caches)."""
-    if engine.device.type != "cuda":
+    if engine.pair.device.type != "cuda":
         return True
-    from dustin.engine.session import cache_capacity
+    from dustin.engine.kv_manager import cache_capacity
 
     g = gamma_max(a)
     cap = cache_capacity([context], [(a.warmup + a.steps) * (g + 1) + 1], g)  # as `_config` asks
-    return engine.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
+    return engine.pair.kv_memory_fits(batch, cap, copies=2 if a.real else 1)
 
 
 def _read_bandwidth(device: str) -> float:
@@ -452,7 +452,7 @@ def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
     engine = Engine.from_pretrained(plan["load"][0], plan["load"][1], device=a.device, dtype=a.dtype,
                                     attention=a.attention,
                                     rope_scaling=a.rope_scaling)
-    if engine.tokenizer is None:
+    if engine.pair.tokenizer is None:
         raise InputError("the target model folder has no tokenizer: --real prompts are text")
     base = {"target": plan["target"], "draft": plan["draft"], "tp": tp_rank_world()[1]}
     _header(engine, base, a)
@@ -472,7 +472,7 @@ def _run_real(a, plan: dict, results: list[dict], meta: dict) -> None:
 def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], results: list[dict], meta: dict) -> None:
     """Every method at one (batch, context): rows appended, written and printed as they complete. With --real the
     prompts (base["prompts"] kind, base["prompt_tokens"] each) are built and prefilled once for all methods."""
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
     from dustin.parallel.tp import is_main_process
 
     main = is_main_process()
@@ -482,7 +482,7 @@ def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], resu
         if main:
             _print_row(results[-1], a.real)
         return
-    prompts = real_prompts(engine.tokenizer, base["prompts"], n, B, a.seed) if a.real else None
+    prompts = real_prompts(engine.pair.tokenizer, base["prompts"], n, B, a.seed) if a.real else None
     shared = PrefillCache() if a.real else None  # the prompt caches of the first method, copied by the others
     vanilla = None
     for method in methods:
@@ -494,7 +494,7 @@ def _run_group(engine, B: int, ctx: int, a, base: dict, methods: list[str], resu
             _write(results, a, meta, plot_too=False)  # after every row: a run cut short keeps its rows
             _print_row(r, a.real)
     del shared, prompts
-    _free(engine.device)
+    _free(engine.pair.device)
 
 
 def _header(engine, base: dict, a) -> None:
@@ -504,7 +504,7 @@ def _header(engine, base: dict, a) -> None:
 
     if not is_main_process():
         return
-    dev = torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"
+    dev = torch.cuda.get_device_name() if engine.pair.device.type == "cuda" else "cpu"
     bw = f" | read bandwidth {a.read_bw / 1e9:.1f} GB/s" if a.read_bw else ""
     label = "real weights, greedy verification" if a.real else "acceptance-controlled"
     print(f"# {base['target']} target (TP {base['tp']}) + {base['draft']} draft | {dev}{bw} | {label} "

@@ -15,9 +15,6 @@ bandwidth). The benchmarks report measured time against this floor ("% of byte r
              keys of every 16-position page: 1/16 of the K+V bytes);
 - specattn:  streaming draft + a verify forward over k positions, plus the keys of every draft layer and KV
              head over the whole context (its per-layer estimate reads them all).
-- dustin-anchor: streaming draft + a verify forward over k positions per KV head, the first `dense_layers` layers
-             dense, plus each anchor layer's keys over the whole context (its scoring reads them all) and, with
-             an anchor draft_topm, S_draft's keys.
 
 Weights count every parameter a forward reads: the input embedding is a gather of a few rows, so it counts only
 when tied to the LM head (which reads all of it). Activations, logits and score buffers are left out: at
@@ -87,19 +84,12 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
         dense = min(QUEST_DENSE_LAYERS, target.args.n_layers)
         tgt += batch * dense * per_layer * (context - t_rows)
         est += batch * (target.args.n_layers - dense) * per_layer * -(-context // PAGE_SIZE)
-    if spec.policy == "dustin-anchor" and sparse_cfg is not None:  # dense layers; each anchor scores its keys
-        anchor = sparse_cfg.anchor
-        dense = min(anchor.dense_layers, target.args.n_layers)
-        tgt += batch * dense * per_layer * max(context - t_rows, 0)
-        est += len(anchor.resolved(target.args.n_layers)) * batch * context * per_layer // 2
     if not spec.speculative:
         return StepBytes(tgt, 0, 0)
     d_rows = context if spec.draft_kv == "full" else min(context, draft_window)
     drf = gamma * (weight_bytes(draft) + batch * d_rows * draft.args.kv_bytes_per_token(elem))
     if spec.policy == "specattn":  # every draft layer's keys (half its K+V), whole context
         est += batch * context * draft.args.kv_bytes_per_token(elem) // 2
-    if spec.policy == "dustin-anchor" and sparse_cfg is not None and sparse_cfg.anchor.draft_topm > 0:
-        est += score_key_bytes(sparse_cfg.draft, draft.args, batch, context, elem)
     if spec.policy in DUSTIN_POLICIES and sparse_cfg is not None:
         t_args = target_args or target.args
         world = t_args.n_kv_heads // target.args.n_kv_heads  # rank's share of the target's score-head keys

@@ -31,10 +31,10 @@ MODES = ("greedy", "sampled", "rows")
 
 
 def add_arguments(p) -> None:
-    from dustin.engine.config import METHODS
+    from dustin.engine.config import METHODS, methods_help
 
     add_model_args(p)
-    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=f"default {DEFAULT_METHOD}")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=methods_help(DEFAULT_METHOD))
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")
@@ -92,7 +92,7 @@ class EngineStepper:
 
     @property
     def sampler(self):
-        return self.core.session.sampler
+        return self.core.runner.batch.sampler
 
 
 class SamplerStep:
@@ -172,10 +172,11 @@ def run(args) -> int:
         engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                         attention=args.attention, rope_scaling=args.rope_scaling)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, engine.vocab_limit, (args.context,), generator=gen).tolist()
+    prompts = [torch.randint(0, engine.pair.vocab_limit, (args.context,), generator=gen).tolist()
                for _ in range(args.batch)]
     steppers = {mode: make_session(engine, prompts, mode, args) for mode in modes}
-    return _report(args, steppers, str(engine.device), engine.dtype_name, f"{args.method}, context {args.context}")
+    pair = engine.pair
+    return _report(args, steppers, str(pair.device), pair.dtype_name, f"{args.method}, context {args.context}")
 
 
 def _report(args, steppers: dict, device: str, dtype: str, what: str) -> int:

@@ -1,10 +1,13 @@
 """`dustin bench serve`: a load generator against `dustin serve`, per decoding method and scenario.
 
 For each method the models load once, an `EngineCore` of that method is served over HTTP in this process
-(`serve/local.py`, the same app as `dustin serve`), and streaming completions are sent. Scenarios (`--scenario`,
-comma separated; explicit flags override a scenario's values):
+(`serve/local.py`, the same app as `dustin serve`), and streaming completions are sent, from this process
+(`--client thread`, the default) or from another one (`--client process`: a real client's setting, whose HTTP and
+JSON work does not share this process's interpreter lock with the server). Scenarios (`--scenario`, comma
+separated, default `burst,decode`; explicit flags override a scenario's values):
 - `burst`: 16 prompts of 8,000-19,250 tokens all at once, 64 tokens each (prefill-heavy);
-- `decode`: 16 prompts of 2,048 tokens all at once, 512 tokens each (decode-heavy);
+- `decode`: 16 prompts of 2,048 tokens all at once, 512 tokens each (decode-heavy: the per-token path of the
+  server, detokenization, SSE chunks and the event loop, against the engine's own speed);
 - `poisson`: 64 prompts of 2,048-16,384 tokens, Poisson arrivals at 4 requests/s, 128 tokens each;
 - `custom`: the flags alone.
 Prompts are real long texts (code by default: the standard library and installed packages; `essays` needs the
@@ -16,9 +19,10 @@ start). Reported per method and scenario: wall time, request and output-token th
 streamed token), TPOT (time per output token after the first, per request) and ITL (gap between stream chunks; a
 speculative step sends several tokens in one chunk) at p50/p90/p99, τ and steps from the server's metrics; and
 the two baselines the server is held to:
-- `Engine.generate` of the same prompts (batched offline, warm: one untimed call first), the engine's own
-  speed on the same work: `server_vs_offline` = offline wall / server wall (1.0: HTTP costs nothing). For the
-  Poisson scenario the offline run gets every prompt at once, so the ratio there also holds the arrival span;
+- `Engine.generate` of the same prompts in the same run (batched offline, warm: one untimed call first), the
+  engine's own speed on the same work: `offline_tokens_per_s`, and `server_vs_offline` = offline wall / server
+  wall = the server's tokens/s / `Engine.generate`'s (1.0: HTTP costs nothing). For the Poisson scenario the
+  offline run gets every prompt at once, so the ratio there also holds the arrival span;
 - the step's byte roofline (dustin/bench/roofline.py) at the run's batch and mean context, with the server's τ:
   the tokens/s a step that only reads its bytes at the measured copy bandwidth would give (decode-heavy runs).
 """
@@ -32,7 +36,7 @@ import random
 import time
 from pathlib import Path
 
-from dustin.errors import InputError
+from dustin.errors import DustinError, InputError
 from dustin.flags import (
     add_draft_kernel_arg,
     add_model_args,
@@ -52,7 +56,7 @@ SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
 def add_arguments(p) -> None:
     add_model_args(p)
     p.add_argument("--methods", default="vanilla,magicdec,dustin", help="decoding methods, one server each")
-    p.add_argument("--scenario", default="burst",
+    p.add_argument("--scenario", default="burst,decode",
                    help=f"comma separated: {', '.join(SCENARIOS)} or custom (see the module docstring)")
     p.add_argument("--prompt-tokens", default=None, help="MIN,MAX prompt length in tokens (uniform)")
     p.add_argument("--prompts", default="code", choices=["code", "essays", "random"], help="prompt source")
@@ -65,7 +69,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--prefill-tokens", type=int, default=None)
-    p.add_argument("--no-offline", action="store_true", help="skip the offline reference run")
+    p.add_argument("--no-offline", action="store_true", help="skip the Engine.generate reference run")
+    p.add_argument("--client", default="thread", choices=["thread", "process"],
+                   help="send the requests from this process (thread) or from another one (process, as a real "
+                        "client does: its HTTP and JSON work does not compete with the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="results JSON (a .md table and a .png beside it)")
 
@@ -150,6 +157,38 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
             "itl": [b[0] - a[0] for a, b in zip(chunks, chunks[1:], strict=False)]}
 
 
+def _load_in_process(conn, url: str, model: str, prompts: list[list[int]], max_tokens: int, rate: float,
+                     seed: int) -> None:
+    """`--client process`: `_load` in a process of its own; its result goes back through `conn`."""
+    conn.send(asyncio.run(_load(url, model, prompts, max_tokens, rate, seed)))
+    conn.close()
+
+
+def load(url: str, model: str, prompts: list[list[int]], max_tokens: int, rate: float, seed: int, client: str,
+         progress=None) -> tuple[list[dict], float]:
+    """Send the scenario's requests from this process (client "thread") or from a spawned one ("process")."""
+    if client == "thread":
+        return asyncio.run(_load(url, model, prompts, max_tokens, rate, seed, progress))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_load_in_process, args=(theirs, url, model, prompts, max_tokens, rate, seed),
+                       daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        results, wall = mine.recv()
+    except EOFError:
+        proc.join()
+        raise DustinError(f"the load-generating process ended without a result (exit code {proc.exitcode})") from None
+    proc.join()
+    if progress is not None:
+        for _ in results:
+            progress()
+    return results, wall
+
+
 async def _load(url: str, model: str, prompts: list[list[int]], max_tokens: int, rate: float, seed: int,
                 progress=None) -> tuple[list[dict], float]:
     import httpx
@@ -206,14 +245,14 @@ def run(args) -> int:
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                     dtype=args.dtype, attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    work = {sc["name"]: make_prompts(engine.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
-                                     engine.vocab_limit) for sc in p["scenarios"]}
+    work = {sc["name"]: make_prompts(engine.pair.tokenizer, args.prompts, sc["lengths"], sc["num_requests"], args.seed,
+                                     engine.pair.vocab_limit) for sc in p["scenarios"]}
     bandwidth = _bandwidth(args.device)
     console = Console(stderr=True)
     rows = []
     for method in p["methods"]:
         waiting = max(sc["num_requests"] for sc in p["scenarios"])
-        llm = EngineCore(engine, _serve_config(args, method, waiting))
+        llm = EngineCore(engine.pair, _serve_config(args, method, waiting))
         # warm-up, untimed: the first steps compile the kernels and capture the step graph (one-time costs a
         # server pays once at start, not per scenario)
         first = work[p["scenarios"][0]["name"]]
@@ -230,8 +269,8 @@ def run(args) -> int:
                     console=console) as progress:
                 before = srv.async_engine.stats()
                 bar = progress.add_task(f"{method} / {sc['name']}: requests", total=len(prompts))
-                results, wall = asyncio.run(_load(srv.url, "bench", prompts, sc["max_tokens"], sc["rate"],
-                                                  args.seed, functools.partial(progress.advance, bar)))
+                results, wall = load(srv.url, "bench", prompts, sc["max_tokens"], sc["rate"], args.seed,
+                                     args.client, functools.partial(progress.advance, bar))
                 stats = srv.async_engine.stats()
             row.update(summarize(results, wall))
             row["tau"], row["steps"] = stats.get("tau"), stats.get("steps_total", 0) - before.get("steps_total", 0)
@@ -251,7 +290,7 @@ def run(args) -> int:
     data = {"settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
                          if k in ("target", "draft", "device", "dtype", "prompts", "scenario", "gamma",
                                   "draft_window", "budget", "config", "max_slots", "max_context", "prefill_chunk",
-                                  "prefill_tokens", "seed")},
+                                  "prefill_tokens", "seed", "client")},
             "copy_bandwidth_gb_s": None if not bandwidth else round(bandwidth / 1e9, 1), "results": rows}
     md = markdown(rows)
     print(md)
@@ -268,12 +307,12 @@ def _offline(engine, prompts: list[list[int]], cfg) -> dict:
     import torch
 
     engine.generate(prompts, cfg)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.pair.device.type == "cuda":
+        torch.cuda.synchronize(engine.pair.device)
     t0 = time.perf_counter()
     r = engine.generate(prompts, cfg)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.pair.device.type == "cuda":
+        torch.cuda.synchronize(engine.pair.device)
     wall = time.perf_counter() - t0
     tokens = sum(len(x.token_ids) for x in r.sequences)
     return {"offline_wall_s": wall, "offline_tokens_per_s": tokens / wall, "offline_prefill_s": r.prefill_s,
@@ -296,8 +335,9 @@ def _roofline(engine, llm, method: str, prompts, max_tokens: int, tau, bandwidth
 
     batch = min(len(prompts), llm.max_slots)
     ctx = sum(map(len, prompts)) // len(prompts) + max_tokens // 2
-    b = step_bytes(method, engine.target, engine.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
-                   sparse_cfg=llm.session.policy.cfg, target_args=engine.target_args)
+    pair = engine.pair
+    b = step_bytes(method, pair.target, pair.draft, batch, ctx, args.gamma, draft_window=args.draft_window,
+                   sparse_cfg=llm.runner.policy.cfg, target_args=pair.target_args)
     step_s = b.seconds(bandwidth)
     return {"roofline_ms_per_step": 1e3 * step_s, "roofline_tokens_per_s": batch * (tau or 1.0) / step_s}
 
@@ -306,15 +346,17 @@ def markdown(rows: list[dict]) -> str:
     def ms(x):
         return "-" if x is None else f"{1000 * x:.0f}"
 
-    lines = ["| scenario | method | wall s | tokens/s | offline wall s | offline / server | roofline tokens/s "
-             "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | τ | failed |", "|---" * 12 + "|"]
+    lines = ["| scenario | method | server wall s | server tokens/s | Engine.generate wall s | Engine.generate "
+             "tokens/s | server / Engine.generate | roofline tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+             "| ITL p50 / p99 ms | τ | failed |", "|---" * 13 + "|"]
     for r in rows:
         off = r.get("offline_wall_s")
         roof = r.get("roofline_tokens_per_s")
         ratio = "-" if off is None else f"{100 * r['server_vs_offline']:.0f}%"
+        off_tps = "-" if off is None else f"{r['offline_tokens_per_s']:.0f}"
         ttft, tpot, itl = r["ttft_s"], r["tpot_s"], r["itl_s"]
         lines.append(f"| {r['scenario']} | {r['method']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{'-' if off is None else f'{off:.2f}'} | "
+                     f"{'-' if off is None else f'{off:.2f}'} | {off_tps} | "
                      f"{ratio} | "
                      f"{'-' if roof is None else f'{roof:.0f}'} | "
                      f"{ms(ttft['p50'])} / {ms(ttft['p99'])} | {ms(tpot['p50'])} / {ms(tpot['p99'])} | "

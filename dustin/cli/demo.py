@@ -25,14 +25,14 @@ def run_demo(args) -> int:
                                     rope_scaling=args.rope_scaling)
     from dustin.parallel.tp import is_main_process
     console = Console(quiet=not is_main_process())  # under torchrun only rank 0 reports
-    if engine.tokenizer is None:
+    if engine.pair.tokenizer is None:
         raise InputError("the demo needs a target folder with a tokenizer")
-    prompt, name = long_code_prompt(engine.tokenizer, args.context_tokens, args.source)
-    ids = engine.encode(prompt)
+    prompt, name = long_code_prompt(engine.pair.tokenizer, args.context_tokens, args.source)
+    ids = engine.pair.encode(prompt)
     console.print(f"[bold]Prompt[/bold]: the first {len(ids)} tokens of {name}, ending with:")
     console.print(prompt[-300:], style="dim", markup=False, highlight=False)
     results = {}
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is
@@ -48,7 +48,7 @@ def run_demo(args) -> int:
     console.print("\n[bold]Continuation[/bold] (vanilla greedy):")
     console.print(results["vanilla"].sequences[0].text, markup=False, highlight=False)
     table = Table(title=f"{len(ids)}-token prompt, {args.max_new_tokens} new tokens, Γ={args.gamma}, "
-                        f"{args.device}, {str(engine.target.embed_tokens.weight.dtype).replace('torch.', '')}")
+                        f"{args.device}, {str(engine.pair.target.embed_tokens.weight.dtype).replace('torch.', '')}")
     console.print(f"prefill (target + draft, once): {results['classic'].prefill_s:.1f}s")
     for col in ("method", "steps", "τ", "tokens/s", "decode s", "same as vanilla"):  # dustin: sparse verify, k
         table.add_column(col, justify="right")

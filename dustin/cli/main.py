@@ -23,10 +23,10 @@ from dustin.flags import (
 
 
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    from dustin.engine.config import METHODS
+    from dustin.engine.config import METHODS, methods_help
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=f"default {DEFAULT_METHOD}")
+    g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=methods_help(DEFAULT_METHOD))
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 (the default): greedy, so that methods compare token for token; SamplingParams and the "

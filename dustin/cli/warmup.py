@@ -35,9 +35,10 @@ def run(args) -> int:
 
     from dustin.engine.config import METHODS, GenerationConfig
     from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU
-    from dustin.engine.engine import KEPT_ROUNDING, Engine
+    from dustin.engine.engine import Engine
+    from dustin.engine.kv_manager import cache_capacity
+    from dustin.engine.offline.batch import KEPT_ROUNDING
     from dustin.engine.pair import parse_device
-    from dustin.engine.session import cache_capacity
     from dustin.engine.warmup import KernelWarmup, compiles_here, plan_first_step
     from dustin.selection.policies import policy_class
 
@@ -71,13 +72,13 @@ def run(args) -> int:
         cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING
         for batch in batches:
             t0 = time.perf_counter()
-            plan = plan_first_step(engine, cfg, batch, cap, DEFAULT_PREFILL_TOKENS_GPU, cfg.prefill_chunk)
-            stats = KernelWarmup(plan, engine.device, plan_s=time.perf_counter() - t0).start().wait()
+            plan = plan_first_step(engine.pair, cfg, batch, cap, DEFAULT_PREFILL_TOKENS_GPU, cfg.prefill_chunk)
+            stats = KernelWarmup(plan, engine.pair.device, plan_s=time.perf_counter() - t0).start().wait()
             print(json.dumps({"method": method, "batch": batch, "capacity": cap, **stats}))
             if stats["errors"]:
                 print(f"dustin: warning: {stats['errors']} kernel(s) failed to compile: {stats['first_error']}")
-    if engine.draft is not None:  # the draft's persistent layer kernel (opt-in), built with nvcc into its cache
+    if engine.pair.draft is not None:  # the draft's persistent layer kernel (opt-in), built with nvcc into its cache
         from dustin.kernels import draft_decoder
-        print(json.dumps({"draft_kernel": draft_decoder.build_all(draft_decoder.Shape.of(engine.draft.args))}))
+        print(json.dumps({"draft_kernel": draft_decoder.build_all(draft_decoder.Shape.of(engine.pair.draft.args))}))
     torch.cuda.synchronize()
     return 0

@@ -38,8 +38,6 @@ METHODS: dict[str, MethodSpec] = {
     "dustin": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin"),
     "dustin-t": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-t"),
     "dustin-d": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-d"),
-    # anchor layers choose per-KV-head sets for the layers above them (selection/anchors.py)
-    "dustin-anchor": MethodSpec(speculative=True, draft_kv="streaming", policy="dustin-anchor"),
     "streaming": MethodSpec(speculative=True, draft_kv="streaming", policy="streaming"),
     "quest": MethodSpec(speculative=True, draft_kv="streaming", policy="quest"),
     "specattn": MethodSpec(speculative=True, draft_kv="streaming", policy="specattn"),
@@ -55,6 +53,23 @@ METHODS: dict[str, MethodSpec] = {
 DRAFT_KV_MODES = ("full", "streaming")
 # the methods that verify against the whole cache (lossless: greedy output is vanilla's whatever the budget)
 FULL_METHODS = tuple(m for m, s in METHODS.items() if s.policy == "full")
+# the lossy ones: sparse verification, whose output is the sparse-verified target's and can differ from the target's
+LOSSY_METHODS = tuple(m for m in METHODS if m not in FULL_METHODS)
+
+
+def method_output(method: str) -> str:
+    """What a method's output is, in the words a user chooses by (the server's start line, /v1/models)."""
+    if method in FULL_METHODS:
+        return "lossless: the target's own output"
+    return "lossy: sparse verification, the output can differ from the target's"
+
+
+def methods_help(default: str) -> str:
+    """The `--method` help of every command: the default, and which methods are lossy."""
+    return (f"decoding method (default {default}). Lossless, the target's own output (greedy: token for token; "
+            f"sampled: its distribution): {', '.join(FULL_METHODS)}. Lossy, sparse verification (the output is the "
+            f"sparse-verified target's and can differ from the target's own; measured loss: docs/accuracy.md): "
+            f"{', '.join(LOSSY_METHODS)}")
 # the methods of Dustin's hybrid selection, the ones that can size k themselves (--budget auto)
 DUSTIN_METHODS = tuple(m for m, s in METHODS.items() if s.policy in DUSTIN_POLICIES)
 

@@ -13,7 +13,7 @@ to record are data, not a callback into the forward) and returns the same tokens
 The first forward re-reads [prev, pending] (positions L - 1 and L), which makes the draft cache right whether or
 not the previous step accepted every draft; each later one reads the token just drafted. Each row's sampling
 counter advances by Γ (the cache's largest) draws whatever G is, so a seeded row's draws do not depend on the G of
-the rows beside it (`Session`).
+the rows beside it (engine/worker/step.py).
 """
 from __future__ import annotations
 

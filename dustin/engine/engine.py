@@ -4,31 +4,27 @@
     result = engine.generate(["def quicksort(xs):"], GenerationConfig(method="classic", gamma=4))
 
 The config is the engine core's own (`GenerationConfig`), with the batch's sizes: one slot per prompt, the
-models' whole context, and the capacity its prompts need.
-
-Every batch runs on the same engine core as the server (dustin/engine/core.py). How it is admitted depends on what
-it asks: a row-local policy's prompts join one slot each and are prefilled in packed chunks, as served requests
-are; a policy with whole-batch state, a `PrefillCache` (methods compared over one prefill) or noise-filled caches
-(benchmarks) make it one gang (`Scheduler`).
+models' whole context, and the capacity its prompts need. How a batch is admitted and where its core comes from
+is dustin/engine/offline/batch.py's; every batch runs on the same engine core as the server (dustin/engine/core.py).
+This is one edge of the engine: a batch's prompts and limits are checked here, once. The models, tokenizer and what
+is asked of them are the engine's `pair` (`ModelPair`).
 """
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore
+from dustin.engine.offline.batch import OfflineBatches
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.engine.pair import ModelPair, check_prompts
 from dustin.engine.request import Logprob, SamplingParams
-from dustin.engine.session import PrefillCache, cache_capacity, prefill_key
 from dustin.errors import InputError, OutOfMemoryError
 from dustin.selection.base import SelectionPolicy
-
-# kept engine cores (`Engine.generate` on a GPU) round their capacity up to a multiple of this many positions
-KEPT_ROUNDING = 4096
 
 
 @dataclass
@@ -74,26 +70,45 @@ class GenerationResult:
         }
 
 
-class Engine(ModelPair):
-    """The model pair with offline batch generation. On a GPU one engine core is kept across `generate` calls
-    (KV caches, policy buffers and CUDA graphs reused; see `start`); on a CPU each call allocates its own."""
+class Engine:
+    """Offline batch generation over a model pair (`pair`: the models, their tokenizer and EOS ids, the policy of a
+    method, KV-memory fit; `ModelPair`). On a GPU one engine core is kept across `generate` calls (KV caches, policy
+    buffers and CUDA graphs reused; dustin/engine/offline/batch.py); on a CPU each call allocates its own."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.keep_session = self.device.type == "cuda"
-        self._kept: tuple[tuple, EngineCore] | None = None
+    def __init__(self, pair: ModelPair) -> None:
+        self.pair = pair
+        self.batches = OfflineBatches(pair, keep=pair.device.type == "cuda")
+
+    @classmethod
+    def from_models(cls, target, draft=None, tokenizer=None, draft_tokenizer=None, parallel=None) -> "Engine":
+        """An engine over models already loaded (`ModelPair`'s arguments)."""
+        return cls(ModelPair(target, draft, tokenizer, draft_tokenizer, parallel=parallel))
+
+    @classmethod
+    def from_pretrained(cls, target, draft=None, **kwargs) -> "Engine":
+        """An engine over a pair loaded from folders, "default" or hub ids (`ModelPair.from_pretrained`)."""
+        return cls(ModelPair.from_pretrained(target, draft, **kwargs))
+
+    @property
+    def keep_session(self) -> bool:
+        """Whether row-local batches keep their engine core across calls (the default on a GPU)."""
+        return self.batches.keep
+
+    @keep_session.setter
+    def keep_session(self, keep: bool) -> None:
+        self.batches.keep = keep
 
     def release_cached(self) -> None:
         """Free the kept engine core's KV caches and graphs (the next `generate` allocates and captures anew)."""
-        self._kept = None
+        self.batches.release()
         gc.collect()
-        if self.device.type == "cuda":
+        if self.pair.device.type == "cuda":
             torch.cuda.empty_cache()
 
     @property
     def kept_core(self):
-        """The engine core kept across `generate` calls (a GPU's row-local batches; see `start`), or None."""
-        return None if self._kept is None else self._kept[1]
+        """The engine core kept across `generate` calls (a GPU's row-local batches), or None."""
+        return self.batches.kept_core
 
     def start(self, prompts: list[list[int]], cfg: GenerationConfig, policy: SelectionPolicy | None = None,
               prefill_cache: PrefillCache | None = None, fill: str | None = None,
@@ -101,66 +116,20 @@ class Engine(ModelPair):
               warmup: bool = True, step_costs=None) -> EngineCore:
         """An engine core with `prompts` queued as one offline batch (one slot each), to drive with `step()`.
         limits: new tokens per prompt (default cfg.max_new_tokens each). params: each prompt's own sampling (its
-        max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the
-        same one over the same prompts share one prefill (a "snapshot" gang). fill="noise": the prompt caches are
-        filled with noise instead of computed (benchmarks with random weights). A row-local policy without either
-        runs chunked, on the core kept across calls on a GPU (a second call of the same method and batch size, and
-        a context that fits, pays neither the allocation nor the graph capture again; capacity is rounded up to a
-        multiple of `KEPT_ROUNDING` positions so that calls of similar lengths share it)."""
-        if cfg.spec.speculative and self.draft is None:
+        max_tokens the limit); default cfg's sampling. prefill_cache: greedy batches given the same one over the
+        same prompts share one prefill. fill="noise": the prompt caches are filled with noise instead of computed
+        (benchmarks with random weights); fill="whole": the batch is one gang that computes its prompts."""
+        if cfg.spec.speculative and self.pair.draft is None:
             raise InputError(f"method {cfg.method!r} needs a draft model (--draft)")
         if params is not None:
             if len(params) != len(prompts):
                 raise InputError(f"params: one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
             limits = [p.max_tokens for p in params]
-        self._validate(prompts, cfg, limits)
-        limits = list(limits) if limits is not None else [cfg.max_new_tokens] * len(prompts)
+        self._validate(prompts, cfg, limits, "max_tokens" if params is not None else "--max-new-tokens")
         if params is None:
             params = [SamplingParams(max_tokens=m, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-                      for m in limits]
-        own_policy = policy is None
-        policy = policy or self.make_policy(cfg)
-        if fill is None and prefill_cache is not None and cfg.sampling.greedy:
-            fill = "snapshot"
-        if fill is None and not policy.row_local:
-            fill = "whole"
-        gamma = cfg.gamma if cfg.spec.speculative else 0
-        need = cache_capacity([len(p) for p in prompts], limits, gamma)
-        keep = self.keep_session and fill is None
-        key = (astuple(replace(cfg, max_new_tokens=1, seed=0)), len(prompts))
-        kept = self._kept
-        if kept is None or not keep or kept[0] != key or kept[1].session.target_cache.capacity < need:
-            self._kept = None
-            if fill == "snapshot":
-                snap_key = prefill_key(prompts, self.target.embed_tokens.weight.dtype)
-                if prefill_cache.lookup(snap_key) is None:  # another batch's caches: free them before allocating
-                    prefill_cache.clear()
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            cap = -(-need // KEPT_ROUNDING) * KEPT_ROUNDING if keep else need
-            self.require_kv_memory(len(prompts), cap, cfg.spec.speculative)
-            # the batch's sizes: a slot per prompt, all of them waiting at once, the models' whole context (a kept
-            # core may later serve calls that ask more tokens: any limit its capacity holds)
-            sized = replace(cfg, max_context=self.max_context(cfg.spec.speculative), max_waiting=len(prompts))
-            try:
-                core = EngineCore(self, sized, slots=len(prompts),
-                                  capacity=cap, policy=policy, kernel_warmup=warmup and own_policy, gang=fill,
-                                  prefill_cache=prefill_cache, step_costs=step_costs,
-                                  max_new_tokens=cap if keep else cfg.max_new_tokens)
-            except torch.OutOfMemoryError:
-                raise OutOfMemoryError(f"a batch of {len(prompts)} sequences does not fit in {self.device} memory: "
-                                       f"lower the batch size, the prompt length or --max-new-tokens") from None
-            kept = (key, core)
-            if keep:
-                self._kept = kept
-        core = kept[1]
-        s = core.session
-        core.begin_run(cfg.seed)
-        s.policy.budget_stats(reset=True)  # a kept core's histogram counts this call only
-        if core.rank == 0:  # tensor parallelism: the other ranks follow rank 0's plans (`lead_or_follow`)
-            core.queue(list(zip(prompts, params, strict=True)))
-        return core
+                      for m in (limits if limits is not None else [cfg.max_new_tokens] * len(prompts))]
+        return self.batches.start(prompts, cfg, params, policy, prefill_cache, fill, warmup, step_costs)
 
     def generate(self, prompts: list[str] | list[list[int]], cfg: GenerationConfig,
                  policy: SelectionPolicy | None = None, chat: bool = False,
@@ -171,18 +140,18 @@ class Engine(ModelPair):
         params: each prompt's own sampling, EOS rule and seed (its max_tokens the limit); default cfg's.
         step_costs: `--gamma auto`'s cost model (a `StepCosts`; None: measured when the core starts), e.g. the
         `gamma_rule.costs` of an earlier core, so that runs compare under the same Γ decisions."""
-        ids = [self.encode(p, chat) for p in prompts]
+        ids = [self.pair.encode(p, chat) for p in prompts]
         try:
             core = self.start(ids, cfg, policy, prefill_cache, limits=limits, params=params, step_costs=step_costs)
             return core.executor.lead_or_follow(lambda: self._run(core, ids, cfg))
         except torch.OutOfMemoryError:
-            self._kept = None
-            raise OutOfMemoryError(f"out of {self.device} memory while decoding a batch of {len(ids)}: "
+            self.batches.release()
+            raise OutOfMemoryError(f"out of {self.pair.device} memory while decoding a batch of {len(ids)}: "
                                    f"lower the batch size or the context length") from None
 
     def _run(self, core, ids: list[list[int]], cfg: GenerationConfig) -> GenerationResult:
         """The queued batch to completion on `core`, and its result (under tensor parallelism: rank 0's part)."""
-        s = core.session
+        s = core.runner
         c0 = s.capture_total()
         t0 = time.perf_counter()
         outputs, timing = core.run_queued()
@@ -199,7 +168,7 @@ class Engine(ModelPair):
         # prefill_s (a prompt's first decode step is launched with its last chunk)
         before = timing.get("phases_at_prefill", {})
         st.phases = {k: v - before.get(k, 0.0) for k, v in s.timer.totals().items()}
-        seqs = [SequenceResult(len(p), o.new_token_ids, self.decode(o.new_token_ids), o.finish_reason, o.logprobs,
+        seqs = [SequenceResult(len(p), o.new_token_ids, self.pair.decode(o.new_token_ids), o.finish_reason, o.logprobs,
                                o.prompt_logprobs) for p, o in zip(ids, outputs, strict=True)]
         split = dict(st.phases)
         split["other"] = max(st.decode_s - sum(split.values()), 0.0)
@@ -207,11 +176,17 @@ class Engine(ModelPair):
         used = None if sc is None else {"source": sc.source, **sc.to_json()}
         produced = timing["produced_after_prefill"]
         return GenerationResult(cfg.method, seqs, st.steps, st.tau, produced / max(st.decode_s, 1e-9),
-                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.dtype_name,
+                                st.prefill_s, st.decode_s, split, used, st.capture_s, self.pair.dtype_name,
                                 s.policy.budget_stats(), warm)
 
-    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None = None) -> None:
+    def _validate(self, prompts: list[list[int]], cfg: GenerationConfig, limits: list[int] | None,
+                  name: str) -> None:
+        """The batch's one check: a limit per prompt in [1, cfg.max_new_tokens], and the prompts (`check_prompts`);
+        name: how the messages call the limit ("max_tokens" for `SamplingParams`)."""
         limits = limits if limits is not None else [cfg.max_new_tokens] * len(prompts)
         if len(limits) != len(prompts) or not all(1 <= m <= cfg.max_new_tokens for m in limits):
             raise InputError(f"limits: one value in [1, {cfg.max_new_tokens}] per prompt")
-        check_prompts(prompts, cfg, self.max_context(cfg.spec.speculative), self.vocab_limit, limits)
+        try:
+            check_prompts(prompts, cfg, self.pair.max_context(cfg.spec.speculative), self.pair.vocab_limit, limits)
+        except InputError as e:  # its messages name the command line's flag
+            raise InputError(str(e).replace("--max-new-tokens", name)) from None

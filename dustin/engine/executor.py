@@ -1,5 +1,5 @@
-"""The executor: it carries out the engine core's step plans on the batch's runner (`Session`), in one process or on
-every rank of a tensor-parallel engine.
+"""The executor: it carries out the engine core's step plans on the batch's runner (dustin/engine/worker/), in one
+process or on every rank of a tensor-parallel engine.
 
 The core decides and the executor acts. `EngineCore.schedule()` turns the requests into a `StepPlan`, plain data
 that lists every call the step makes on the runner: rows to freeze and release, admissions, prefill chunks of
@@ -21,23 +21,28 @@ Both have the same four-method protocol for what only tensor parallelism needs (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from dustin.engine.scheduler import StepPlan
-from dustin.engine.session import PrefillCache, RowTokens, Session
+from dustin.engine.worker.runner import Runner
+from dustin.engine.worker.staging import RowTokens
 from dustin.errors import DustinError
+
+GangPrefill = Callable[[Runner], None]  # a gang's prefill made another way (dustin/engine/offline/prefill.py)
 
 
 class Executor:
-    """Executes step plans on `session` in this process (see the module's docstring)."""
+    """Executes step plans on `runner` in this process (see the module's docstring)."""
 
-    def __init__(self, session: Session, prefill_tokens: int, prefill_cache: PrefillCache | None = None,
+    def __init__(self, runner: Runner, prefill_tokens: int, gang_prefill: GangPrefill | None = None,
                  kernel_warmup=None) -> None:
-        """prefill_tokens: the padded size of every packed prefill forward. prefill_cache: where a "snapshot" gang
-        finds (and leaves) its prompts' caches. kernel_warmup: the first prefill's and decode step's kernels,
-        compiling in the background (dustin/engine/warmup.py), or None."""
-        self.session = session
+        """prefill_tokens: the padded size of every packed prefill forward. gang_prefill: what prefills a gang
+        admission instead of `Runner.prefill_gang` (an offline batch's copied or noise-filled prompt caches).
+        kernel_warmup: the first prefill's and decode step's kernels, compiling in the background
+        (dustin/engine/warmup.py), or None."""
+        self.runner = runner
         self.prefill_tokens = prefill_tokens
-        self.prefill_cache = prefill_cache
+        self.gang_prefill = gang_prefill
         self.kernel_warmup = kernel_warmup
         self.warmup_stats: dict | None = None  # the background compiles' stats, once the first decode step waited
         self.in_flight: int | None = None  # the staging slot of the launched step not yet read back
@@ -53,7 +58,7 @@ class Executor:
     def execute(self, plan: StepPlan) -> list[list[RowTokens]]:
         """Make the plan's runner calls, launch its decode step and read back the previous one; the tokens of the
         steps read back, in order."""
-        s = self.session
+        s = self.runner
         for row in plan.freeze:
             s.stop(row)
         for row in plan.release:
@@ -66,8 +71,11 @@ class Executor:
                 self.kernel_warmup.wait_prefill()  # the prefill forward's kernels are compiled first
             s.prefill(list(plan.prefill), pad_to=self.prefill_tokens)
             self.prompt_tokens += sum(n for _, n in plan.prefill)
-        if plan.gang is not None:
-            self._prefill_gang(plan.gang)
+        if plan.gang:
+            if self.gang_prefill is None:
+                s.prefill_gang()
+            else:
+                self.gang_prefill(s)
             self.prompt_tokens += sum(len(a.prompt_ids) for a in plan.admit)
         slot = None
         done = []
@@ -91,23 +99,14 @@ class Executor:
         if self.in_flight is None:
             return []
         slot, self.in_flight = self.in_flight, None
-        return [self.session.complete(slot)]
-
-    def _prefill_gang(self, fill: str) -> None:
-        """The gang's one prefill. "snapshot": the prompt caches come from `prefill_cache` when it holds this
-        gang's prompts (greedy first tokens and all), and are left there for the next gang over them otherwise."""
-        s, store = self.session, self.prefill_cache
-        reuse = store.lookup(s.prefill_key) if fill == "snapshot" and store is not None else None
-        used = s.prefill_gang(fill, reuse)
-        if fill == "snapshot" and store is not None and (used is None or used.draft_kv is None):
-            store.store(s.prefill_state(keep=used))
+        return [self.runner.complete(slot)]
 
     def _finish_kernel_warmup(self) -> None:
         """Before the first decode step: wait for the background compiles (a one-time cost, reported with the
-        first step's and the graph capture's as the session's capture time)."""
+        first step's and the graph capture's as the runner's capture time)."""
         warmup, self.kernel_warmup = self.kernel_warmup, None
         self.warmup_stats = warmup.wait()
-        self.session.add_one_time_s(self.warmup_stats["wait_s"])
+        self.runner.add_one_time_s(self.warmup_stats["wait_s"])
 
     # ------------------------------------------------------------------ the tensor-parallel protocol
     def lead_or_follow(self, lead):
@@ -133,9 +132,9 @@ class TensorParallelExecutor(Executor):
 
     heartbeat_s = 30.0  # the longest idle gap between plans sent to the followers (`heartbeat`)
 
-    def __init__(self, session: Session, prefill_tokens: int, prefill_cache: PrefillCache | None = None, *,
+    def __init__(self, runner: Runner, prefill_tokens: int, gang_prefill: GangPrefill | None = None, *,
                  rank: int, device) -> None:
-        super().__init__(session, prefill_tokens, prefill_cache)
+        super().__init__(runner, prefill_tokens, gang_prefill)
         self.rank, self.device = rank, device
         self.followers: str | None = "waiting" if rank == 0 else None
         self._last_sent = time.monotonic()

@@ -3,13 +3,14 @@
 Why per sequence: under sparse verification a row's text depends on its Γ (its drafts' lookahead chooses what the
 target attends to), so a Γ chosen from the batch would make a request's text depend on what runs beside it. Here a
 row's Γ is a function of the row alone: its context length and the acceptance of its own earlier steps. The step
-then runs the largest Γ of its rows (`Session`), and each row keeps to its own.
+then runs the largest Γ of its rows (dustin/engine/worker/step.py), and each row keeps to its own.
 
 The rule. A step of Γ drafts whose drafts are each accepted with probability α (until the first rejection) makes
 E(Γ, α) = 1 + α + ... + α^Γ tokens, and takes t(Γ, n) seconds at context n; the rule picks the Γ with the most
 tokens per second, E / t, in [Γ_min, Γ_max] (Γ = 0: a plain decode step, one token, for methods that verify
-against the whole cache). t is measured when the engine starts (`measure_step_costs`: real steps of every Γ at a
-short and a long context, on the engine's own batch of slots), linear in the context between them. It is the cost
+against the whole cache). t is measured when the engine starts (`measure_step_costs`, engine/worker/costs.py:
+real steps of every Γ at a short and a long context, on the engine's own batch of slots), linear in the context
+between them. It is the cost
 of a whole batch whose rows all look like this one: the row's share of a step.
 
 α is estimated from the row's steps: accepted drafts over trials (each accepted draft, plus the rejection that
@@ -52,19 +53,6 @@ class StepCosts:
             per_token.append(slope)
             base.append(t0 - slope * n0)
         return cls(tuple(gammas), tuple(base), tuple(per_token))
-
-
-def measure_step_costs(session, contexts: tuple[int, int] | None = None, repeats: int = 3, progress=None) -> StepCosts:
-    """Time real steps of every Γ the session's rows may take (`Session.time_steps`: its step graphs on a GPU,
-    captured now and kept for serving) at two contexts: 64 positions and the slots' capacity (default)."""
-    top = session.target_cache.capacity - session.gamma - 1
-    lo, hi = contexts or (min(64, top), top)
-    points = {}
-    for g in range(session.min_gamma, session.gamma + 1):
-        points[g] = ((lo, session.time_steps(g, lo, repeats)), (hi, session.time_steps(g, hi, repeats)))
-        if progress is not None:
-            progress(g)
-    return StepCosts.from_points(points)
 
 
 def expected_tokens(gamma: int, alpha: float) -> float:

@@ -1,6 +1,6 @@
 """One model of a generation: its weights, its KV cache rows, and the CUDA graphs of its step forwards.
 
-A speculative generation has two (target and draft). The step loop (`Session`) asks a runner for
+A speculative generation has two (target and draft). The batch's runner (dustin/engine/worker/) asks a model runner for
 - `forward(tokens, positions, lengths, ...)`: one step over every row (verify, decode or a draft token),
   replayed from a CUDA graph captured once per shape when graphs are on (they live as long as the runner:
   a serving engine's runner serves every request with the same graphs);
@@ -11,7 +11,6 @@ A speculative generation has two (target and draft). The step loop (`Session`) a
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -70,8 +69,8 @@ class ModelRunner:
         host = torch.tensor(hidden_at, dtype=torch.long)
         at = torch.cat([packed.last, (host.pin_memory() if self.device.type == "cuda" else host).to(
             self.device, non_blocking=True)])
-        with _final_hidden(self.model) as head:
-            h = self.model(packed.tokens, ctx, logits_at=at, float_logits=False)
+        h = self.model(packed.tokens, ctx, logits_at=at, lm_head=False)
+        head = self.model.lm_head
         R = packed.last.shape[0]  # the lm_head of `logit_rows` rows, as `forward_packed` runs it
         return head(h[:R]).float()[:packed.chunks], h[R:], head
 
@@ -97,18 +96,6 @@ class ModelRunner:
     def _packed_context(self, packed: "PackedPrefill", observers) -> ForwardContext:
         return ForwardContext(self.cache, packed.positions, torch.zeros(1, dtype=torch.int32, device=self.device), 0,
                               packed=packed.plan, observers=list(observers))
-
-
-@contextlib.contextmanager
-def _final_hidden(model: Transformer):
-    """The model's forward returns its final hidden states (after the last norm) instead of logits: its lm_head is
-    an identity meanwhile. Yields the real lm_head."""
-    head = model.lm_head
-    model.lm_head = torch.nn.Identity()
-    try:
-        yield head
-    finally:
-        model.lm_head = head
 
 
 @dataclass

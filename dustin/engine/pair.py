@@ -197,13 +197,10 @@ class ModelPair:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def kv_cache_bytes(self, batch: int, capacity: int, speculative: bool = True) -> int:
-        """Bytes of the KV caches a session of `batch` sequences x `capacity` positions allocates: the target's
+        """Bytes of the KV caches a batch of `batch` sequences x `capacity` positions allocates: the target's
         (this rank's KV heads under tensor parallelism) plus the draft's when speculating."""
         args = [self.target.args] + ([self.draft.args] if self.draft is not None and speculative else [])
         return kv_bytes(args, self.target.embed_tokens.weight.element_size(), batch, capacity)
-
-    def release_cached(self) -> None:
-        """Drop what is kept across calls to free device memory (nothing here; `Engine` keeps an engine core)."""
 
     def kv_memory_fits(self, batch: int, capacity: int, speculative: bool = True, copies: int = 1) -> bool:
         """Whether KV caches for `batch` x `capacity` positions, held `copies` times, fit in 90% of the free device
@@ -214,13 +211,12 @@ class ModelPair:
     def require_kv_memory(self, batch: int, capacity: int, speculative: bool, copies: int = 1,
                           advice: str = "lower the batch size, the prompt length or --max-new-tokens") -> None:
         """Refuse, with one line, KV caches for `batch` x `capacity` positions held `copies` times (a comparison
-        over one shared prefill holds a session's caches and the prefill's copy of them) that would not fit in
+        over one shared prefill holds a batch's caches and the prefill's copy of them) that would not fit in
         90% of the free device memory; the line says how many sequences would."""
         need = copies * self.kv_cache_bytes(batch, capacity, speculative)
         if not self.kv_memory_fits(batch, capacity, speculative, copies) and self.device.type == "cuda":
-            # memory of finished sessions may still sit in PyTorch's cache or in unreachable graph pools, and a kept
-            # engine core may hold its caches: give them back before refusing
-            self.release_cached()
+            # memory of finished batches may still sit in PyTorch's cache or in unreachable graph pools: give it
+            # back before refusing (an `Engine` drops its kept engine core itself, `Engine.release_cached`)
             gc.collect()
             torch.cuda.empty_cache()
         if not self.kv_memory_fits(batch, capacity, speculative, copies):

@@ -267,8 +267,8 @@ class RowSampling:
     `seed` when it has one (its tokens then do not depend on what else is in the batch), else a seed drawn at
     admission from a host generator seeded with the batch's seed. Nothing in that path loops over rows on the host
     or depends on the rows' values, so a step over a mixed batch is captured as one CUDA graph like a uniform one
-    (`Session` keeps one graph per mode). Whether any sampled row uses top-k or top-p is known on the host: a
-    batch without them skips the cuts (mode "mixed"), one with them takes them (mode "mixed-cut")."""
+    (the runner's device step keeps one graph per mode). Whether any sampled row uses top-k or top-p is known on
+    the host: a batch without them skips the cuts (mode "mixed"), one with them takes them (mode "mixed-cut")."""
 
     def __init__(self, batch: int, default: SamplingRule, generator: torch.Generator | None,
                  seed: int = 0) -> None:
@@ -337,7 +337,8 @@ class RowSampling:
 
     def skip(self, n: int) -> None:
         """Advance every row's counter by n draws (in place): a step takes the same number of draws per row
-        whatever its Γ (`Session`), so a seeded row's numbers do not depend on the Γ of the rows beside it."""
+        whatever its Γ (engine/worker/step.py), so a seeded row's numbers do not depend on the Γ of the rows beside
+        it."""
         if n:
             self._offsets.add_(n)
 

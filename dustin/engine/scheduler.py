@@ -1,19 +1,52 @@
-"""The scheduler's half of the engine core: a request's `Sequence`, the waiting queue and the rows, and the
-`StepPlan` each step hands to the runner as plain data (dustin/engine/core.py runs it)."""
+"""The scheduler's half of the engine core (vLLM v1's shape): the requests (`Sequence`), the waiting queue and the
+rows, the `StepPlan` each step hands to the executor as plain data, and the tokens read back committed to their
+sequences (the stop rules) and returned as outputs. dustin/engine/core.py runs it."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dustin.engine.gamma import RowGamma
-from dustin.engine.request import Request
+from dustin.engine.gamma import GammaRule, RowGamma
+from dustin.engine.logprobs import to_logprob
+from dustin.engine.request import Request, RequestOutput, SamplingParams
 from dustin.engine.sampling import SamplingRule
-from dustin.errors import DustinError
+from dustin.engine.worker.staging import RowTokens
+from dustin.errors import DustinError, InputError
 
 
 class QueueFullError(DustinError):
     """The waiting queue is full: the server answers 429."""
 
+
+def check_admission(params: SamplingParams, gang: bool, method: str) -> None:
+    """What a kind of admission cannot serve (part of a request's check at the edge): prompt log-probabilities
+    from a gang's prefill, which runs one sequence at a time and computes none."""
+    if params.prompt_logprobs is not None and gang:
+        raise InputError(f"prompt log-probabilities (echo) are not computed by method {method!r}: its requests are "
+                         f"prefilled together as a gang, one sequence at a time")
+
+
+@dataclass
+class EngineStats:
+    """Decode statistics of a run: steps, tokens, and (offline) its wall times."""
+
+    steps: int = 0
+    active_seq_steps: int = 0  # sum over steps of the number of unfinished sequences
+    produced: int = 0  # tokens kept by decode steps (excludes the prefill's first token)
+    step_tokens: int = 0  # tokens each active sequence gained per target forward, before truncation
+    drafts: int = 0  # active sequence steps that verified drafts (Γ > 0)
+    drafted: int = 0  # draft tokens those steps proposed (their Γ); accepted: step_tokens - active_seq_steps
+    gammas: dict[int, int] = field(default_factory=dict)  # --gamma auto: Γ -> sequence steps launched with it
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps' wall time, one-time CUDA-graph capture excluded
+    capture_s: float = 0.0  # that one-time capture (graph warm-up runs included)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per target forward per sequence (1.0 for vanilla)."""
+        return self.step_tokens / max(self.active_seq_steps, 1)
 
 
 @dataclass(eq=False)
@@ -62,24 +95,75 @@ class Sequence:
 
 
 class Scheduler:
-    """Waiting requests (bounded FIFO), the rows they run in, and each step's prefill.
+    """The requests by id, the waiting ones (bounded FIFO), the rows they run in and each step's prefill (`schedule`
+    makes a step's plan); after the step, the tokens read back committed to their sequences (`update`) and the
+    outputs (`collect`). Only rank 0 of a tensor-parallel engine has one that schedules.
 
     Two kinds of admission:
-    - chunked (`gang` None): a request joins the running batch as soon as a row is free, and each step prefills
+    - chunked (`gang` False): a request joins the running batch as soon as a row is free, and each step prefills
       whole chunks of `chunk` tokens (a prompt is always cut at the same offsets, multiples of `chunk` from its
       start, whatever else runs), oldest request first, at most `budget` tokens in all;
-    - gang (`gang` = how the batch is prefilled: "whole", "snapshot" or "noise"; `Session.prefill_gang`): the
-      waiting requests are admitted together once every row is free, prefilled at once, and nothing joins them
-      until all have finished. Policies whose state spans the whole batch (quest, specattn, snapkv, oracle) run
-      this way, and so do method comparisons over one prefill and benchmarks over noise-filled caches."""
+    - gang (`gang` True): the waiting requests are admitted together once every row is free, prefilled at once,
+      and nothing joins them until all have finished. Policies whose state spans the whole batch (quest,
+      specattn, snapkv, oracle) run this way, and so do offline batches whose prompt caches are copied or filled
+      another way (dustin/engine/offline/prefill.py)."""
 
-    def __init__(self, n_rows: int, max_waiting: int, chunk: int, budget: int, gang: str | None = None) -> None:
+    def __init__(self, n_rows: int, max_waiting: int, chunk: int, budget: int, gang: bool = False) -> None:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence (prefilling or decoding)
         self.free = list(range(n_rows))
         self.max_waiting, self.chunk, self.budget = max_waiting, chunk, budget
         self.gang = gang
         self.plans = 0  # prefill plans made (`prefill_chunks` calls)
+        self.requests: dict[str, Sequence] = {}  # every request waiting or running, by id
+        self._aborts: list[str] = []
+        self._to_release: list[int] = []  # rows whose requests finished: the next plan releases them
+        self._to_freeze: list[int] = []  # a gang's rows whose sequences finished: frozen by the next plan
+        self._gang_rows: set[int] = set()  # rows of the running gang that finished (released when all have)
+        self._outputs: list[RequestOutput] = []  # outputs decided while scheduling (aborts), returned by collect
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue a request, or the sequences of one prompt (kept together), under their request ids."""
+        ids = [q.request.request_id for q in seqs]
+        taken = [i for i in ids if i in self.requests]
+        if taken or len(set(ids)) != len(ids):
+            raise InputError(f"request id {(taken or ids)[0]!r} is already in use")
+        self.enqueue(seqs)
+        for seq in seqs:
+            self.requests[seq.request.request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Waiting or running: the next plan frees its row and the next `collect` reports it ("abort")."""
+        if request_id in self.requests:
+            self._aborts.append(request_id)
+
+    def schedule(self, compiling: bool = False, gamma_rule: GammaRule | None = None,
+                 gamma_counts: dict[int, int] | None = None) -> StepPlan:
+        """One step's plan: aborts, releases, admissions, prefill chunk sizes, whether to decode and at which Γ per
+        row. compiling: the decode step's kernels are still compiling in the background (prefill now, decode once
+        they are ready). gamma_rule: --gamma auto's rule (each sequence's Γ from its own history, `RowGamma`;
+        gamma_counts counts the sequence steps of each Γ)."""
+        self._outputs += self._apply_aborts()
+        admit = tuple(Admission.of(seq) for seq in self.admissions())
+        prefill = tuple(self.prefill_chunks())
+        freeze, self._to_freeze = tuple(self._to_freeze), []
+        release, self._to_release = tuple(self._to_release), []
+        # decode when a row is active after this plan: decoding, or its prompt completes now (its first token
+        # reaches the host with this step's output)
+        decode = any(not seq.prefilling for seq in self.running.values())
+        if decode and prefill and compiling:
+            decode = False
+        gammas = []
+        for row, seq in self.running.items() if decode and gamma_rule is not None else ():
+            if seq.prefilling or seq.finished:
+                continue
+            if seq.gamma is None:
+                seq.gamma = RowGamma(len(seq.request.prompt_ids))
+            g = seq.gamma.next_gamma(gamma_rule)
+            gamma_counts[g] = gamma_counts.get(g, 0) + 1
+            gammas.append((row, g))
+        return StepPlan(freeze=freeze, release=release, admit=admit, prefill=prefill, gang=bool(admit) and self.gang,
+                        decode=decode, gammas=tuple(gammas))
 
     def enqueue(self, seqs: Sequence | list[Sequence]) -> None:
         """One request, or a group of sequences of one prompt (kept together: admitted at once)."""
@@ -94,7 +178,7 @@ class Scheduler:
         free for each member (FIFO: nothing behind it goes first). A group's members after the first copy its
         prompt cache."""
         out = []
-        if self.gang is not None and self.running:
+        if self.gang and self.running:
             return out  # a gang runs alone until all its sequences finished
         while self.waiting and self.free:
             group = self.waiting[0].group or [self.waiting[0]]
@@ -105,7 +189,7 @@ class Scheduler:
                 assert popped is seq
                 seq.row = self.free.pop(0)
                 self.running[seq.row] = seq
-                if self.gang is not None:  # prefilled by the gang's one prefill (each member its own)
+                if self.gang:  # prefilled by the gang's one prefill (each member its own)
                     seq.prefilled = len(seq.request.prompt_ids)
                 elif seq is not group[0]:
                     seq.copy_from, seq.prefilled = group[0], len(seq.request.prompt_ids) - 1
@@ -137,7 +221,7 @@ class Scheduler:
 
     def drop(self, seq: Sequence) -> None:
         """An aborted sequence leaves the queue or its row. Its group's members that were to copy its prompt cache
-        before its prefill completed prefill the prompt themselves (the Session's `release` does the same)."""
+        before its prefill completed prefill the prompt themselves (the runner's `release` does the same)."""
         if seq.group is not None:
             seq.group.remove(seq)
         if seq.row is None:
@@ -154,10 +238,104 @@ class Scheduler:
         self.free.sort()
         return seq
 
+    # ---------------------------------------------------------------- after the step
+    def _apply_aborts(self) -> list[RequestOutput]:
+        out = []
+        for rid in self._aborts:
+            seq = self.requests.pop(rid, None)
+            if seq is None:
+                continue
+            if seq.row is not None:
+                self._leave(seq.row)
+            self.drop(seq)
+            out.append(RequestOutput(rid, [], True, "abort", len(seq.request.prompt_ids), seq.emitted))
+        self._aborts.clear()
+        return out
+
+    def update(self, steps: list[list[RowTokens]], eos_ids: set[int], stats: EngineStats,
+               step_gamma: int = 0) -> None:
+        """Commit the tokens of the steps read back to their sequences (the stop rules: `Sequence.commit`), with
+        their log-probabilities, and count them in `stats`. A step in which no row still decoded (the loop's extra
+        step after the last stop) is not counted. step_gamma: a decode step's Γ (0: no drafts), where a sequence has
+        no Γ of its own (--gamma auto)."""
+        for rows in steps:
+            active = 0
+            for r in rows:
+                seq = self.running.get(r.row)
+                if seq is None or seq.finished:
+                    continue
+                lp = r.logprobs
+                k = seq.request.params.logprobs
+                if r.first is not None:  # the prefill's first token, not a decode step's
+                    seq.commit([r.first], eos_ids)
+                    if lp is not None:
+                        seq.logprobs.append(to_logprob(*lp[0], k))
+                        lp = lp[1:]
+                    if seq.finished:
+                        continue
+                g = step_gamma
+                if seq.gamma is not None:  # --gamma auto: the Γ this step was launched with for the row
+                    g = seq.gamma.launched[len(seq.gamma.results)] if len(seq.gamma.launched) > len(
+                        seq.gamma.results) else g
+                    seq.gamma.observe(len(r.tokens) - 1)
+                stats.drafts += g > 0
+                stats.drafted += g
+                active += 1
+                stats.step_tokens += len(r.tokens)
+                kept = seq.commit(r.tokens, eos_ids)
+                stats.produced += kept
+                if lp is not None:
+                    seq.logprobs += [to_logprob(*lp[j], k) for j in range(kept)]
+            if active:
+                stats.steps += 1
+                stats.active_seq_steps += active
+
+    def collect(self, prompt_logprobs: Callable[[int], list | None]) -> list[RequestOutput]:
+        """New tokens per request, and the requests aborted since the last call; finished requests leave, and their
+        rows are released by the next plan (a gang's are frozen, then released together once the whole gang
+        finished). prompt_logprobs(row): the prompt log-probabilities of the row's sequence, for its first output."""
+        out, self._outputs = self._outputs, []
+        for row, seq in list(self.running.items()):
+            if seq.prefilling:
+                continue
+            toks = seq.output_ids
+            new = toks[seq.emitted:]
+            done = seq.finished
+            if not new and not done:
+                continue
+            seq.emitted = len(toks)
+            if done:
+                self._leave(row)
+                self.finish(row)
+                if seq.group is not None:
+                    seq.group.remove(seq)
+                del self.requests[seq.request.request_id]
+            o = RequestOutput(seq.request.request_id, list(new), done, seq.finish_reason,
+                              len(seq.request.prompt_ids), len(toks))
+            if seq.request.params.logprobs is not None:
+                o.logprobs = seq.logprobs[len(toks) - len(new):len(toks)]
+            if len(toks) == len(new):  # the request's first output
+                o.prompt_logprobs = prompt_logprobs(row)
+            out.append(o)
+        return out
+
+    def _leave(self, row: int) -> None:
+        """A sequence left its row (finished or aborted): the next plan releases the row; in a gang it freezes the
+        row instead, and the gang's rows are released together once none of its sequences runs."""
+        if not self.gang:
+            self._to_release.append(row)
+            return
+        self._gang_rows.add(row)
+        if all(r == row for r in self.running):  # the gang's last sequence
+            self._to_release += sorted(self._gang_rows)
+            self._gang_rows.clear()
+        else:
+            self._to_freeze.append(row)
+
 
 @dataclass(frozen=True)
 class Admission:
-    """A waiting request given an idle row: the arguments of `Session.admit`, and whether it ignores EOS."""
+    """A waiting request given an idle row: the arguments of `Runner.admit`, and whether it ignores EOS."""
 
     row: int
     prompt_ids: tuple[int, ...]
@@ -178,11 +356,11 @@ class Admission:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Every call one engine step makes on the Session, in order: freeze rows (a gang's sequences that finished: their
+    """Every call one engine step makes on the runner, in order: freeze rows (a gang's sequences that finished: their
     rows stop decoding and keep their caches until the whole gang finished), release rows (finished last step, or
     aborted), admit requests to rows, prefill chunks of exactly the given sizes (or the gang's whole prompts), then
     one decode step over all rows if `decode`. Plain picklable data, decided by rank 0's scheduler alone, so a
-    follower that executes the same plans on the same Session state makes the same calls; the stop rules are the
+    follower that executes the same plans on the same runner state makes the same calls; the stop rules are the
     scheduler's too (`Sequence.commit`), and a finished sequence's row stops decoding when a plan releases (or
     freezes) it. An empty plan does nothing (the idle heartbeat); `stop` ends the followers' `follow()`
     (dustin/engine/executor.py)."""
@@ -191,7 +369,7 @@ class StepPlan:
     release: tuple[int, ...] = ()
     admit: tuple[Admission, ...] = ()
     prefill: tuple[tuple[int, int], ...] = ()  # (row, prompt tokens)
-    gang: str | None = None  # a gang admission: prefill every admitted row at once this way (`Session.prefill_gang`)
+    gang: bool = False  # a gang admission: prefill every admitted row at once (`Executor`)
     decode: bool = False
     gammas: tuple[tuple[int, int], ...] = ()  # (row, Γ) for the decode step (--gamma auto), set before it
     stop: bool = False

@@ -43,7 +43,7 @@ class PhaseTimer:
 
 class NullTimer:
     """A timer that records nothing: phases inside a captured CUDA graph cannot be timed apart (the graph
-    replays as one unit; `Session.step` times the replay as the phase "step_graph")."""
+    replays as one unit; the device step times the replay as the phase "step_graph")."""
 
     def start(self, phase: str) -> None:
         pass

@@ -9,7 +9,7 @@ CUDA graph is captured: on the one-shot H200 run (16 prompts of ~29.5k tokens, `
 most of it compiling on the main thread while the GPU waited; the first prefill forward likewise compiles its own.
 
 How:
-1. Plan (`plan_first_step`). A twin of the engine's session is built under PyTorch's FakeTensorMode: the same
+1. Plan (`plan_first_step`). A twin of the engine's runner is built under PyTorch's FakeTensorMode: the same
    models (their weights enter as fake copies: no memory), a fresh policy of the same method and sparse config,
    caches and buffers of the real shapes that allocate nothing. One packed prefill forward of each model (its
    host-side plan and tokens built for real, small) and one decode step run on it with every Triton launch
@@ -18,7 +18,7 @@ How:
    alignment is that of its storage offset, storages being allocated aligned), ints and constexprs as given.
    The prefill also gives the policy's observers the state the first step reads (S_target's last prompt query).
    So the plan is the code's own launches at the real sizes, not a list kept by hand: a kernel added to the
-   forward is planned too. Nothing runs on the device; the real session and policy are not touched, attributes
+   forward is planned too. Nothing runs on the device; the real runner and policy are not touched, attributes
    the dry run set on the models' modules are restored, and fake tensors it left in global dict caches (e.g. a
    per-device buffer made on first use) are removed, since a real launch would read their address, 0
    (`sweep_fakes`; one left anywhere else raises `FakeTensorLeak`).
@@ -252,7 +252,7 @@ class FakeTensorLeak(RuntimeError):
 
 @dataclasses.dataclass
 class Plan:
-    """The launches of a session's first packed prefill forward (`prefill`, target and draft) and of its first
+    """The launches of a runner's first packed prefill forward (`prefill`, target and draft) and of its first
     decode step (`step`, what the prefill launched left out), one per specialization; what the dry run cost."""
 
     prefill: list[Launch]
@@ -266,21 +266,21 @@ class Plan:
         return self.prefill + self.step
 
 
-def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
                     prefill_chunk: int = 512) -> Plan:
     """The Triton launches of the first prefill forward (`prefill_tokens` tokens of `prefill_chunk`-token chunks, as
-    the engine loop packs them) and first decode step of a `Session` of `slots` rows and `capacity` positions running
-    `cfg` on `engine`'s models, found by running them on a fake twin (module docstring): one specialization each.
+    the engine loop packs them) and first decode step of a `Runner` of `slots` rows and `capacity` positions running
+    `cfg` on `pair`'s models, found by running them on a fake twin (module docstring): one specialization each.
     The models are left as they were, and fake tensors the code left in dict caches are removed. Raises
     RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor is left anywhere else."""
-    draft = engine.draft if cfg.spec.speculative else None
-    state = _module_state([engine.target, draft])
+    draft = pair.draft if cfg.spec.speculative else None
+    state = _module_state([pair.target, draft])
     error, t0 = None, time.perf_counter()
     prefill: list[Launch] = []
     step: list[Launch] = []
     with track_fakes() as fakes:
         try:
-            prefill, step = _dry_run(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+            prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
         except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
             error = f"{type(e).__name__}: {e}"
         finally:
@@ -296,34 +296,34 @@ def plan_first_step(engine, cfg, slots: int, capacity: int, prefill_tokens: int 
     return Plan(prefill, step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4), removed)
 
 
-def _dry_run(engine, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
+def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int
              ) -> tuple[list[Launch], list[Launch]]:
     """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
     makes is local to this call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dustin.engine.kv_manager import KVManager
-    from dustin.engine.session import Session
     from dustin.engine.timing import NullTimer
+    from dustin.engine.worker.runner import Runner
 
-    draft = engine.draft if cfg.spec.speculative else None
-    policy = engine.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
+    draft = pair.draft if cfg.spec.speculative else None
+    policy = pair.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.inference_mode():
-        models = {"target": engine.target} | ({} if draft is None else {"draft": draft})
-        twin = Session(engine.target, draft, cfg, engine.vocab_limit, policy, kv=KVManager(models, slots, capacity))
-        twin.timer = NullTimer()
+        models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
+        twin = Runner(pair.target, draft, cfg, pair.vocab_limit, policy, kv=KVManager(models, slots, capacity))
+        twin.batch.timer = NullTimer()
     # one packed prefill forward of each model, its host side (plan, tokens) real and small; row 0's prompt also
     # gives the policy's observers the state the first step reads (e.g. S_target's last query)
     n = min(prefill_chunk, prefill_tokens, capacity - 1)
-    packed = {name: r.pack([(0, 0, [0] * n)], prefill_tokens, slots) for name, r in twin.runners.items()}
+    packed = {name: r.pack([(0, 0, [0] * n)], prefill_tokens, slots) for name, r in twin.models.items()}
     with mode, torch.inference_mode(), warnings.catch_warnings():
         # estimators.stacked_cache compares storage addresses, which fake tensors share (all 0): views of one fake
         # cache are recognised as such, as the real ones are
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with record_launches(execute=False) as prefill:
-            observers = policy.target_observers(twin)
-            for name, runner in twin.runners.items():
+            observers = policy.target_observers(twin.batch)
+            for name, runner in twin.models.items():
                 runner.forward_packed(packed[name], observers if name == "target" else ())
         with record_launches(execute=False) as launched:
             twin.dry_step()
@@ -484,18 +484,18 @@ def warmup_enabled() -> bool:
     return os.environ.get("DUSTIN_KERNEL_WARMUP", "1") != "0"
 
 
-def start_kernel_warmup(engine, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
+def start_kernel_warmup(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 512,
                         prefill_chunk: int = 512) -> KernelWarmup | None:
-    """Plan a session's first prefill forward and decode step (`plan_first_step`) and start compiling them in the
+    """Plan a runner's first prefill forward and decode step (`plan_first_step`) and start compiling them in the
     background, when kernels are compiled on the engine's device (a GPU without Triton's interpreter) and the
     warm-up is on; else, or if the plan fails (the steps then compile their kernels themselves, as without a
     warm-up), None. A plan that left a fake tensor where the engine may use it raises (`FakeTensorLeak`)."""
-    if not warmup_enabled() or not compiles_here(engine.device) or engine.parallel is not None:
+    if not warmup_enabled() or not compiles_here(pair.device) or pair.parallel is not None:
         return None
     t0 = time.perf_counter()
     try:
-        plan = plan_first_step(engine, cfg, slots, capacity, prefill_tokens, prefill_chunk)
-        return KernelWarmup(plan, engine.device, plan_s=time.perf_counter() - t0).start()
+        plan = plan_first_step(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk)
+        return KernelWarmup(plan, pair.device, plan_s=time.perf_counter() - t0).start()
     except FakeTensorLeak:
         raise
     except Exception:  # e.g. a dry run the fake tensors cannot follow: no warm-up, nothing else changes

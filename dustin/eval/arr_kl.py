@@ -54,7 +54,7 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     from dustin.engine.engine import Engine
 
     cfg = GenerationConfig(method="vanilla", max_new_tokens=n, stop_at_eos=False)
-    return Engine(model).generate([prompt], cfg).sequences[0].token_ids
+    return Engine.from_models(model).generate([prompt], cfg).sequences[0].token_ids
 
 
 @torch.inference_mode()
@@ -110,12 +110,12 @@ def run(args) -> int:
     engine = Engine.from_pretrained(args.target, None, device=args.device, dtype=args.dtype,
                                     attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    if engine.tokenizer is None:
+    if engine.pair.tokenizer is None:
         raise InputError("the target model folder has no tokenizer")
-    text = long_texts(args.kind, "heldout", args.context, engine.tokenizer, 1, args.seed)[0]
+    text = long_texts(args.kind, "heldout", args.context, engine.pair.tokenizer, 1, args.seed)[0]
     console = Console(stderr=True)
     with console.status(f"ARR-KL study: {args.subsets} subsets of {args.budget} positions..."):
-        res = study(engine.target, engine.encode(text)[:args.context], args.budget, args.subsets,
+        res = study(engine.pair.target, engine.pair.encode(text)[:args.context], args.budget, args.subsets,
                     args.new_tokens, args.seed)
     res["settings"] = {k: v for k, v in vars(args).items() if k != "func"}
     Console().print(f"ARR-KL Pearson correlation over {args.subsets} subsets (k = {args.budget}, "

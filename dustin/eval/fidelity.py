@@ -51,13 +51,14 @@ def run(args) -> int:
         raise InputError("the ARR measurement reads every target head, which a tensor-parallel rank does not hold: "
                          "add --no-arr under torchrun")
     console = Console(stderr=True, quiet=not main)
-    prompts = [engine.encode(long_code_prompt(engine.tokenizer, args.context, s)[0]) for s in args.sources.split(",")]
+    pair = engine.pair
+    prompts = [pair.encode(long_code_prompt(pair.tokenizer, args.context, s)[0]) for s in args.sources.split(",")]
     base = dict(gamma=args.gamma, max_new_tokens=args.max_new_tokens, draft_kv=args.draft_kv,
                 draft_window=args.draft_window, sparse_config=args.config)
     results: dict = {"prompt_tokens": [len(p) for p in prompts], "settings": vars(args).copy(), "runs": {}}
     results["settings"].pop("func", None)
 
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # every run below is over the same prompts: one prefill
 
@@ -98,7 +99,7 @@ def run(args) -> int:
                                                          "median_first_divergence": statistics.median(first)})
         if not args.no_arr:
             cfg = GenerationConfig(method="classic", **{**base, "budget": k})
-            policies = {m: engine.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))
+            policies = {m: engine.pair.make_policy(GenerationConfig(method=m, **{**base, "budget": k}))
                         for m in args.methods.split(",")}
             from dustin.eval.arr import ARRProbe
 

@@ -21,7 +21,7 @@ from dustin.eval.sweep import add_rows_arg, row_config, row_name, sweep_rows
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, budget_list, int_list, method_list
 
 if TYPE_CHECKING:
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
 KINDS = ("single", "multikey")
 # settings that change the numbers: a --json-out written under other values cannot be resumed
@@ -98,14 +98,15 @@ def run(args) -> int:
     engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                     dtype=args.dtype, attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    if engine.tokenizer is None:
+    if engine.pair.tokenizer is None:
         raise InputError("the target model folder has no tokenizer: needle prompts are text")
     main = is_main_process()  # under torchrun only rank 0 reports and writes
     console = Console(stderr=True, quiet=not main)
-    limit = engine.max_context(speculative)
+    limit = engine.pair.max_context(speculative)
     room = limit - args.max_new_tokens - args.gamma - 1
     needles = HELDOUT_NEEDLES if args.needles == "heldout" else PROFILE_NEEDLES
-    from dustin.engine.session import PrefillCache, cache_capacity
+    from dustin.engine.kv_manager import cache_capacity
+    from dustin.engine.offline.prefill import PrefillCache
 
     shared = PrefillCache()  # each (kind, context)'s prompts are prefilled once for every method
     for (kind, ctx), rows in todo.items():
@@ -113,11 +114,11 @@ def run(args) -> int:
         # the depths are one batch, holding its session's KV caches and the shared prefill's copy: refuse now
         # what would run out of memory only at the first speculative row, after a whole prefill
         capacity = cache_capacity([n], [args.max_new_tokens], args.gamma if speculative else 0)
-        engine.require_kv_memory(args.depths, capacity, speculative, copies=2, advice="lower --depths")
+        engine.pair.require_kv_memory(args.depths, capacity, speculative, copies=2, advice="lower --depths")
         if n < ctx:
             console.print(f"context {ctx}: prompts of {n} tokens (model limit {limit} minus generation room)")
         with console.status(f"{kind} {ctx}: building {args.depths} prompts..."):
-            prompts = build_prompts(engine.tokenizer, kind, n, args.depths, needles, args.seed)
+            prompts = build_prompts(engine.pair.tokenizer, kind, n, args.depths, needles, args.seed)
         if max(q.n_tokens for q in prompts) > room:
             raise InputError(f"a needle prompt for context {ctx} has {max(q.n_tokens for q in prompts)} tokens, "
                              f"more than the model allows with the generated tokens ({room})")
@@ -142,7 +143,7 @@ def _evaluate(engine, console, prompts, kind, ctx, method, budget, args, shared:
         samples.append({"depth": q.depth, "question": q.question, "answer": q.answer, "prediction": s.text,
                         "rouge1_recall": recall, "retrieved": recall > 0.5, "prompt_tokens": q.n_tokens})
     score = sum(x["retrieved"] for x in samples) / len(samples)
-    tau = r.tau if engine.draft is not None and cfg.spec.speculative else None
+    tau = r.tau if engine.pair.draft is not None and cfg.spec.speculative else None
     console.print(f"{kind} {ctx}: {name}: {sum(x['retrieved'] for x in samples)}/{len(samples)} retrieved"
                   + (f", τ {tau:.2f}" if tau is not None else "")
                   + (f", mean k {r.budget_k['mean']:.0f}" if r.budget_k else "")

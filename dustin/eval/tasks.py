@@ -33,7 +33,7 @@ from dustin.flags import (
 )
 
 if TYPE_CHECKING:
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
 _SETTINGS = ("target", "draft", "dtype", "gamma", "draft_window", "seed", "config")
 
@@ -102,14 +102,15 @@ def run(args) -> int:
         engine = Engine.from_pretrained(args.target, args.draft if speculative else None, device=args.device,
                                         dtype=args.dtype, attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-        if engine.tokenizer is None:
+        if engine.pair.tokenizer is None:
             raise InputError("the target model folder has no tokenizer: tasks are text")
-        limit = engine.max_context(speculative)
+        limit = engine.pair.max_context(speculative)
         main = is_main_process()
         console = Console(stderr=True, quiet=not main)
-        console.print(f"dustin eval tasks: {engine.device}, {engine.dtype_name}")
+        console.print(f"dustin eval tasks: {engine.pair.device}, {engine.pair.dtype_name}")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        from dustin.engine.session import PrefillCache, cache_capacity
+        from dustin.engine.kv_manager import cache_capacity
+        from dustin.engine.offline.prefill import PrefillCache
         from dustin.tasks.catalog import build_samples
 
         shared = PrefillCache()  # each batch of samples is prefilled once for every method
@@ -123,10 +124,10 @@ def run(args) -> int:
                 # out of memory only at the first speculative row, after the samples and a whole prefill
                 gamma = args.gamma if speculative else 0
                 capacity = cache_capacity([length], [max(t.max_new_tokens for t in tasks)], gamma)
-                engine.require_kv_memory(min(args.batch_size, len(tasks) * args.samples), capacity, speculative,
+                engine.pair.require_kv_memory(min(args.batch_size, len(tasks) * args.samples), capacity, speculative,
                                          copies=2, advice="lower --batch-size")
                 progress.update(bar, description=f"building {len(tasks)} task(s) at {ctx}")
-                samples = [s for s in build_samples(tasks, engine.tokenizer, length, args.samples, args.seed)
+                samples = [s for s in build_samples(tasks, engine.pair.tokenizer, length, args.samples, args.seed)
                            if missing(s.task, ctx, s.index)]
                 # every task's samples of one context share a batch: one prefill serves every method (the
                 # prompt caches are reused) and a GPU decodes the whole batch in the time of one sequence

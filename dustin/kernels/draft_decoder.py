@@ -317,7 +317,8 @@ def find_nvcc() -> str | None:
 
 
 def compile_flags(shape: Shape, t: Tiling) -> list[str]:
-    return ["-arch=sm_90a", "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
+    # -lineinfo: source lines in profilers (Nsight Compute's stall sampling), no change to the code
+    return ["-arch=sm_90a", "-O3", "-lineinfo", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
             f"-DDIM={shape.dim}", f"-DN_HEADS={shape.n_heads}", f"-DN_KV_HEADS={shape.n_kv_heads}",
             f"-DHEAD_DIM={shape.head_dim}", f"-DINTER={shape.inter}", f"-DKSPLIT={t.ksplit}", f"-DDSPLIT={t.dsplit}",
             f"-DDOWN_COLS={t.down_n}", f"-DCHUNK_POS={t.chunk}", f"-DMAX_TOKEN_ROWS={t.rows}"]
@@ -632,11 +633,13 @@ def self_check(model, kernel: DraftDecoder, tol: float = 0.02) -> str | None:
     """For each build, one forward of its most token rows (2 tokens a row: a step's first draft forward) over a small
     random cache, on the model's own weights, three ways: through the per-layer kernels, through the kernel, and
     through the kernel captured in a CUDA graph and replayed. None when the kernel's logits agree with the per-layer
-    kernels' (to `tol` of their largest) and the replay's equal the launch's, else why not. A kernel that computes
+    kernels' (to `tol` of their largest, or to twice the distance between the per-layer kernels and the plain PyTorch
+    ops on the same inputs where that is larger: two correct bf16 forwards drift that far apart) and the replay's
+    equal the launch's, else why not. A kernel that computes
     wrong numbers on this GPU, driver or build, or cannot be captured, is never used (it would be silently wrong, or
     break the step graph). A fault that kills the CUDA context cannot be caught here. Where the kernel also takes
     greedy forwards (`head_for`), their tokens, launched and replayed, must be the per-layer logits' argmax (or
-    within `tol` of its logit: a near-tie); if not, greedy forwards keep the LM head outside (`vocab` None) and the
+    within that bound of its logit: a near-tie); if not, greedy forwards keep the LM head outside (`vocab` None) and the
     reason is logged once, the layers staying in the kernel."""
     from dustin.errors import OutOfMemoryError
 
@@ -661,9 +664,10 @@ def _check_rows(model, kernel: DraftDecoder, B: int, T: int, tol: float) -> str 
     n = kernel.sinks + kernel.window + 100  # a window that is full, past the sinks
     gen = torch.Generator(device=dev)
 
-    def run(layer_kernel, graphed: bool, **kw) -> torch.Tensor:
+    def run(layer_kernel, graphed: bool, plain: bool = False, **kw) -> torch.Tensor:
         """One forward over fresh copies of the same random inputs (graphed: captured, then replayed: the step
-        graphs capture the launch, which must be capturable and replay the same numbers)."""
+        graphs capture the launch, which must be capturable and replay the same numbers; plain: the plain PyTorch
+        ops instead of our fused kernels)."""
         cache = KVCache(a.n_layers, B, a.n_kv_heads, a.head_dim, n + T, kernel.dtype, dev)
         gen.manual_seed(0)
         cache.k.normal_(generator=gen)
@@ -672,8 +676,10 @@ def _check_rows(model, kernel: DraftDecoder, B: int, T: int, tol: float) -> str 
         tokens = torch.randint(0, a.vocab_size, (B, T), device=dev, generator=gen)
         positions = lengths.long()[:, None] + torch.arange(T, device=dev)
         ctx = ForwardContext(cache, positions, lengths, n + T, sinks=kernel.sinks, window=kernel.window)
-        before, model.layer_kernel = model.layer_kernel, layer_kernel
+        before, fused, model.layer_kernel = model.layer_kernel, model.decode_kernels, layer_kernel
         try:
+            if plain:
+                model.set_fused_ops(False)
             if not graphed:
                 return model(tokens, ctx, **kw)
             graph = torch.cuda.CUDAGraph()
@@ -683,19 +689,29 @@ def _check_rows(model, kernel: DraftDecoder, B: int, T: int, tol: float) -> str 
             return out
         finally:
             model.layer_kernel = before
+            if plain:
+                model.set_fused_ops(fused)
+
+    def apart(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
 
     ref, got, graphed = run(None, False), run(kernel, False), run(kernel, True)
-    err = ((got - ref).abs().max() / ref.abs().max()).item()
-    if not err <= tol:  # NaN fails too
+    # How far two bf16 implementations of the same forward land apart on these inputs: the per-layer kernels and
+    # the plain PyTorch ops round at other points, and a deep stack amplifies each rounding step (on random weights
+    # by ~2% of the largest logit over 4 layers, ~6% over 24: scripts/gpu_draft_drift.py). The kernel rounds at its
+    # own points too; a wrong stage or a race lands far outside twice that spread.
+    bound = max(tol, 2 * apart(run(None, False, plain=True), ref))
+    err = apart(got, ref)
+    if not err <= bound:  # NaN fails too
         return (f"self-check failed: {B} x {T} rows' logits differ from the per-layer kernels' by {err:.3g} of "
-                f"their largest")
+                f"their largest (two bf16 implementations: up to {bound:.3g})")
     if not torch.equal(graphed, got):
         return "self-check failed: a CUDA graph's replay of the kernel gives other logits than its launch"
     if kernel.head_for(B * T):
         last = ref[:, -1, :kernel.vocab]
         tok, tok_graphed = run(kernel, False, greedy=kernel.vocab), run(kernel, True, greedy=kernel.vocab)
         at = last.gather(1, tok[:, None].clamp(0, kernel.vocab - 1))[:, 0]
-        near = at >= last.max(-1).values - tol * ref.abs().max()
+        near = at >= last.max(-1).values - bound * ref.abs().max()
         if not (bool(near.all()) and bool((tok < kernel.vocab).all()) and torch.equal(tok, tok_graphed)):
             kernel.vocab = None
             _log_once(f"the draft's greedy tokens are chosen outside its persistent kernel: {B} x {T} rows' in-kernel "

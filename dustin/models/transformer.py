@@ -273,7 +273,7 @@ class Transformer(nn.Module):
                 module.fused_ops = on
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
-                float_logits: bool = True, greedy: int | None = None) -> torch.Tensor:
+                float_logits: bool = True, greedy: int | None = None, lm_head: bool = True) -> torch.Tensor:
         """tokens [B, T] -> fp32 logits [B, T, V], or [B, V] at `logits_at` ([B] indices into T).
 
         float_logits=False: the lm_head's output as it is, in the activation dtype. The fp32 logits are that
@@ -282,7 +282,9 @@ class Transformer(nn.Module):
         speculative step, one [B, T, V] write and its re-read per forward, 5 per step at Γ = 4.
         greedy=V: each row's greedy token at its last position instead, [B] long: the first maximum of its first V
         logits in the activation dtype (a draft's greedy forward; the persistent layer kernel may choose it inside
-        its launch, `DraftDecoder.greedy`)."""
+        its launch, `DraftDecoder.greedy`).
+        lm_head=False: the final hidden states (after the last norm, [B, T, dim] or [B, dim] at `logits_at`) instead
+        of logits, for a caller that runs the LM head itself in pieces (prompt log-probabilities)."""
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary(ctx.positions)
         if greedy is not None:
@@ -291,23 +293,26 @@ class Transformer(nn.Module):
                 return kernel.greedy(h, cos, sin, ctx)
             logits = self._forward_logits(h, cos, sin, ctx, None, False)[:, -1, :greedy]
             return (logits.float() if logits.device.type == "cpu" else logits).argmax(-1)  # as engine.sampling's
-        return self._forward_logits(h, cos, sin, ctx, logits_at, float_logits)
+        return self._forward_logits(h, cos, sin, ctx, logits_at, float_logits, lm_head)
 
     def _forward_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None,
-                        float_logits: bool) -> torch.Tensor:
+                        float_logits: bool, lm_head: bool = True) -> torch.Tensor:
         residual = None
         if self._takes_decode_kernels(h, ctx):
-            return self.decode_logits(h, cos, sin, ctx, logits_at, float_logits)
+            return self.decode_logits(h, cos, sin, ctx, logits_at, float_logits, lm_head)
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, ctx, self.backend)
         if logits_at is not None:
             rows = torch.arange(h.shape[0], device=h.device)
             h, residual = h[rows, logits_at], residual[rows, logits_at]
-        logits = self.lm_head(self.norm.add_forward(residual, h)[1])
+        h = self.norm.add_forward(residual, h)[1]
+        if not lm_head:
+            return h
+        logits = self.lm_head(h)
         return logits.float() if float_logits else logits
 
     def decode_logits(self, h, cos, sin, ctx: ForwardContext, logits_at: torch.Tensor | None = None,
-                      float_logits: bool = True) -> torch.Tensor:
+                      float_logits: bool = True, lm_head: bool = True) -> torch.Tensor:
         """`forward` after the embedding, through `DecoderLayer.decode_forward` (its conditions:
         `_takes_decode_kernels`)."""
         if self.layer_kernel is not None and self.layer_kernel.takes(h, ctx):
@@ -321,7 +326,10 @@ class Transformer(nn.Module):
                 h, normed = layer.decode_forward(h, normed, cos, sin, ctx, self.backend, nxt)
         if logits_at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
-        logits = self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if not lm_head:
+            return h
+        logits = self.lm_head(h)
         return logits.float() if float_logits else logits
 
     def _takes_decode_kernels(self, h: torch.Tensor, ctx: ForwardContext) -> bool:

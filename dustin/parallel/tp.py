@@ -12,14 +12,14 @@ Layout on `world` ranks, applied in place to a loaded `Transformer` by `shard_tr
   its parts, which equals fusing the rank's sharded parts. Loading shards the separate modules and fuses last.
 - embed_tokens, norms and lm_head are replicated: the simplest correct choice (no vocabulary gather); every rank
   computes identical logits from the identical all_reduced hidden state, so greedy choices agree on all ranks and
-  sampling agrees too because each rank's Session seeds its generator from cfg.seed.
+  sampling agrees too because each rank's runner seeds its generator from cfg.seed.
 - `model.args` (and every Attention's `args`) becomes the per-rank shape (n_heads, n_kv_heads, intermediate_size
-  divided by world), so the unchanged Attention reshapes work and the Session's `KVCache(target.args...)` holds only
+  divided by world), so the unchanged Attention reshapes work and the runner's `KVCache(target.args...)` holds only
   the rank's KV heads. The full shape is kept by the `TensorParallel` object that sharded the model.
 The draft is replicated: every rank runs the same draft forward (deterministic, no communication).
 
 `TensorParallel` is the one object that carries all of this: it shards the target at load time and is handed to
-`Engine(..., parallel=...)`, which asks it for the model's full shape (sparse configs name global heads) and for
+`ModelPair(..., parallel=...)`, which asks it for the model's full shape (sparse configs name global heads) and for
 the TP form of a selection policy (tp_selection.py). Nothing is patched into the engine or the model.
 
 Loading: `load_model(..., shard=TensorParallel(rank, world))` shards the model on the meta device and reads only
@@ -208,7 +208,7 @@ def shard_transformer(model, rank: int, world: int, group=None):
 class TensorParallel:
     """Rank `rank` of `world` (process group `group`, None: the default one). `shard(model)` (also its call, the
     `shard=` hook of load_model / random_model) shards a target, on the meta device or loaded, and remembers its
-    full shape; `make_policy` builds the TP form of a selection policy for `Engine.make_policy`."""
+    full shape; `make_policy` builds the TP form of a selection policy for `ModelPair.make_policy`."""
 
     def __init__(self, rank: int, world: int, group=None) -> None:
         self.rank, self.world, self.group = rank, world, group

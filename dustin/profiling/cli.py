@@ -81,15 +81,15 @@ def run(args) -> int:
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    if engine.draft is None:
+    if engine.pair.draft is None:
         raise InputError("profiling needs a draft model (--draft)")
-    if engine.tokenizer is None:
+    if engine.pair.tokenizer is None:
         raise InputError("profiling needs the target's tokenizer (the model folder has none)")
     out = args.out or Path("profile") / f"{Path(str(args.target)).name}+{Path(str(args.draft)).name}"
     out.mkdir(parents=True, exist_ok=True)
     with (out / "runs.jsonl").open("a") as f:  # provenance: every command that wrote into this folder
         f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "argv": ["dustin", *sys.argv[1:]],
-                            "device": str(engine.device)}) + "\n")
+                            "device": str(engine.pair.device)}) + "\n")
     costs = _load_json(out / "costs.json")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -114,7 +114,7 @@ def _srh(engine, args, out: Path, progress) -> None:
     if args.needles > len(PROFILE_NEEDLES):
         raise InputError(f"--needles {args.needles}: only {len(PROFILE_NEEDLES)} profiling needles exist")
     needles = PROFILE_NEEDLES[:args.needles]
-    limit = engine.max_context()
+    limit = engine.pair.max_context()
     limit = min(limit - args.srh_max_new_tokens - 64, args.max_context or limit)
     contexts = int_list("--contexts", args.contexts) if args.contexts else default_contexts(limit)
     haystacks = shuffled_haystacks(essays("profile"), len(needles), args.seed)
@@ -135,7 +135,7 @@ def _trace(engine, args, out: Path, progress) -> None:
         texts = []
         for kind in args.trace_kinds.split(","):
             for n in int_list("--trace-contexts", args.trace_contexts):
-                for i, text in enumerate(long_texts(kind, split, n, engine.tokenizer, args.texts, seed)):
+                for i, text in enumerate(long_texts(kind, split, n, engine.pair.tokenizer, args.texts, seed)):
                     texts.append((f"{kind}-{n}-{i}", text))
         run_trace(engine, out, split, texts, srh_t, srh_d, gamma=args.gamma, steps=args.steps, stride=args.stride,
                   draft_kv=args.draft_kv, draft_window=args.draft_window, progress=progress)

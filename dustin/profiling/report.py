@@ -18,7 +18,7 @@ def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
     from dustin.profiling.trace import DELTAS, load_traces
     from dustin.selection.config import ScoreHeads, SparseConfig
 
-    device = engine.device
+    device = engine.pair.device
     t0 = time.perf_counter()
     val = ARRObjective(load_traces(sorted((out / "trace" / "profile").glob("*.safetensors")), device))
     held_paths = sorted((out / "trace" / "heldout").glob("*.safetensors"))
@@ -34,7 +34,7 @@ def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
                        budget=args.budget, draft_topm=m)
     free = cfg.free_budget
     share = m / free
-    t_id, d_id = engine.identities()
+    t_id, d_id = engine.pair.identities()
     costs["search_s"] = round(load_s + sum(p["seconds"] for p in log["phases"].values()), 1)
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()] \
         if (out / "runs.jsonl").is_file() else []

@@ -83,11 +83,11 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
 
     a, dev = model.args, model.embed_tokens.weight.device
     spans = torch.tensor([p.spans[p.asked] for p in prompts], device=dev)
-    needle = torch.zeros(len(prompts), engine.vocab_limit, dtype=torch.bool, device=dev)
+    needle = torch.zeros(len(prompts), engine.pair.vocab_limit, dtype=torch.bool, device=dev)
     for b, (p, (start, end)) in enumerate(zip(prompts, spans.tolist(), strict=True)):
         needle[b, p.ids[start:end]] = True
     probe = NeedleMassProbe(a.n_layers, a.n_heads, spans, needle)
-    runner = engine if model is engine.target else Engine(model, None, engine.tokenizer)
+    runner = engine if model is engine.pair.target else Engine.from_models(model, None, engine.pair.tokenizer)
     # each step read back before the next is launched, so that `done` masks every token past a row's stop
     cfg = GenerationConfig(method="vanilla", max_new_tokens=max_new_tokens, options=ExecutionOptions(overlap=False))
     out = runner.generate([p.ids for p in prompts], cfg, policy=probe)
@@ -99,7 +99,7 @@ def run_srh(engine, role: str, out_dir: Path, contexts: list[int], depths: int, 
     """Run (or resume) the trials of one model of the pair and write srh_<role>.json; returns its content."""
     from dustin.eval.needles import make_needle_prompt, rouge1_recall
 
-    model = engine.target if role == "target" else engine.draft
+    model = engine.pair.target if role == "target" else engine.pair.draft
     if model is None:
         raise InputError(f"SRH profiling of the {role} needs a {role} model")
     log = out_dir / f"srh_{role}_trials.jsonl"
@@ -113,12 +113,12 @@ def run_srh(engine, role: str, out_dir: Path, contexts: list[int], depths: int, 
         per_batch = max(1, batch_tokens // c)
         for i in range(0, len(group), per_batch):
             chunk = group[i:i + per_batch]
-            prompts = [make_needle_prompt(engine.tokenizer, haystacks[n % len(haystacks)], c, [needles[n]], [d])
+            prompts = [make_needle_prompt(engine.pair.tokenizer, haystacks[n % len(haystacks)], c, [needles[n]], [d])
                        for d, n in chunk]
             mass, hits, gen = run_needle_batch(engine, model, prompts, max_new_tokens)
             with log.open("a") as f:
                 for b, (d, n) in enumerate(chunk):
-                    text = engine.tokenizer.decode(gen[b], skip_special_tokens=True)
+                    text = engine.pair.tokenizer.decode(gen[b], skip_special_tokens=True)
                     rec = {"key": trial_key(c, d, n), "context": c, "prompt_tokens": prompts[b].n_tokens,
                            "depth": d, "needle": n, "prediction": text, "answer": needles[n].answer,
                            "rouge1_recall": rouge1_recall(text, needles[n].answer), "hits": hits[b],

@@ -115,9 +115,9 @@ def run_trace(engine, out_dir: Path, split: str, texts: list[tuple[str, str]], s
     for name, text in texts:
         path = folder / f"{name}.safetensors"
         if not path.is_file():
-            ids = engine.encode(text)
-            rows = trace_text(engine.target, engine.draft, ids, srh_target, srh_draft, gamma=gamma, steps=steps,
-                              stride=stride, draft_kv=draft_kv, draft_recent=draft_window - 4)
+            ids = engine.pair.encode(text)
+            rows = trace_text(engine.pair.target, engine.pair.draft, ids, srh_target, srh_draft, gamma=gamma,
+                              steps=steps, stride=stride, draft_kv=draft_kv, draft_recent=draft_window - 4)
             tmp = path.with_suffix(".tmp")
             save_file(rows, str(tmp), metadata={"name": name, "tokens": str(len(ids)), "gamma": str(gamma),
                                                 "draft_kv": draft_kv, "deltas": json.dumps(DELTAS)})

@@ -23,7 +23,7 @@ VerifyPlan = SparsePlan | LayerPlanner | None  # what `plan` returns: one set, a
 
 
 class StepState(Protocol):
-    """What a policy may read of the batch it serves (engine/session.py's Session implements it).
+    """What a policy may read of the batch it serves (engine/worker/batch.py's BatchState implements it).
     Fixed for the batch: B, gamma, max_new_tokens (the most new tokens a row may ask), device, target/draft
     (their .args), the caches, prompts, cfg, timer (phases
     "estimate" / "select" are the policy's own). Per step: target_cache.lengths (cached positions; inside
@@ -96,7 +96,7 @@ class SelectionPolicy:
         return []
 
     def begin_gang(self, state: StepState) -> None:
-        """Called before a gang's prefill (a batch admitted together, `Session.prefill_gang`): a policy with state
+        """Called before a gang's prefill (a batch admitted together, engine/worker/prefill.py): a policy with state
         of the whole batch starts it over here (the rows now hold other sequences)."""
 
     def begin_step(self, state: StepState) -> None:

@@ -6,9 +6,6 @@ A small JSON file, e.g. configs/qwen2.5-coder-1.5b+0.5b.json:
      "budget": 512, "draft_topm": 128, "sinks": 4, "window": 16}
 `target` heads score S_target (the last accepted token's query); `draft` heads score S_draft (the draft's Γ
 lookahead queries). Heads are query-head indices. The profiling tools write tuned files in this format.
-An optional "anchor" block sets `dustin-anchor` (selection/anchors.py), e.g.
-    "anchor": {"layers": [1, 5, 10, 16], "granularity": "kv", "dense_layers": 1, "draft_topm": 0}
-(`AnchorConfig`; a file without it gets the defaults, "layers": null the target's default anchor layers).
 """
 from __future__ import annotations
 
@@ -26,67 +23,6 @@ class ScoreHeads:
     heads: tuple[int, ...]
 
 
-ANCHOR_GRANULARITIES = ("kv", "layer")
-
-
-@dataclass(frozen=True)
-class AnchorConfig:
-    """`dustin-anchor`'s settings (selection/anchors.py): anchor layers score every cached position with their own
-    verify queries and pick k per KV head ("kv") or per layer ("layer"); the first `dense_layers` layers verify
-    densely; every other layer reuses the set of the nearest anchor at or below it. draft_topm: positions of
-    S_draft's top kept in every anchor's set (Eq. 6's m; 0: no S_draft estimate at all). layers None: the
-    target's default (`default_anchor_layers`)."""
-
-    layers: tuple[int, ...] | None = None
-    granularity: str = "kv"
-    dense_layers: int = 1
-    draft_topm: int = 0
-
-    def __post_init__(self) -> None:
-        if self.granularity not in ANCHOR_GRANULARITIES:
-            raise InputError(f"anchor granularity {self.granularity!r} must be one of "
-                             f"{', '.join(ANCHOR_GRANULARITIES)}")
-        if self.dense_layers < 0:
-            raise InputError(f"anchor dense_layers ({self.dense_layers}) must be >= 0")
-        if self.layers is not None:
-            lay = list(self.layers)
-            if not lay or lay[0] < 0 or any(b <= a for a, b in zip(lay, lay[1:], strict=False)):
-                raise InputError(f"anchor layers {lay} must be a non-empty ascending list of distinct layers >= 0")
-            if lay[0] > self.dense_layers:
-                raise InputError(f"the first anchor layer ({lay[0]}) must be <= dense_layers ({self.dense_layers}): "
-                                 f"every sparse layer reuses the set of an anchor at or below it")
-
-    def resolved(self, n_layers: int) -> tuple[int, ...]:
-        """The anchor layers for a target of n_layers (the default's when layers is None)."""
-        return self.layers if self.layers is not None else default_anchor_layers(n_layers, self.dense_layers)
-
-    def validate_for(self, n_layers: int, source: str) -> None:
-        bad = [a for a in self.resolved(n_layers) if a >= n_layers]
-        if bad:
-            raise InputError(f"{source}: anchor layers {bad} out of range (the target has {n_layers} layers)")
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "AnchorConfig":
-        unknown = sorted(set(raw) - {"layers", "granularity", "dense_layers", "draft_topm"})
-        if unknown:
-            raise KeyError(f"unknown anchor setting {unknown[0]!r}")
-        layers = raw.get("layers")
-        return cls(layers=None if layers is None else tuple(int(x) for x in layers),
-                   granularity=str(raw.get("granularity", "kv")), dense_layers=int(raw.get("dense_layers", 1)),
-                   draft_topm=int(raw.get("draft_topm", 0)))
-
-
-# where the default anchors sit, as fractions of the depth: the best 4 anchors of the default pair's 28 layers
-# (1, 5, 10, 16) by the recovery check of docs/sparse_verification.md#anchor-layers-dustin-anchor
-_ANCHOR_DEPTHS = (0.18, 0.36, 0.57)
-
-
-def default_anchor_layers(n_layers: int, dense_layers: int = 1) -> tuple[int, ...]:
-    """The first sparse layer and the layers at 0.18, 0.36 and 0.57 of the depth (28 layers: 1, 5, 10, 16)."""
-    first = min(dense_layers, n_layers - 1)
-    return tuple(sorted({first, *(min(n_layers - 1, max(first, round(n_layers * f))) for f in _ANCHOR_DEPTHS)}))
-
-
 @dataclass(frozen=True)
 class SparseConfig:
     target: tuple[ScoreHeads, ...] = ()
@@ -95,7 +31,6 @@ class SparseConfig:
     draft_topm: int = 128  # m: positions filled from S_draft before S_target fills the rest
     sinks: int = 4
     window: int = 16
-    anchor: AnchorConfig = AnchorConfig()  # dustin-anchor only
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -104,24 +39,16 @@ class SparseConfig:
         if not 0 <= self.draft_topm <= self.budget - self.sinks - self.window:
             raise InputError(f"draft_topm (m = {self.draft_topm}) must be in [0, budget - sinks - window = "
                              f"{self.budget - self.sinks - self.window}]")
-        if not 0 <= self.anchor.draft_topm <= self.free_budget:
-            raise InputError(f"anchor draft_topm ({self.anchor.draft_topm}) must be in [0, budget - sinks - window = "
-                             f"{self.free_budget}]")
 
     @property
     def free_budget(self) -> int:
         return self.budget - self.sinks - self.window
 
     def with_budget(self, budget: int) -> "SparseConfig":
-        """Change k keeping m's share of the unprotected budget (m, and the anchors' m, scale with k - sinks -
-        window)."""
+        """Change k keeping m's share of the unprotected budget (m scales with k - sinks - window)."""
         free = budget - self.sinks - self.window
-
-        def scaled(m: int) -> int:
-            return max(0, min(free, round(m / max(self.free_budget, 1) * free)))
-
-        anchor = replace(self.anchor, draft_topm=scaled(self.anchor.draft_topm))
-        return replace(self, budget=budget, draft_topm=scaled(self.draft_topm), anchor=anchor)
+        m = max(0, min(free, round(self.draft_topm / max(self.free_budget, 1) * free)))
+        return replace(self, budget=budget, draft_topm=m)
 
     def validate_for(self, target: ModelArgs, draft: ModelArgs | None) -> None:
         for role, items, args in (("target", self.target, target), ("draft", self.draft, draft)):
@@ -135,7 +62,6 @@ class SparseConfig:
                 if bad or not sh.heads:
                     raise InputError(f"{self.source or 'config'}: {role} layer {sh.layer} heads {list(sh.heads)} "
                                      f"invalid (model has {args.n_heads} query heads)")
-        self.anchor.validate_for(target.n_layers, self.source or "config")
 
     @classmethod
     def load(cls, path: str | Path) -> "SparseConfig":
@@ -147,8 +73,6 @@ class SparseConfig:
             heads = {role: tuple(ScoreHeads(int(e["layer"]), tuple(int(h) for h in e["heads"]))
                                  for e in raw.get(role, [])) for role in ("target", "draft")}
             scalars = {k: int(raw[k]) for k in ("budget", "draft_topm", "sinks", "window") if k in raw}
-            if raw.get("anchor") is not None:
-                scalars["anchor"] = AnchorConfig.from_json(dict(raw["anchor"]))
         except OSError as e:
             raise InputError(f"sparse config {path} cannot be read: {e.strerror or e}") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

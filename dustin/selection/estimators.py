@@ -8,7 +8,7 @@
   the query of the last token that ends up in the cache; at the next step it scores that query against the
   full target cache (S_target).
 Scores are fp32 rows [B, S_cap]; only the configured heads' probabilities are ever materialized.
-`DraftLookahead` is S_draft's plumbing for the policies that use it (dustin, dustin-anchor).
+`DraftLookahead` is S_draft's plumbing for the policies that use it (the dustin family).
 On the GPU (and under the Triton interpreter) each `compute` is ONE `attention_scores_multi` estimate over
 all configured layers: the per-layer cache views passed in are recognised, from their metadata alone, as
 layers of one [L, B, Hkv, S, D] cache tensor (or the caller passes it as k_all). The estimate overwrites the

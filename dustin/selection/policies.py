@@ -6,9 +6,8 @@
 - `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
               it runs a full-cache forward first, so it is for analysis only.
 Per-layer baselines live in `layerwise.py` (`quest`, `specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time
-set per layer and KV head, fixed after prefill, plus every generated position); `anchors.py` holds `dustin-anchor`
-(anchor layers pick the sets of the layers above them from their own verify queries); `tail.py` the sampled-tail
-rows (`oracle-layer-tail*`, `oracle-dustin-tail*`: an exact set plus a uniform, reweighted sample of the rest).
+set per layer and KV head, fixed after prefill, plus every generated position); `tail.py` the sampled-tail rows
+(`oracle-layer-tail*`, `oracle-dustin-tail*`: an exact set plus a uniform, reweighted sample of the rest).
 One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
 tokens are appended and nothing is evicted, so any position can be selected at a later step.
 """
@@ -162,8 +161,8 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "dustin-anchor", "quest", "specattn", "snapkv", "oracle",
-            *ORACLE_RUNGS, *ORACLE_TAIL_ROWS)
+POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "quest", "specattn", "snapkv", "oracle", *ORACLE_RUNGS,
+            *ORACLE_TAIL_ROWS)
 
 
 def policy_class(name: str) -> type[SelectionPolicy]:
@@ -175,9 +174,6 @@ def policy_class(name: str) -> type[SelectionPolicy]:
         return StreamingSelection
     if name in DUSTIN_POLICIES:
         return DustinSelection
-    if name == "dustin-anchor":
-        from dustin.selection.anchors import AnchorSelection
-        return AnchorSelection
     if name == "oracle":
         return OracleSelection
     if name in ORACLE_RUNGS:

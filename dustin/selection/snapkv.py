@@ -32,8 +32,8 @@ while that is < lengths[b], then 0 (padding). Prompt picks are < prompt_len_b <=
 the list is sorted and every entry is < lengths[b], as `sparse_mask` and `sparse_verify_attention` want.
 The planner is per layer (a `LayerPlanner`), so the verify forward runs eagerly (no CUDA graph), like Quest.
 
-A reused prefill (a "snapshot" gang, `Session.prefill_gang`) copies the prompt caches and re-runs only the LAST
-prompt token, so an observer would see one query per sequence, not the window. A policy with `needs_own_prefill`
+A reused prefill (`SharedPrefill`, dustin/engine/offline/prefill.py) copies the prompt caches and re-runs only the
+LAST prompt token, so an observer would see one query per sequence, not the window. A policy with `needs_own_prefill`
 (this one) therefore never gets one: `Engine.generate(..., prefill_cache=...)` runs snapkv's own full prefill
 (identical caches, so its own state is saved for the methods that follow), and its output equals a run without
 reuse. A noise-filled prefill leaves it nothing to observe: it raises InputError.

@@ -15,8 +15,11 @@ queue is full, 500/503 when the engine failed. /openapi.json documents exactly t
 """
 from __future__ import annotations
 
+import asyncio
+import bisect
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,19 +34,17 @@ from dustin.engine.request import Logprob, RequestOutput, SamplingParams
 from dustin.engine.request import Request as EngineRequest
 from dustin.errors import DustinError, InputError
 from dustin.serve.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
-from dustin.serve.detokenize import IncrementalDetokenizer, TokenText
+from dustin.serve.detokenize import IncrementalDetokenizer, TokenText, text_decoder
 from dustin.serve.logprobs import chat_logprobs, completion_logprobs
 from dustin.serve.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    Delta,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -66,6 +67,59 @@ log = logging.getLogger("dustin.serve")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 POLL_S = 0.5  # how often a request with no new output checks whether its client is still there
 STATUSES = ("success", "aborted", "bad_request", "rejected", "error")  # dustin_requests_total{status=...}
+
+
+# histogram buckets (seconds): vLLM's for TTFT and end-to-end latency; vLLM's for TPOT with finer ones below 10 ms,
+# where a speculative step's tokens land
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative `le` buckets, `_sum`, `_count`), observed and read on the event loop."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * len(buckets)
+        self.count, self.sum = 0, 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        i = bisect.bisect_left(self.buckets, value)  # the first bucket whose bound is >= value
+        if i < len(self.counts):
+            self.counts[i] += 1
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, n in zip(self.buckets, self.counts, strict=True):
+            total += n
+            out.append(f'{self.name}_bucket{{le="{le!r}"}} {total}')
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {_num(self.sum)}",
+                f"{self.name}_count {self.count}"]
+        return out
+
+
+class Latency:
+    """Per-request latencies as clients see them, from the handler's arrival to the outputs reaching it (vLLM's
+    names after the `dustin_` prefix): per choice of a request."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram("dustin_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.tpot = Histogram("dustin_request_time_per_output_token_seconds",
+                              "Per finished request: time from its first to its last token / (tokens - 1).",
+                              TPOT_BUCKETS)
+        self.e2e = Histogram("dustin_e2e_request_latency_seconds",
+                             "Time from a request's arrival to its last token, per finished request.", E2E_BUCKETS)
+
+    def lines(self) -> list[str]:
+        return self.ttft.lines() + self.tpot.lines() + self.e2e.lines()
 
 
 class ApiError(Exception):
@@ -166,6 +220,7 @@ class _Choice:
     sent: int = 0  # streamed: generated tokens whose log-probabilities went out
     echoed: bool = False  # streamed: the prompt went out
     offset: int = 0  # streamed: text_offset of the next token
+    first_s: float | None = None  # when its first generated token reached the handler (time.perf_counter)
 
 
 class _Job:
@@ -173,8 +228,10 @@ class _Job:
     and the answer built from the engine's outputs."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, body, tokenizer, prompts: list[_Prompt],
-                 zero: bool) -> None:
+                 zero: bool, latency: Latency | None = None) -> None:
         self.rid, self.created, self.model, self.chat, self.body = rid, created, model, chat, body
+        self.arrival = time.perf_counter()
+        self.latency = latency  # where each choice's TTFT, TPOT and end-to-end latency are observed
         self.tokenizer, self.prompts = tokenizer, prompts
         self.zero = zero  # echo with max_tokens 0: each choice's one generated token is dropped
         self.stops = body.stop_list()
@@ -184,12 +241,14 @@ class _Job:
         self.with_ids = body.return_token_ids or tokenizer is None
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.text = TokenText(tokenizer)
+        self.decode = text_decoder(tokenizer)
         self.choices: list[_Choice] = []
         self.by_id: dict[str, _Choice] = {}
         self.failed = False
 
     def add(self, prompt: _Prompt, request_id: str) -> None:
-        c = _Choice(len(self.choices), request_id, prompt, IncrementalDetokenizer(self.tokenizer, self.stops))
+        c = _Choice(len(self.choices), request_id, prompt, IncrementalDetokenizer(self.tokenizer, self.stops,
+                                                                                   self.decode))
         self.choices.append(c)
         self.by_id[request_id] = c
 
@@ -213,6 +272,16 @@ class _Job:
         elif out.finished:
             text += c.detok.finish()
             c.finish = "length" if self.zero else out.finish_reason
+        if self.latency is not None and not self.zero:
+            t = time.perf_counter()
+            if c.first_s is None and ids:
+                c.first_s = t
+                self.latency.ttft.observe(t - self.arrival)
+            if c.finish is not None and c.finish != "abort":
+                self.latency.e2e.observe(t - self.arrival)
+                n = len(c.detok.ids)
+                if n > 1 and c.first_s is not None:
+                    self.latency.tpot.observe((t - c.first_s) / (n - 1))
         return c, text
 
     def echo_text(self, c: _Choice) -> str:
@@ -268,16 +337,39 @@ class _Job:
         return self.chunk(c, text, lp, [] if self.zero else out.new_token_ids)
 
     def chunk(self, c: _Choice, text: str | None, lp, ids: list[int], role: bool = False) -> dict:
-        ids = ids if self.with_ids else None
+        """One SSE chunk of one choice, as a dict: what `_dump` makes of ChatCompletionChunk / CompletionResponse
+        (tests/api/test_serve.py holds the two equal), built directly because it is built once per request and
+        engine step."""
+        lp = None if lp is None else lp.model_dump()
         if self.chat:
-            delta = Delta(role="assistant" if role else None, content=text)
-            d = _dump(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[
-                ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish if not role else None,
-                                token_ids=ids)]))
-            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
-            return d
-        return _dump(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=c.index, text=text or "", logprobs=lp, finish_reason=c.finish, token_ids=ids)]))
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None if role else c.finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": c.index, "text": text or "", "logprobs": lp, "finish_reason": c.finish}
+            obj = "text_completion"
+        if self.with_ids:
+            choice["token_ids"] = list(ids)
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+
+def _merged(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs of one batch with each request's outputs joined into one, in the order of each request's first
+    output: what the engine made for a request since its handler last looked, as one chunk."""
+    groups: dict[str, list[RequestOutput]] = {}
+    for o in outs:
+        groups.setdefault(o.request_id, []).append(o)
+    return [g[0] if len(g) == 1 else _joined(g) for g in groups.values()]
+
+
+def _joined(g: list[RequestOutput]) -> RequestOutput:
+    last = g[-1]
+    lps = None if all(o.logprobs is None for o in g) else [x for o in g for x in o.logprobs or []]
+    prompt = next((o.prompt_logprobs for o in g if o.prompt_logprobs is not None), None)
+    return RequestOutput(last.request_id, [t for o in g for t in o.new_token_ids], last.finished, last.finish_reason,
+                         last.prompt_tokens, last.completion_tokens, lps, prompt)
 
 
 class _Server:
@@ -288,6 +380,7 @@ class _Server:
         self.model = served_model_name
         self.created = now()
         self.counts: Counter = Counter({s: 0 for s in STATUSES})
+        self.latency = Latency()
         self._headroom: int | None = None
 
     # ------------------------------------------------------------------ input
@@ -389,21 +482,28 @@ class _Server:
             raise ApiError(400, str(e), param=param) from None
 
     # ------------------------------------------------------------------ output
-    async def _outputs(self, stream: RequestStream, request: Request) -> AsyncIterator[RequestOutput]:
-        """The requests' outputs until each finished; returns early (aborting them) when the client went away."""
+    async def _outputs(self, stream: RequestStream, request: Request) -> AsyncIterator[list[RequestOutput]]:
+        """The requests' outputs until each finished, every output waiting at once (a loop that fell behind the
+        engine catches up in one batch); returns early (aborting them) when the client went away, which is checked
+        whenever POLL_S seconds passed without an output and at most every POLL_S seconds otherwise."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while not stream.finished:
-            out = await stream.next(timeout=POLL_S)
-            if await request.is_disconnected():
-                return
-            if out is not None:
-                yield out
+            outs = await stream.next_batch(timeout=POLL_S)
+            t = loop.time()
+            if not outs or t - checked >= POLL_S:
+                checked = t
+                if await request.is_disconnected():
+                    return
+            if outs:
+                yield outs
 
     async def generate(self, request: Request, body, prompts: list[_Prompt], max_tokens: int, chat: bool) -> Any:
         """Run every choice (n per prompt, numbered prompt by prompt) and answer: one JSON response or an SSE
         stream. max_tokens 0 (completions with echo): each choice generates one token, which is dropped."""
         rid = new_id("chatcmpl" if chat else "cmpl")
         zero = max_tokens == 0 and not chat and body.echo
-        job = _Job(rid, now(), self.model, chat, body, self.engine.tokenizer, prompts, zero)
+        job = _Job(rid, now(), self.model, chat, body, self.engine.tokenizer, prompts, zero, self.latency)
         if job.stops and self.engine.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
         groups = []
@@ -419,8 +519,9 @@ class _Server:
             return StreamingResponse(self._stream(request, job, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            async for out in self._outputs(stream, request):
-                job.take(out, stream)
+            async for outs in self._outputs(stream, request):
+                for out in outs:
+                    job.take(out, stream)
         except EngineDeadError as e:
             raise ApiError(500, f"the engine failed while generating: {e}", type="server_error",
                            code="engine_error") from None
@@ -437,11 +538,16 @@ class _Server:
             if job.chat:
                 for c in job.choices:
                     yield _sse(job.chunk(c, "", None, [], role=True))
-            async for out in self._outputs(stream, request):
-                c, text = job.take(out, stream)
-                chunk = job.stream_chunk(c, text, out)
-                if chunk is not None:
-                    yield _sse(chunk)
+            async for outs in self._outputs(stream, request):
+                # one chunk per choice and batch: a choice's outputs that waited together go out together
+                events = []
+                for out in _merged(outs):
+                    c, text = job.take(out, stream)
+                    chunk = job.stream_chunk(c, text, out)
+                    if chunk is not None:
+                        events.append(_sse(chunk))
+                if events:
+                    yield "".join(events)
             if not job.done:  # the client went away
                 return
             self.counts["success"] += 1
@@ -494,6 +600,14 @@ class _Server:
                        f"--budget auto: {text} of the KV positions verified per sequence and step.", budget[key])
             metric("dustin_budget_dense_share", "gauge", "--budget-dense: share of sequence steps verified against "
                    "the whole cache.", budget.get("dense", 0.0))
+        if "spec_draft_tokens_total" in st:  # speculative decoding, vLLM's counters
+            metric("dustin_spec_decode_num_drafts_total", "counter",
+                   "Sequence steps that verified draft tokens (speculative methods).", st["spec_drafts_total"])
+            metric("dustin_spec_decode_num_draft_tokens_total", "counter",
+                   "Draft tokens proposed to verification.", st["spec_draft_tokens_total"])
+            metric("dustin_spec_decode_num_accepted_tokens_total", "counter",
+                   "Draft tokens verification accepted.", st["spec_accepted_tokens_total"])
+        lines.extend(self.latency.lines())
         lines.append("# HELP dustin_requests_total HTTP generation requests by outcome.")
         lines.append("# TYPE dustin_requests_total counter")
         for status in STATUSES:
@@ -585,7 +699,11 @@ def create_app(async_engine: AsyncEngineCore, served_model_name: str | None = No
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> JSONResponse:
-        card = ModelCard(id=server.model, created=server.created, max_model_len=async_engine.max_context)
+        from dustin.engine.config import LOSSY_METHODS
+
+        method = async_engine.method
+        card = ModelCard(id=server.model, created=server.created, max_model_len=async_engine.max_context,
+                         method=method, lossy=None if method is None else method in LOSSY_METHODS)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/metrics", response_class=PlainTextResponse)

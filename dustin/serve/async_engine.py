@@ -4,12 +4,16 @@
 
     apply pending commands (add / abort) from a thread-safe queue
     -> step() while there is work (else sleep until a command arrives)
-    -> hand each RequestOutput to its request's asyncio.Queue with loop.call_soon_threadsafe
-    -> refresh the stats snapshot that /metrics and /health read.
+    -> refresh the stats snapshot that /metrics and /health read
+    -> hand the step's outputs to the event loop in ONE loop.call_soon_threadsafe, which appends each to its
+       request's stream and wakes the handlers waiting on them.
 
-Request handlers (on the event loop) only put commands on the queue and await their request's queue. The one
-exception is `EngineCore.check_request`, which the caller runs itself so a bad request fails fast even while the
-engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
+Request handlers (on the event loop) only put commands on the queue and await their request's stream, and take
+every output waiting there at once (`RequestStream.next_batch`): a loop that falls behind the engine catches up
+in fewer, larger chunks instead of one wake-up and one chunk per output. The one exception is
+`EngineCore.check_request`, a request's one check, which the caller runs itself so a bad request fails fast even
+while the engine thread is busy with a long step; it only reads settings fixed at start (context, vocabulary, Γ).
+The engine thread then adds the checked requests without checking them again.
 
 If `step()` raises, every in-flight request fails with `EngineDeadError` (a 500 for its client, no hang), the engine
 stops taking requests, and `error` keeps the message for /health (503). The process stays up.
@@ -28,6 +32,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,10 +49,42 @@ class EngineDeadError(DustinError):
     """The engine thread failed (or was shut down): no request can be served."""
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """Where the outputs of one HTTP request's engine requests go: a buffer on its event loop, and the future a
+    handler waiting for it awaits. Touched on the loop only (the engine thread hands items over with one
+    `call_soon_threadsafe` per step)."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque = deque()  # RequestOutput, or the exception that ended the engine
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, items: list) -> None:
+        self.items.extend(items)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Until items are waiting (True) or `timeout` seconds passed (False)."""
+        if self.items:
+            return True
+        fut = self.loop.create_future()
+        self.waiter = fut
+        handle = None if timeout is None else self.loop.call_later(timeout, _timed_out, fut)
+        try:
+            return await fut
+        finally:
+            self.waiter = None
+            if handle is not None:
+                handle.cancel()
+
+
+def _timed_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 @dataclass
@@ -74,6 +111,7 @@ class RequestStream:
         self.owner, self._stream = owner, stream
         self.request_id = request_ids[0]
         self.unfinished = dict.fromkeys(request_ids)
+        self._ready: deque[RequestOutput] = deque()  # taken from the stream, not yet returned by next()
 
     @property
     def finished(self) -> bool:
@@ -91,23 +129,38 @@ class RequestStream:
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output; None at the end of the stream or when `timeout` seconds passed without one
         (check `finished` to tell them apart). Raises EngineDeadError when the engine failed."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        if not self._ready:
+            self._ready.extend(await self.next_batch(timeout))
+        return self._ready.popleft() if self._ready else None
+
+    async def next_batch(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Every output waiting (at least one, in the order the engine made them); [] at the end of the stream or
+        when `timeout` seconds passed without one. Raises EngineDeadError when the engine failed (after the
+        outputs that came before the failure were returned)."""
+        if self._ready:
+            out, self._ready = list(self._ready), deque()
+            return out
+        st = self._stream
         while self.unfinished:
-            try:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                item = await asyncio.wait_for(self._stream.queue.get(), left)
-            except asyncio.TimeoutError:
-                return None
-            if isinstance(item, BaseException):
-                self.unfinished.clear()
-                raise item
-            if item.request_id not in self.unfinished:  # of a request aborted here
-                continue
-            if item.finished:
-                del self.unfinished[item.request_id]
-            return item
-        return None
+            if not st.items and not await st.wait(timeout):
+                return []
+            out = []
+            while st.items:
+                item = st.items.popleft()
+                if isinstance(item, BaseException):
+                    if out:  # first the outputs that came before it
+                        st.items.appendleft(item)
+                        return out
+                    self.unfinished.clear()
+                    raise item
+                if item.request_id not in self.unfinished:  # of a request aborted here
+                    continue
+                if item.finished:
+                    del self.unfinished[item.request_id]
+                out.append(item)
+            if out:
+                return out
+        return []
 
     def abort(self, request_id: str | None = None) -> None:
         """Stop generating one request (a choice's stop string) or every unfinished one (client gone).
@@ -132,6 +185,7 @@ class AsyncEngineCore:
         self.engine = engine
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.model_name = getattr(engine, "model_name", "dustin")
+        self.method: str | None = getattr(getattr(engine, "config", None), "method", None)  # the decoding method
         self.max_context = int(engine.max_context)
         self.vocab_limit = int(engine.pair.vocab_limit)  # token ids the engine takes: 0..vocab_limit - 1
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,7 +234,7 @@ class AsyncEngineCore:
             for r in group:
                 self.check_request(r.prompt_ids, r.params, len(group))
         ids = [r.request_id for group in groups for r in group]
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         cmd = _Add(groups, stream)
         self._commands.put(cmd)
         self._wake.set()
@@ -269,11 +323,8 @@ class AsyncEngineCore:
             return
         added: list[str] = []
         try:
-            for group in cmd.groups:
-                if len(group) == 1:
-                    self.engine.add_request(group[0])
-                else:
-                    self.engine.add_requests(group)
+            for group in cmd.groups:  # each request was checked by `generate_groups` (on the event loop)
+                self.engine.add_requests(group, checked=True)
                 added += [r.request_id for r in group]
         except Exception as e:  # noqa: BLE001 - InputError, QueueFullError (or a bug): the caller gets it
             for rid in added:  # all or nothing
@@ -301,13 +352,15 @@ class AsyncEngineCore:
             self._die(f"engine step failed: {type(e).__name__}: {e}")
             return
         self._refresh_stats()  # before delivering: a client that got its last token sees it counted
+        batches: dict[_Stream, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            _deliver(stream, out)
+            batches.setdefault(stream, []).append(out)
+        _deliver(batches)
 
     def _die(self, message: str) -> None:
         with self._lock:
@@ -316,8 +369,7 @@ class AsyncEngineCore:
         self._refresh_stats()
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            _deliver(stream, exc)
+        _deliver({stream: [exc] for stream in self._streams.values()})
         self._streams.clear()
         while True:  # adds that arrived after the failure
             try:
@@ -338,11 +390,22 @@ class AsyncEngineCore:
             self._stats = snap
 
 
-def _deliver(stream: _Stream, item: Any) -> None:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # the client's event loop is closed: nobody is listening
-        pass
+def _deliver(batches: dict[_Stream, list]) -> None:
+    """Hand each stream its items on its event loop: one call_soon_threadsafe (one wake-up of the loop) per loop
+    and step, whatever the number of requests."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list]]] = {}
+    for stream, items in batches.items():
+        by_loop.setdefault(stream.loop, []).append((stream, items))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, pairs)
+        except RuntimeError:  # the client's event loop is closed: nobody is listening
+            pass
+
+
+def _push_all(pairs: list[tuple[_Stream, list]]) -> None:
+    for stream, items in pairs:
+        stream.push(items)
 
 
 def _set_result(fut: Future, value: Any) -> None:

@@ -22,14 +22,14 @@ from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dustin.engine.config import METHODS
+    from dustin.engine.config import METHODS, methods_help
 
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
-                   help=f"decoding method of every request (default {DEFAULT_METHOD}; quest, snapkv, specattn, oracle "
-                        f"and the oracle-* ladder keep whole-batch state: their requests are admitted in gangs that "
-                        f"nothing joins until all finish)")
+                   help=methods_help(DEFAULT_METHOD) + ". Every request is decoded with it; quest, snapkv, specattn, "
+                        "oracle and the oracle-* ladder keep whole-batch state: their requests are admitted in gangs "
+                        "that nothing joins until all finish")
     add_draft_kernel_arg(add_speculation_args(p, auto=True))
     add_sparse_args(p)
     s = p.add_argument_group("scheduling")
@@ -141,10 +141,8 @@ def _serve(args, engine, world: int) -> int:
     name = args.served_model_name or engine.model_name
     async_engine = AsyncEngineCore(engine)
     app = create_app(async_engine, name)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    tp = f", tensor parallel over {world} ranks" if world > 1 else ""
-    print(f"dustin serve: http://{host}:{args.port} (model {name}, method {args.method}, "
-          f"{engine.max_context} context x {getattr(engine, 'max_slots', '?')} slots{tp})", flush=True)
+    print(start_line(args.host, args.port, name, args.method, engine.max_context, getattr(engine, "max_slots", "?"),
+                     world), flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     try:
@@ -165,6 +163,16 @@ def _serve(args, engine, world: int) -> int:
         raise DustinError("the tensor-parallel ranks could not be stopped cleanly (an engine step failed after its "
                           "plan was sent); they end at the process group's timeout")
     return 0
+
+
+def start_line(host: str, port: int, name: str, method: str, context: int, slots, world: int = 1) -> str:
+    """The one line `dustin serve` prints once it serves: where, what, and whether its output is the target's."""
+    from dustin.engine.config import method_output
+
+    host = f"[{host}]" if ":" in host else host
+    tp = f", tensor parallel over {world} ranks" if world > 1 else ""
+    return (f"dustin serve: http://{host}:{port} (model {name}, method {method}, {context} context x {slots} slots"
+            f"{tp}); {method_output(method)}")
 
 
 def _interrupt(signum, frame) -> None:

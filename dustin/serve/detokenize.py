@@ -9,9 +9,32 @@ U+FFFD (an incomplete UTF-8 sequence) is held back until the next token complete
 from __future__ import annotations
 
 
+def text_decoder(tokenizer):
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of `ids` (None without a tokenizer). For a
+    fast tokenizer whose decode is transformers' own and cleans up no spaces (Qwen2.5's, for one), that decode is
+    the Rust tokenizer's alone, so it is called directly: transformers first converts and checks every id in
+    Python, which cost more than the decode itself on the short tails a stream decodes per step."""
+    if tokenizer is None:
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        base = PreTrainedTokenizerFast._decode
+    except (ImportError, AttributeError):
+        base = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (base is not None and getattr(type(tokenizer), "_decode", None) is base
+            and callable(getattr(backend, "decode", None))
+            and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False):
+        dec = backend.decode
+        return lambda ids: dec(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stops: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, stops: list[str] | None = None, decode=None) -> None:
+        """decode: `text_decoder(tokenizer)`, if the caller has it already (one per tokenizer will do)."""
         self.tokenizer = tokenizer
+        self._dec = decode or text_decoder(tokenizer)
         self.stops = [s for s in (stops or []) if s]
         self._max_stop = max((len(s) for s in self.stops), default=0)
         self.ids: list[int] = []
@@ -34,12 +57,12 @@ class IncrementalDetokenizer:
     def _decode(self) -> str:
         if self.tokenizer is None:
             return ""
-        dec = self.tokenizer.decode
-        tail = dec(self.ids[self._offset:], skip_special_tokens=True)
+        dec = self._dec
+        tail = dec(self.ids[self._offset:])
         cut = len(self.ids) - self._TAIL
         if cut - self._offset >= 2 * self._TAIL:  # try to settle ids[_offset:cut]
-            head = dec(self.ids[self._offset:cut], skip_special_tokens=True)
-            rest = dec(self.ids[cut:], skip_special_tokens=True)
+            head = dec(self.ids[self._offset:cut])
+            rest = dec(self.ids[cut:])
             # only where decoding splits there exactly (not inside a character or a merge)
             if head + rest == tail and not head.endswith("\ufffd"):
                 self._settled += head
@@ -75,7 +98,7 @@ class IncrementalDetokenizer:
         """The fewest tokens whose text holds a stop string found at or after `start` (the first `before` did
         not)."""
         for k in range(max(before, self._offset) + 1, len(self.ids)):
-            text = self._settled + self.tokenizer.decode(self.ids[self._offset:k], skip_special_tokens=True)
+            text = self._settled + self._dec(self.ids[self._offset:k])
             if any(text.find(s, start) >= 0 for s in self.stops):
                 return k
         return len(self.ids)

@@ -362,6 +362,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "dustin"
     max_model_len: int | None = None
+    # extensions: the decoding method the server was started with, and whether it is lossy (sparse verification:
+    # the output can differ from the target model's own) or not (the target's own output)
+    method: str | None = None
+    lossy: bool | None = None
 
 
 class ModelList(BaseModel):

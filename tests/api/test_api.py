@@ -68,13 +68,13 @@ def test_eos_stops_and_is_reported(llm):
     prompts = _prompts([10, 20, 30], seed=1)
     full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
     eos = full[1].token_ids[6]  # a token the second sequence emits early becomes the stop token
-    saved, llm.engine.eos_ids = llm.engine.eos_ids, {eos}
+    saved, llm.engine.pair.eos_ids = llm.engine.pair.eos_ids, {eos}
     try:
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25))
         ref = llm.engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
         ignored = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
     finally:
-        llm.engine.eos_ids = saved
+        llm.engine.pair.eos_ids = saved
     assert _ids(out) == [s.token_ids for s in ref.sequences]
     for f, r in zip(full, out, strict=True):
         stopped = eos in f.token_ids
@@ -135,12 +135,12 @@ def test_default_method_and_vanilla(tiny_pair, llm):
     prompts = _prompts([50, 80], seed=5)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     sparse = LLM(str(target), str(draft), budget=32, device="cpu", dtype="fp32")
-    assert sparse.method == "dustin" and sparse.engine.draft is not None
+    assert sparse.method == "dustin" and sparse.engine.pair.draft is not None
     ref = sparse.engine.generate(prompts, GenerationConfig(method="dustin", budget=32, max_new_tokens=10,
                                                            stop_at_eos=False))
     assert _ids(sparse.generate(prompts, params)) == [s.token_ids for s in ref.sequences]
     vanilla = LLM(str(target), str(draft), method="vanilla", device="cpu", dtype="fp32")
-    assert vanilla.engine.draft is None
+    assert vanilla.engine.pair.draft is None
     out = vanilla.generate(prompts, params)
     assert _ids(out) == _ids(llm.generate(prompts, params)) and out[0].metrics.tau == 1.0
 
@@ -199,7 +199,7 @@ def test_logprobs_are_those_the_engine_core_serves(llm):
     assert len(r.logprobs) == 6 and all(len(lp.top) == 2 for lp in r.logprobs)
     assert len(r.prompt_logprobs) == 9 and r.prompt_logprobs[0] is None
     assert all(len(lp.top) == 1 for lp in r.prompt_logprobs[1:])
-    core = EngineCore(llm.engine, GenerationConfig(method="classic", gamma=3, max_slots=2))
+    core = EngineCore(llm.engine.pair, GenerationConfig(method="classic", gamma=3, max_slots=2))
     core.add_request(Request("a", prompts[0], asked))
     served, lps, plps = [], [], None
     while core.has_unfinished():

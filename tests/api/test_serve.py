@@ -131,6 +131,213 @@ def test_health_models_and_metrics(live):
     assert m["dustin_kv_slots_total"] == 4
 
 
+def _prometheus(text: str) -> tuple[dict[str, str], dict[str, float]]:
+    """A Prometheus text exposition read strictly: each family's `# TYPE`, and every sample (name with its labels
+    -> value). A line that is neither a comment nor a sample, or a sample of a family without `# TYPE`, fails."""
+    types: dict[str, str] = {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+            continue
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)", line)
+        assert m, f"not a sample: {line!r}"
+        name = m.group(1)
+        family = name if name in types else re.sub(r"_(bucket|sum|count)$", "", name)
+        assert family in types, f"{name} has no # TYPE"
+        samples[name + (m.group(2) or "")] = float(m.group(3))
+    return types, samples
+
+
+def _histogram(types: dict, samples: dict, name: str) -> tuple[list[tuple[float, float]], float, float]:
+    """A histogram's cumulative (le, count) buckets, its sum and its count, checked for shape: ascending bounds
+    ending at +Inf, non-decreasing counts, the +Inf bucket equal to the count."""
+    assert types[name] == "histogram"
+    buckets = [(float(re.search(r'le="([^"]+)"', k).group(1)), v) for k, v in samples.items()
+               if k.startswith(name + "_bucket{")]
+    les, counts = [b[0] for b in buckets], [b[1] for b in buckets]
+    assert les == sorted(les) and les[-1] == float("inf") and len(les) > 5
+    assert counts == sorted(counts) and counts[-1] == samples[name + "_count"]
+    return buckets, samples[name + "_sum"], samples[name + "_count"]
+
+
+TTFT, TPOT, E2E = ("dustin_time_to_first_token_seconds", "dustin_request_time_per_output_token_seconds",
+                   "dustin_e2e_request_latency_seconds")
+
+
+def test_metrics_latency_histograms_and_speculation_counters(live):
+    """/metrics against a live server: TTFT, TPOT and end-to-end latency histograms observe each request once, at
+    values the client's own clock bounds, in the buckets their values belong to; the speculation counters add up
+    to the tokens the request got (classic, Γ = 4)."""
+    live.wait_idle()
+    types, before = _prometheus(live.http.get("/metrics").text)
+    t0 = time.perf_counter()
+    r = _complete(live, prompt=[5, 6, 7, 8], max_tokens=24, temperature=0, ignore_eos=True)
+    wall = time.perf_counter() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    types, after = _prometheus(live.http.get("/metrics").text)
+    hist = {}
+    for name in (TTFT, TPOT, E2E):
+        b0, s0, n0 = _histogram(types, before, name)
+        b1, s1, n1 = _histogram(types, after, name)
+        assert n1 - n0 == 1, name  # one observation for the one request
+        value = s1 - s0
+        hist[name] = value
+        # exactly the buckets whose bound is at or above the value gained it
+        assert [round(c1 - c0) for (_, c0), (_, c1) in zip(b0, b1, strict=True)] == [
+            int(le >= value) for le, _ in b1], name
+    ttft, tpot, e2e = hist[TTFT], hist[TPOT], hist[E2E]
+    assert 0 < ttft < e2e <= wall
+    assert tpot == pytest.approx((e2e - ttft) / 23, rel=1e-6)  # first to last token over the 23 gaps
+    # speculation: every decode step of the request verified Γ = 4 drafts; the prefill gave its first token
+    for name in ("dustin_spec_decode_num_drafts_total", "dustin_spec_decode_num_draft_tokens_total",
+                 "dustin_spec_decode_num_accepted_tokens_total"):
+        assert types[name] == "counter", name
+    drafts, proposed, accepted = (after[k] - before[k] for k in (
+        "dustin_spec_decode_num_drafts_total", "dustin_spec_decode_num_draft_tokens_total",
+        "dustin_spec_decode_num_accepted_tokens_total"))
+    assert drafts >= 1 and proposed == GAMMA * drafts and 0 <= accepted <= proposed
+    assert 23 <= drafts + accepted <= 23 + GAMMA  # a step gives its accepted drafts + 1; the last may overshoot
+    # over the server's life the counters are τ's own terms
+    assert after["dustin_tau"] == pytest.approx(
+        1 + after["dustin_spec_decode_num_accepted_tokens_total"] / after["dustin_spec_decode_num_drafts_total"])
+
+    # streamed, n = 2: each choice is observed; a 1-token request has no time per output token
+    body = {"model": MODEL, "prompt": [9, 10], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "stream": True}
+    with live.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert len(_sse_events(resp.iter_lines())) >= 2
+    assert _complete(live, prompt=[11], max_tokens=1, temperature=0, ignore_eos=True).status_code == 200
+    types, last = _prometheus(live.http.get("/metrics").text)
+    assert last[TTFT + "_count"] - after[TTFT + "_count"] == 3
+    assert last[E2E + "_count"] - after[E2E + "_count"] == 3
+    assert last[TPOT + "_count"] - after[TPOT + "_count"] == 2
+
+
+def test_speculation_counters_of_a_method_without_drafts(tiny_pair):
+    eng = _engine(tiny_pair, method="vanilla")
+    eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    st = eng.stats()
+    assert (st["spec_drafts_total"], st["spec_draft_tokens_total"], st["spec_accepted_tokens_total"]) == (0, 0, 0)
+    assert st["generated_tokens_total"] == 8
+
+
+def test_models_and_start_line_say_whether_the_output_is_the_targets(live, tiny_pair):
+    card = live.http.get("/v1/models").json()["data"][0]
+    assert (card["method"], card["lossy"]) == ("classic", False)
+    srv = LiveServer(_engine(tiny_pair, method="dustin", budget=24, draft_window=32))
+    try:
+        card = srv.http.get("/v1/models").json()["data"][0]
+        assert (card["method"], card["lossy"]) == ("dustin", True)
+        assert srv.client.models.list().data[0].model_extra["lossy"] is True
+    finally:
+        srv.close()
+    from dustin.serve.cli import start_line
+
+    assert start_line("::1", 8000, "m", "dustin", 4096, 16) == (
+        "dustin serve: http://[::1]:8000 (model m, method dustin, 4096 context x 16 slots); lossy: sparse "
+        "verification, the output can differ from the target's")
+    assert start_line("0.0.0.0", 80, "m", "magicdec", 512, 2, world=2).endswith(
+        "2 slots, tensor parallel over 2 ranks); lossless: the target's own output")
+
+
+def test_stream_hands_over_every_waiting_output_at_once():
+    """RequestStream.next_batch: the outputs waiting, in order, in one batch; those of an aborted request dropped;
+    an engine failure raised after the outputs that came before it."""
+    import asyncio
+
+    from dustin.engine.request import RequestOutput
+    from dustin.errors import DustinError
+    from dustin.serve.async_engine import EngineDeadError, RequestStream, _Stream
+
+    class Owner:
+        aborted: ClassVar[list] = []
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+    async def go():
+        st = _Stream(asyncio.get_running_loop())
+        stream = RequestStream(Owner(), ["a", "b", "c"], st)
+        assert await stream.next_batch(timeout=0.01) == []  # nothing yet: the timeout
+        st.push([RequestOutput("a", [1], False), RequestOutput("b", [2], False), RequestOutput("a", [3], False)])
+        stream.abort("c")
+        st.push([RequestOutput("c", [9], False), RequestOutput("b", [4], True)])
+        got = await stream.next_batch(timeout=1)
+        assert [(o.request_id, o.new_token_ids) for o in got] == [("a", [1]), ("b", [2]), ("a", [3]), ("b", [4])]
+        assert Owner.aborted == ["c"] and list(stream.unfinished) == ["a"]
+        waiter = asyncio.ensure_future(stream.next_batch())
+        await asyncio.sleep(0)
+        st.push([RequestOutput("a", [5], False), EngineDeadError("boom")])
+        assert [o.new_token_ids for o in await waiter] == [[5]]  # the output first, then the failure
+        with pytest.raises(DustinError, match="boom"):
+            await stream.next_batch()
+        assert stream.finished
+
+    asyncio.run(go())
+
+
+def test_a_choices_waiting_outputs_go_out_as_one_chunk():
+    """What a handler that fell behind sends: each request's outputs of a batch joined, tokens, log-probabilities
+    and finish in order, the prompt's log-probabilities kept."""
+    from dustin.engine.request import Logprob, RequestOutput
+    from dustin.serve.app import _merged
+
+    lp = [Logprob(-float(i), ((i, -float(i)),)) for i in range(5)]
+    outs = [RequestOutput("a", [1, 2], False, None, 3, 2, lp[:2], [None, lp[4]]),
+            RequestOutput("b", [7], False, None, 2, 1, None),
+            RequestOutput("a", [3], True, "length", 3, 3, lp[2:3])]
+    a, b = _merged(outs)
+    assert (a.request_id, a.new_token_ids, a.finished, a.finish_reason, a.completion_tokens) == (
+        "a", [1, 2, 3], True, "length", 3)
+    assert a.logprobs == lp[:3] and a.prompt_logprobs == [None, lp[4]]
+    assert b is outs[1] and outs[0].new_token_ids == [1, 2]  # a single output passes as it is; none is changed
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("ids", [False, True])
+def test_stream_chunks_are_the_response_models(chat, ids):
+    """The SSE chunks, built as dicts on the per-token path, are what the response models dump to."""
+    from dustin.serve.app import _dump, _Job, _Prompt
+    from dustin.serve.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatCompletionRequest,
+        ChatLogprobs,
+        CompletionChoice,
+        CompletionLogprobs,
+        CompletionRequest,
+        CompletionResponse,
+        Delta,
+    )
+
+    if chat:
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                     "return_token_ids": ids})
+        lp = ChatLogprobs(content=[])
+    else:
+        body = CompletionRequest.model_validate({"prompt": [5, 6], "return_token_ids": ids})
+        lp = CompletionLogprobs(tokens=["w1"], token_logprobs=[-0.5], top_logprobs=[{"w1": -0.5}], text_offset=[0])
+    job = _Job("id-1", 123, "m", chat, body, None if ids else object(), [_Prompt([5, 6], None)], False)
+    job.add(job.prompts[0], "id-1-0-0")
+    c = job.choices[0]
+    for text, logprobs, finish, role in (("ab", lp, None, False), ("", None, "length", False), ("", None, None, True)):
+        c.finish = finish
+        got = job.chunk(c, text, logprobs, [4, 5], role=role)
+        if chat:
+            d = _dump(ChatCompletionChunk(id="id-1", created=123, model="m", choices=[ChatChunkChoice(
+                index=0, delta=Delta(role="assistant" if role else None, content=text), logprobs=logprobs,
+                finish_reason=None if role else finish, token_ids=[4, 5] if ids else None)]))
+            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
+        else:
+            d = _dump(CompletionResponse(id="id-1", created=123, model="m", choices=[CompletionChoice(
+                index=0, text=text, logprobs=logprobs, finish_reason=finish, token_ids=[4, 5] if ids else None)]))
+        assert got == d and json.dumps(got) == json.dumps(d)  # the same keys in the same order
+
+
 def test_unknown_path_and_model(live):
     r = live.http.get("/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
@@ -949,6 +1156,7 @@ def test_serve_command_end_to_end(tiny_pair):
         line = proc.stdout.readline()
         assert line.startswith(f"dustin serve: http://127.0.0.1:{port} (model tiny-e2e, method classic"), \
             line + proc.stderr.read()
+        assert line.rstrip("\n").endswith("slots); lossless: the target's own output"), line
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 30
         while True:
@@ -992,7 +1200,7 @@ def test_real_pair_chat_and_text_completion_equal_engine_generate(real_pair):
     want_text = engine.generate([code], cfg).sequences[0]
     # a short slot and prefill forward: the request without max_tokens runs to the slot's end at worst, and every
     # prefill is padded to prefill_tokens (512 by default on a CPU)
-    llm = EngineCore(engine, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,
+    llm = EngineCore(engine.pair, GenerationConfig(method="classic", gamma=GAMMA, max_slots=2, max_context=192,
                                               prefill_chunk=64, prefill_tokens=64))
     srv = LiveServer(llm, name="qwen", timeout=600)
     try:

@@ -102,7 +102,7 @@ def test_shared_prefill_is_exact(text_pair):
     from dustin.bench.e2e import real_prompts
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     engine = Engine.from_pretrained(text_pair[0], text_pair[1])
     prompts = real_prompts(AutoTokenizer.from_pretrained(str(text_pair[0])), "code", 72, 3, seed=1)

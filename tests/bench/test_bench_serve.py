@@ -36,6 +36,28 @@ def test_bench_serve_end_to_end(tiny_pair, tmp_path, capsys):
     assert "| poisson | magicdec |" in capsys.readouterr().out
 
 
+def test_bench_serve_decode_heavy_row_from_another_process(tiny_pair, tmp_path, capsys):
+    """The decode-heavy scenario (its sizes scaled down by the flags) with the requests sent from another process:
+    the server's tokens/s beside Engine.generate's on the same prompts in the same run."""
+    target, draft = tiny_pair
+    out = tmp_path / "decode.json"
+    code = main(["bench", "serve", "--target", str(target), "--draft", str(draft), "--methods", "vanilla",
+                 "--scenario", "decode", "--client", "process", "--prompts", "random", "--prompt-tokens", "30,30",
+                 "--num-requests", "4", "--max-tokens", "12", "--max-slots", "4", "--max-context", "128",
+                 "--prefill-chunk", "32", "--prefill-tokens", "64", "--json-out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["settings"]["client"] == "process"
+    (row,) = data["results"]
+    assert (row["scenario"], row["failed"], row["output_tokens"], row["prompt_tokens"]) == ("decode", 0, 48, 120)
+    assert row["offline_tokens_per_s"] > 0 and row["tokens_per_s"] == pytest.approx(48 / row["wall_s"])
+    assert row["server_vs_offline"] == pytest.approx(row["tokens_per_s"] / row["offline_tokens_per_s"])
+    table = capsys.readouterr().out
+    assert "| server tokens/s | Engine.generate wall s | Engine.generate tokens/s | server / Engine.generate |" in table
+    assert f"| decode | vanilla | {row['wall_s']:.2f} | {row['tokens_per_s']:.0f} | {row['offline_wall_s']:.2f} | " \
+           f"{row['offline_tokens_per_s']:.0f} | {100 * row['server_vs_offline']:.0f}% |" in table
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--prompt-tokens", "9"], "MIN,MAX"),
     (["--prompt-tokens", "30,10"], "MIN <= MAX"), (["--rate", "0"], "--rate"), (["--max-slots", "0"], "--max-slots"),

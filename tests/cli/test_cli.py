@@ -101,6 +101,33 @@ def test_one_default_method_everywhere():
                 "GenerationConfig": GenerationConfig().method}
     assert defaults == dict.fromkeys(defaults, "dustin")
 
+def test_every_method_flag_says_which_methods_are_lossy():
+    """Each command's --method help names every method as lossless or lossy, by what the method does: the lossless
+    ones verify against the whole cache."""
+    from dustin.cli.docs import options, subparsers
+    from dustin.cli.main import build_parser
+    from dustin.engine.config import FULL_METHODS, LOSSY_METHODS, METHODS
+
+    assert set(FULL_METHODS) | set(LOSSY_METHODS) == set(METHODS) and not set(FULL_METHODS) & set(LOSSY_METHODS)
+    assert set(FULL_METHODS) == {"vanilla", "classic", "magicdec"} and "dustin" in LOSSY_METHODS
+    seen = []
+
+    def walk(path, parser):
+        subs = subparsers(parser)
+        for name, sub in subs.items():
+            walk(path + [name], sub)
+        action = options(parser).get("--method")
+        if not subs and action is not None:
+            seen.append(" ".join(path))
+            lossless, lossy = action.help.split("Lossless")[1].split("Lossy")
+            assert sorted(m.strip(" .") for m in lossless.split("):", 1)[1].split(",")) == sorted(FULL_METHODS)
+            named = lossy.split("):", 1)[1].split(".")[0]
+            assert [m.strip() for m in named.split(",")] == list(LOSSY_METHODS), path
+
+    walk(["dustin"], build_parser())
+    assert {"dustin generate", "dustin serve", "dustin bench sampling"} <= set(seen)
+
+
 @pytest.mark.parametrize("gpu", [True, False])
 def test_device_auto_is_the_gpu_when_there_is_one(monkeypatch, capsys, gpu):
     """`dustin demo` without flags loads on the GPU when torch sees one, else on the CPU; `dustin warmup` (whose

@@ -27,17 +27,17 @@ def _reference(text_pair, budget: int) -> tuple[list[int], dict[str, list[int]],
     the demo runs them)."""
     from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
     from dustin.eval.inputs import long_code_prompt
 
     engine = Engine.from_pretrained(text_pair[0], text_pair[1])
-    ids = engine.encode(long_code_prompt(engine.tokenizer, CONTEXT, "argparse.py")[0])
+    ids = engine.pair.encode(long_code_prompt(engine.pair.tokenizer, CONTEXT, "argparse.py")[0])
     shared, out = PrefillCache(), {}
     for m in ("classic", "vanilla", "magicdec", "dustin"):
         cfg = GenerationConfig(method=m, gamma=GAMMA, max_new_tokens=NEW, draft_window=WINDOW,
                                budget=budget if m == "dustin" else None)
         out[m] = engine.generate([ids], cfg, prefill_cache=shared).sequences[0].token_ids
-    return ids, out, engine.decode(out["vanilla"])
+    return ids, out, engine.pair.decode(out["vanilla"])
 
 
 def _row(printed: str, name: str) -> list[str]:

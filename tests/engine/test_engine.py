@@ -6,7 +6,7 @@ import torch
 
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError, OutOfMemoryError, TokenizerMismatchError
 from dustin.models.loader import load_model
 from tests.tiny_models import make_tiny_checkpoint
@@ -15,7 +15,7 @@ from tests.tiny_models import make_tiny_checkpoint
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
     target, draft = tiny_pair
-    return Engine(load_model(target), load_model(draft))
+    return Engine.from_models(load_model(target), load_model(draft))
 
 
 def _prompts(lengths, seed=0):
@@ -45,9 +45,9 @@ def test_steps_on_bf16_logits_choose_what_fp32_logits_choose(tiny_pair, monkeypa
     """A step's forwards return bf16 logits (no fp32 copy); greedy acceptance and sampling must choose exactly
     the tokens they choose on the fp32 logits (the same values cast): greedy speculative = vanilla, and a seeded
     sampled run equals one whose forwards return fp32."""
-    from dustin.engine.session import Session
+    from dustin.engine.worker.step import DeviceStep
     target, draft = tiny_pair
-    eng = Engine(load_model(target, dtype=torch.bfloat16), load_model(draft, dtype=torch.bfloat16))
+    eng = Engine.from_models(load_model(target, dtype=torch.bfloat16), load_model(draft, dtype=torch.bfloat16))
     prompts = _prompts([5, 23, 61])
     vanilla = _run(eng, prompts, method="vanilla", max_new_tokens=24)
     spec = _run(eng, prompts, method="classic", gamma=3, max_new_tokens=24)
@@ -56,9 +56,9 @@ def test_steps_on_bf16_logits_choose_what_fp32_logits_choose(tiny_pair, monkeypa
     bf16 = _run(eng, prompts, **sampled)
 
     def fp32_forward(self, which, tokens, positions, lengths, max_len, **kw):
-        return self.runners[which].forward(tokens, positions, lengths, max_len, float_logits=True, **kw)
+        return self.models[which].forward(tokens, positions, lengths, max_len, float_logits=True, **kw)
 
-    monkeypatch.setattr(Session, "_forward", fp32_forward)
+    monkeypatch.setattr(DeviceStep, "forward", fp32_forward)
     fp32 = _run(eng, prompts, **sampled)
     assert [s.token_ids for s in bf16.sequences] == [s.token_ids for s in fp32.sequences]
     assert len({tuple(s.token_ids) for s in bf16.sequences}) == 3
@@ -93,11 +93,11 @@ def test_each_sequence_stops_on_its_own_eos(engine):
     prompts = _prompts([10, 20, 30])
     ref = _run(engine, prompts, method="vanilla", max_new_tokens=25)
     eos = ref.sequences[1].token_ids[6]  # make a token the second sequence emits early its stop token
-    engine.eos_ids, saved = {eos}, engine.eos_ids
+    engine.pair.eos_ids, saved = {eos}, engine.pair.eos_ids
     try:
         out = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=25))
     finally:
-        engine.eos_ids = saved
+        engine.pair.eos_ids = saved
     for r, s in zip(ref.sequences, out.sequences, strict=False):
         expected = r.token_ids[: r.token_ids.index(eos) + 1] if eos in r.token_ids else r.token_ids
         assert s.token_ids == expected
@@ -112,7 +112,7 @@ def test_bad_generation_config(kwargs, match):
 
 
 def test_prompt_longer_than_context(engine):
-    too_long = [5] * (engine.target.args.max_position_embeddings - 10)
+    too_long = [5] * (engine.pair.target.args.max_position_embeddings - 10)
     with pytest.raises(InputError, match="more than the model context"):
         _run(engine, [too_long], method="classic", max_new_tokens=20)
     with pytest.raises(InputError, match="empty"):
@@ -124,7 +124,7 @@ def test_prompt_longer_than_context(engine):
 def test_mismatched_vocabularies(tmp_path, tiny_pair):
     other = make_tiny_checkpoint(tmp_path / "other", "qwen2", vocab=80)
     with pytest.raises(TokenizerMismatchError):
-        Engine(load_model(tiny_pair[0]), load_model(other))
+        Engine.from_models(load_model(tiny_pair[0]), load_model(other))
 
 
 def test_batch_too_large_for_memory(engine, monkeypatch):
@@ -140,11 +140,11 @@ def test_kv_cache_bytes_match_the_allocated_caches(engine):
     """The memory check (and `bench e2e`'s fit test) count exactly what a session allocates."""
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=5)
     prompts = _prompts([10, 7])
-    s = engine.start(prompts, cfg).session
+    s = engine.start(prompts, cfg).runner.batch
     allocated = sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
                     for c in (s.target_cache, s.draft_cache))
-    assert engine.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated
-    assert engine.kv_cache_bytes(2, 100, speculative=False) < engine.kv_cache_bytes(2, 100)
+    assert engine.pair.kv_cache_bytes(2, s.target_cache.k.shape[3]) == allocated
+    assert engine.pair.kv_cache_bytes(2, 100, speculative=False) < engine.pair.kv_cache_bytes(2, 100)
 
 
 def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
@@ -155,8 +155,8 @@ def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", "qwen2", heads=4, kv_heads=2, seed=3)  # head_dim 16
     draft = make_tiny_draft(target, tmp_path / "d", noise=0.1)
     tri = AttentionBackend("triton")
-    eng_tri = Engine(load_model(target, backend=tri), load_model(draft, backend=tri))
-    eng_sdpa = Engine(load_model(target), load_model(draft))
+    eng_tri = Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri))
+    eng_sdpa = Engine.from_models(load_model(target), load_model(draft))
     prompts = _prompts([6, 29])
     for method, extra in [("vanilla", {}), ("magicdec", {"draft_window": 10})]:
         a = _run(eng_tri, prompts, method=method, gamma=3, max_new_tokens=8, **extra)
@@ -167,7 +167,7 @@ def test_triton_backend_matches_sdpa_end_to_end(tmp_path):
 
 def test_reused_prefill_gives_the_same_tokens(tiny_pair):
     target, draft = tiny_pair
-    eng = Engine(load_model(target), load_model(draft))
+    eng = Engine.from_models(load_model(target), load_model(draft))
     prompts = _prompts([30, 7, 52])
     fresh = {m: _run(eng, prompts, method=m, gamma=3, max_new_tokens=20) for m in ("classic", "vanilla", "magicdec")}
     kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
@@ -186,7 +186,7 @@ def test_speculative_session_after_vanilla_adds_only_the_draft_caches(tiny_pair)
     draft and the saved state keeps the very target tensors of the first (no second copy of the target's caches,
     37 GB at 20 x 64k), with the tokens of fresh runs."""
     target, draft = tiny_pair
-    eng = Engine(load_model(target), load_model(draft))
+    eng = Engine.from_models(load_model(target), load_model(draft))
     prompts = _prompts([30, 7, 52])
     kw = dict(stop_at_eos=False, gamma=3, max_new_tokens=20)
     shared = PrefillCache()
@@ -204,9 +204,9 @@ def test_speculative_session_after_vanilla_adds_only_the_draft_caches(tiny_pair)
 
 def test_kv_memory_refusal_says_what_fits(tiny_pair):
     target, draft = tiny_pair
-    eng = Engine(load_model(target), load_model(draft))
-    per_seq = eng.kv_cache_bytes(1, 1 << 20, speculative=True)
-    eng.require_kv_memory(1, 1 << 10, True, copies=2)  # a few MB: fits
+    eng = Engine.from_models(load_model(target), load_model(draft))
+    per_seq = eng.pair.kv_cache_bytes(1, 1 << 20, speculative=True)
+    eng.pair.require_kv_memory(1, 1 << 10, True, copies=2)  # a few MB: fits
     with pytest.raises(OutOfMemoryError, match=r"held 2 times.*sequences would fit\): lower --batch-size") as e:
-        eng.require_kv_memory(int(1e13 // per_seq) + 1, 1 << 20, True, copies=2, advice="lower --batch-size")
+        eng.pair.require_kv_memory(int(1e13 // per_seq) + 1, 1 << 20, True, copies=2, advice="lower --batch-size")
     assert "\n" not in str(e.value)

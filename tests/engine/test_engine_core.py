@@ -35,15 +35,14 @@ def _offline(engine, prompts, method, max_new, **kw):
     return [engine.generate([p], cfg).sequences[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("method", ["vanilla", "classic", "magicdec", "dustin", "dustin-t", "streaming",
-                                    "dustin-anchor"])
+@pytest.mark.parametrize("method", ["vanilla", "classic", "magicdec", "dustin", "dustin-t", "streaming"])
 def test_continuous_batching_equals_offline_generation(engine, method):
     """10 requests of 5-120 tokens through 3 slots, prompts prefilled in chunks of 40 between decode steps:
     each request's greedy tokens equal its own offline generation, token for token."""
-    kw = SPARSE if method in ("dustin", "dustin-t", "streaming", "dustin-anchor") else {"draft_window": 32}
+    kw = SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_window": 32}
     prompts = _prompts(10)
     ref = _offline(engine, prompts, method, 12, **kw)
-    llm = EngineCore(engine, GenerationConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
+    llm = EngineCore(engine.pair, GenerationConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out == ref
     st = llm.stats()
@@ -62,7 +61,7 @@ def test_whole_batch_policies_are_served_in_gangs(engine, method):
     cfg = GenerationConfig(method=method, max_new_tokens=10, stop_at_eos=False, **kw)
     ref = [s.token_ids for s in engine.generate(prompts[:3], cfg).sequences]
     ref += [s.token_ids for s in engine.generate(prompts[3:], cfg).sequences]
-    llm = EngineCore(engine, GenerationConfig(method=method, max_slots=3, max_context=256, **kw))
+    llm = EngineCore(engine.pair, GenerationConfig(method=method, max_slots=3, max_context=256, **kw))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i in range(3):
         llm.add_request(Request(str(i), prompts[i], params))
@@ -90,7 +89,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
     prompts = _prompts(6, seed=1)
     limits = [3, 17, 9, 25, 1, 12]
     ref = [_offline(engine, [p], "classic", m)[0] for p, m in zip(prompts, limits, strict=False)]
-    llm = EngineCore(engine, GenerationConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
+    llm = EngineCore(engine.pair, GenerationConfig(method="classic", max_slots=2, max_context=200, prefill_chunk=64))
     got: dict[str, list[int]] = {}
     finished = {}
     for i in range(2):
@@ -115,7 +114,7 @@ def test_requests_join_and_leave_a_running_batch(engine):
 
 def test_abort_frees_the_slot(engine):
     prompts = _prompts(3, seed=2)
-    llm = EngineCore(engine, GenerationConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
+    llm = EngineCore(engine.pair, GenerationConfig(method="magicdec", max_slots=1, max_context=200, draft_window=32))
     for i, p in enumerate(prompts):
         llm.add_request(Request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     llm.step()
@@ -136,9 +135,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     requests; greedy neighbours still match their offline output."""
     prompts = _prompts(4, seed=3)
     params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
-    alone = EngineCore(engine, GenerationConfig(method="classic", max_slots=4, max_context=200))
+    alone = EngineCore(engine.pair, GenerationConfig(method="classic", max_slots=4, max_context=200))
     solo = alone.generate([prompts[0]], params)[0]
-    mixed = EngineCore(engine, GenerationConfig(method="classic", max_slots=4, max_context=200))
+    mixed = EngineCore(engine.pair, GenerationConfig(method="classic", max_slots=4, max_context=200))
     others = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True),
               SamplingParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)]
@@ -150,7 +149,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
 
 
 def test_bad_requests_and_a_full_queue(engine):
-    llm = EngineCore(engine, GenerationConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
+    llm = EngineCore(engine.pair, GenerationConfig(method="vanilla", max_slots=1, max_context=64, max_waiting=2))
     with pytest.raises(InputError, match="empty"):
         llm.add_request(Request("e", [], SamplingParams(temperature=0)))
     with pytest.raises(InputError, match="outside the vocabulary"):
@@ -182,9 +181,9 @@ def test_config_errors(kw, match):
 
 def test_a_max_context_past_the_models_is_refused(engine):
     """An explicit --max-context the models cannot hold is an error naming both numbers (it was clamped silently)."""
-    context = engine.max_context(True)
+    context = engine.pair.max_context(True)
     with pytest.raises(InputError, match=f"--max-context {context + 1} exceeds the models' context \\({context} "):
-        EngineCore(engine, GenerationConfig(method="classic", max_slots=1, max_context=context + 1))
+        EngineCore(engine.pair, GenerationConfig(method="classic", max_slots=1, max_context=context + 1))
 
 
 def test_slot_memory_error_names_the_flags(engine):
@@ -192,7 +191,7 @@ def test_slot_memory_error_names_the_flags(engine):
 
     huge = GenerationConfig(method="vanilla", max_slots=10**6, max_context=256)
     with pytest.raises(OutOfMemoryError, match="--max-slots"):
-        EngineCore(engine, huge)
+        EngineCore(engine.pair, huge)
     torch.zeros(1)  # the failed allocation left nothing behind that breaks the next one
 
 
@@ -213,7 +212,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
     tokens per row (greedy, seeded and unseeded sampling), lengths and finished rows, through chunked prefill,
     requests that join late, an abort mid-prefill and one mid-decode, a one-token request and slot reuse."""
     cfg = GenerationConfig(method="dustin", max_slots=3, max_context=256, prefill_chunk=40, prefill_tokens=40, **SPARSE)
-    leader, follower = EngineCore(engine, cfg), EngineCore(engine, cfg)
+    leader, follower = EngineCore(engine.pair, cfg), EngineCore(engine.pair, cfg)
     prompts = _prompts(8, seed=5, low=20, high=110)
     params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
@@ -239,7 +238,7 @@ def test_a_follower_executing_the_plans_keeps_the_leaders_session(engine):
             got.setdefault(int(o.request_id), []).extend(o.new_token_ids)
             if o.finished:
                 reasons[int(o.request_id)] = o.finish_reason
-        a, b = leader.session, follower.session
+        a, b = leader.runner.batch, follower.runner.batch
         assert b.finished == a.finished and b.host_lengths == a.host_lengths
         assert torch.equal(b.target_cache.lengths, a.target_cache.lengths) and torch.equal(b.pending, a.pending)
         steps += 1
@@ -255,10 +254,10 @@ def test_decode_time_excludes_only_graph_captures_after_the_prefill(engine, monk
     """A one-shot batch's step graph can be captured while its last prompts still prefill: that capture is inside
     prefill_s already, and decode_s must not subtract it again (a GPU run reported decode_s 0 and 7.6e11 tokens/s).
     Here a 5 s capture is booked during the first engine step, before the prefill ends."""
-    from dustin.engine.session import Session
+    from dustin.engine.worker.runner import Runner
 
     booked = {"s": 0.0}
-    monkeypatch.setattr(Session, "capture_total", lambda self: booked["s"])
+    monkeypatch.setattr(Runner, "capture_total", lambda self: booked["s"])
     step = EngineCore.step
 
     def step_with_a_capture(self):

@@ -1,4 +1,4 @@
-"""Γ per row and `--gamma auto` (dustin/engine/gamma.py, Session.set_gamma): each sequence picks its own Γ per step;
+"""Γ per row and `--gamma auto` (dustin/engine/gamma.py, Runner.set_gamma): each sequence picks its own Γ per step;
 a step runs the largest, and every row's tokens are those of steps of its own Γ, whatever runs beside it. Full
 verification stays exact (Γ = 0 steps included, with the draft's catch-up after them), and a request's text does not
 depend on the batch, greedy or seeded-sampled (fp32, CPU)."""
@@ -35,7 +35,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _core(engine, method, gamma="auto", slots=3, **kw):
     extra = SPARSE if method.startswith("dustin") else {"draft_window": 32}
-    return EngineCore(engine, GenerationConfig(method=method, gamma=gamma, max_slots=slots, max_context=256,
+    return EngineCore(engine.pair, GenerationConfig(method=method, gamma=gamma, max_slots=slots, max_context=256,
                                                prefill_chunk=40, **extra, **kw), step_costs=COSTS)
 
 
@@ -117,7 +117,7 @@ def test_plain_steps_of_a_sparse_method_verify_against_the_whole_cache(engine):
     prompts = _prompts(4, seed=5)
     ref = _core(engine, "vanilla", gamma=4).generate(prompts, GREEDY)
     priced_out = StepCosts(tuple(range(G + 1)), (1.0,) + (10.0,) * G, (0.0,) * (G + 1))
-    core = EngineCore(engine, GenerationConfig(method="dustin", gamma="auto", max_slots=3, max_context=256,
+    core = EngineCore(engine.pair, GenerationConfig(method="dustin", gamma="auto", max_slots=3, max_context=256,
                                                prefill_chunk=40, **SPARSE), step_costs=priced_out)
     assert core.generate(prompts, GREEDY) == ref
     assert set(core.decode_stats.gammas) == {0}
@@ -147,12 +147,12 @@ def test_seeded_sampling_with_auto_gamma_does_not_depend_on_the_batch(engine):
 
 
 def test_fixed_gamma_per_row_is_a_step_of_that_gamma(engine):
-    """Session.set_gamma: a row held at Γ = 2 in a batch whose other rows draft 4 gets the tokens a Γ = 2 engine
+    """Runner.set_gamma: a row held at Γ = 2 in a batch whose other rows draft 4 gets the tokens a Γ = 2 engine
     gives it (greedy, sparse verification)."""
     prompts = _prompts(3, seed=3)
     want = _core(engine, "dustin", gamma=2).generate(prompts[:1], GREEDY)[0]
     core = _core(engine, "dustin", gamma=4)
-    core.session.set_gamma(0, 2)  # an idle row keeps its Γ until it is released
+    core.runner.set_gamma(0, 2)  # an idle row keeps its Γ until it is released
     core.queue([(p, GREEDY) for p in prompts])
     core.step()
     assert core.scheduler.running[0].request.prompt_ids == prompts[0]
@@ -164,12 +164,12 @@ def test_fixed_gamma_per_row_is_a_step_of_that_gamma(engine):
 def test_gamma_bounds_are_checked(engine):
     core = _core(engine, "dustin", gamma=4)
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        core.session.set_gamma(0, 0)  # sparse verification: a token depends on its drafts
+        core.runner.set_gamma(0, 0)  # sparse verification: a token depends on its drafts
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        core.session.set_gamma(0, 5)
-    assert _core(engine, "classic", gamma=4).session.min_gamma == 0
+        core.runner.set_gamma(0, 5)
+    assert _core(engine, "classic", gamma=4).runner.batch.min_gamma == 0
     with pytest.raises(ValueError, match="no Γ"):
-        _core(engine, "vanilla", gamma=4).session.set_gamma(0, 1)
+        _core(engine, "vanilla", gamma=4).runner.set_gamma(0, 1)
     with pytest.raises(InputError, match="integer or auto"):
         GenerationConfig(gamma="fast")
     cfg = GenerationConfig(gamma="auto")
@@ -179,13 +179,13 @@ def test_gamma_bounds_are_checked(engine):
 def test_measured_costs_leave_the_engine_as_it_was(engine):
     """The cost model is measured on the engine's own slots at start (every Γ the policy allows); afterwards the
     engine generates exactly what an engine given those costs generates."""
-    core = EngineCore(engine, GenerationConfig(method="dustin", gamma="auto", max_slots=2, max_context=256, **SPARSE))
+    cfg = GenerationConfig(method="dustin", gamma="auto", max_slots=2, max_context=256, **SPARSE)
+    core = EngineCore(engine.pair, cfg)
     costs = core.gamma_rule.costs
     assert costs.gammas == tuple(range(G + 1))  # a plain dustin row verifies densely: Γ = 0 is allowed
     assert all(c.seconds(g, 200) > 0 for c in (costs,) for g in costs.gammas)
     prompts = _prompts(2, seed=4)
-    given = EngineCore(engine, GenerationConfig(method="dustin", gamma="auto", max_slots=2, max_context=256, **SPARSE),
-                       step_costs=costs)
+    given = EngineCore(engine.pair, cfg, step_costs=costs)
     assert core.generate(prompts, GREEDY) == given.generate(prompts, GREEDY)
-    classic = EngineCore(engine, GenerationConfig(method="classic", gamma="auto", max_slots=2, max_context=256))
+    classic = EngineCore(engine.pair, GenerationConfig(method="classic", gamma="auto", max_slots=2, max_context=256))
     assert classic.gamma_rule.costs.gammas == tuple(range(G + 1))

@@ -14,8 +14,8 @@ from dustin.models.loader import load_model
 @pytest.fixture(scope="module")
 def engines(tiny_pair):
     target, draft = tiny_pair
-    fresh = Engine(load_model(target), load_model(draft))
-    kept = Engine(fresh.target, fresh.draft)
+    fresh = Engine.from_models(load_model(target), load_model(draft))
+    kept = Engine.from_models(fresh.pair.target, fresh.pair.draft)
     fresh.keep_session, kept.keep_session = False, True
     return fresh, kept
 
@@ -53,7 +53,7 @@ def test_kept_session_equals_fresh_sessions(engines):
                                        ("vanilla", {}), ("magicdec", dict(gamma=2, draft_window=16))])
 def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, method, kw):
     """`Engine.generate` runs on the serving engine's loop (packed chunked prefill, padded forwards, the first token
-    read back with the first step); greedy, its tokens equal a whole-batch `Session`'s (one prefill forward per
+    read back with the first step); greedy, its tokens equal a whole-batch gang's (one prefill forward per
     prompt, then `decode`) token for token in fp32."""
     fresh, _ = engines
     prompts = _prompts([70, 5, 133, 41], 12)
@@ -64,15 +64,15 @@ def test_generate_on_the_engine_loop_equals_a_whole_batch_session(engines, metho
 
 
 def test_kept_session_reuse_and_replacement(engines, monkeypatch):
-    import dustin.engine.engine as engine_module
+    import dustin.engine.offline.batch as batch_module
 
-    monkeypatch.setattr(engine_module, "KEPT_ROUNDING", 64)  # small slots, so a longer context outgrows them
+    monkeypatch.setattr(batch_module, "KEPT_ROUNDING", 64)  # small slots, so a longer context outgrows them
     _, kept = engines
     kept.release_cached()
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=10, stop_at_eos=False)
     kept.generate(_prompts([20, 30]), cfg)
     first = kept.kept_core
-    assert first.session.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
+    assert first.runner.batch.target_cache.capacity == 64  # 30 + 10 + 2 (3 + 2) = 50, rounded up to 64
     kept.generate(_prompts([25, 11], seed=9), cfg)
     assert kept.kept_core is first  # same method, batch and a context that fits: the same caches (and graphs)
     kept.generate(_prompts([25, 11, 4], seed=9), cfg)
@@ -80,7 +80,7 @@ def test_kept_session_reuse_and_replacement(engines, monkeypatch):
     second = kept.kept_core
     kept.generate(_prompts([100, 5, 5]), cfg)
     # outgrown: a larger one
-    assert kept.kept_core is not second and kept.kept_core.session.target_cache.capacity == 128
+    assert kept.kept_core is not second and kept.kept_core.runner.batch.target_cache.capacity == 128
     kept.release_cached()
     assert kept.kept_core is None
 

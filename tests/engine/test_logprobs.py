@@ -1,4 +1,4 @@
-"""Log-probabilities and n sequences of one prompt in the serving engine core (EngineCore, Session in slot mode):
+"""Log-probabilities and n sequences of one prompt in the serving engine core (EngineCore, its runner's slots):
 generated tokens' log-probabilities are the target's raw distribution at each accepted position (of the verify
 forward that accepted it; for a row's first token, its prefill's), prompt tokens' those of the dense prefill, with
 the top-N; asking for them changes no token; n sequences of one prompt prefill it once and each equals the request
@@ -33,7 +33,7 @@ def hf(tiny_pair):
 def _llm(engine, method="classic", **kw) -> EngineCore:
     kw = {**(SPARSE if method.startswith("dustin") else {}), "max_slots": 4, "max_context": 256,
           "prefill_chunk": 16, "prefill_tokens": 32, **kw}
-    return EngineCore(engine, GenerationConfig(method=method, **kw))
+    return EngineCore(engine.pair, GenerationConfig(method=method, **kw))
 
 
 def _run(llm: EngineCore, groups: list[list[Request]], steps_before: int = 0) -> dict:
@@ -205,13 +205,13 @@ def test_step_graphs_with_logprobs_on_the_gpu():
 
     def run(eng, prompts, method, graphs, lp):
         kw = {"budget": 64, "draft_window": 64} if method == "dustin" else {}
-        llm = EngineCore(eng, GenerationConfig(method=method, max_slots=4, max_context=1024, **kw))
-        llm.session.use_graphs = graphs
+        llm = EngineCore(eng.pair, GenerationConfig(method=method, max_slots=4, max_context=1024, **kw))
+        llm.runner.device_step.use_graphs = graphs
         sps = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=24, logprobs=lp,
                               prompt_logprobs=lp, ignore_eos=True) for i in range(len(prompts))]
         got = _run(llm, [[Request(str(i), p, sp)] for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))])
         if graphs:
-            assert any(k[0].endswith("+logprobs") for k in llm.session.graph_keys()) == (lp is not None)
+            assert any(k[0].endswith("+logprobs") for k in llm.runner.graph_keys()) == (lp is not None)
         return [got[str(i)] for i in range(len(prompts))]
 
     for dtype in (torch.bfloat16, torch.float32):

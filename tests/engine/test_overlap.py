@@ -1,4 +1,4 @@
-"""`Session.decode` keeps the device one step ahead of the host: a sequence that stops at step n still runs
+"""The engine loop keeps the device one step ahead of the host: a sequence that stops at step n still runs
 step n + 1, whose tokens must be dropped. Its output must equal the one-step-at-a-time loop exactly, for every
 method, greedy and sampled, with sequences stopping at different steps (limits and EOS)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dustin.models.loader import load_model
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
     target, draft = tiny_pair
-    e = Engine(load_model(target), load_model(draft))
+    e = Engine.from_models(load_model(target), load_model(draft))
     e.keep_session = False
     return e
 
@@ -55,7 +55,7 @@ def test_overlapped_decode_equals_step_by_step(engine, method, kw):
     eos = {probe[0][len(probe[0]) // 2]}
     want, ref = _run(engine, prompts, replace(base, options=ExecutionOptions(overlap=False)), limits, eos)
     got, core = _run(engine, prompts, base, limits, eos)
-    assert core.session.policy.graph_safe  # so the engine loop really ran one step ahead
+    assert core.runner.policy.graph_safe  # so the engine loop really ran one step ahead
     assert got == want
     assert len(got[0]) < limits[0] and got[0][-1] in eos
     assert [len(o) for o in got[1:]] != [0, 0, 0]
@@ -75,7 +75,7 @@ def test_engine_steps_overlapped_equal_steps_read_back_at_once(engine):
     for _ in range(7):
         ref.step()
     core = engine.start(prompts, cfg)
-    s, r = core.session, ref.session
+    s, r = core.runner.batch, ref.runner.batch
     for _ in range(4):
         core.step()
     core.drain()
@@ -98,7 +98,7 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
     learns it stopped, then keeps running frozen while another row decodes on: no write may leave the cache."""
     target, _ = tiny_pair
     model = load_model(target)
-    e = Engine(model, model)
+    e = Engine.from_models(model, model)
     e.keep_session = False
     prompts = _prompts([60, 10], seed=4)
     limits = [12, 40]  # 1 + 5 + 5 = 11 tokens after two steps: the third ends at 16, 4 past the limit
@@ -109,5 +109,5 @@ def test_a_row_stopping_with_every_draft_accepted_stays_inside_the_cache(tiny_pa
                        limits=limits, fill="whole")
         out = [o.new_token_ids for o in core.run_queued()[0]]
         assert [len(o) for o in out] == limits
-        assert int(core.session.target_cache.lengths[0]) <= 60 + 12 + 2 * 4  # frozen at n + m + 2Γ at most
+        assert int(core.runner.batch.target_cache.lengths[0]) <= 60 + 12 + 2 * 4  # frozen at n + m + 2Γ at most
     assert core.decode_stats.tau > 4.5 if method == "classic" else core.decode_stats.tau > 1.0

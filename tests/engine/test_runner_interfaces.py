@@ -58,8 +58,8 @@ def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
     prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(60, 150))] for _ in range(3)]
     cfg = GenerationConfig(method="dustin", budget=24, draft_window=32, max_new_tokens=24, stop_at_eos=False)
     want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
-    hkv = engine.target.args.n_kv_heads
-    policy = PerKVHead(engine.make_policy(cfg), hkv)
+    hkv = engine.pair.target.args.n_kv_heads
+    policy = PerKVHead(engine.pair.make_policy(cfg), hkv)
     got = [s.token_ids for s in engine.generate(prompts, cfg, policy=policy).sequences]
     assert got == want
     assert policy.shapes and all(s[:2] == (3, hkv) for s in policy.shapes)
@@ -69,7 +69,7 @@ def test_a_plan_per_kv_head_verifies_like_the_shared_plan(engine):
 
 
 class Recording(DraftStep):
-    """Another draft step in the session's place: here the eager one, with what it was asked recorded."""
+    """Another draft step in the runner's place: here the eager one, with what it was asked recorded."""
 
     def __init__(self, inner: DraftStep) -> None:
         self.inner, self.calls = inner, []
@@ -81,8 +81,8 @@ class Recording(DraftStep):
 
 
 def test_the_draft_step_is_handed_the_lookahead_to_record_as_data(engine, tiny_sparse_config):
-    """The session drafts through `session.draft_step`, passing the policy's captures: the draft layers and heads of
-    the sparse config, as data; a step in its place gives the same tokens."""
+    """The runner drafts through its device step's `draft_step`, passing the policy's captures: the draft layers
+    and heads of the sparse config, as data; a step in its place gives the same tokens."""
     import json
 
     rng = random.Random(6)
@@ -91,7 +91,7 @@ def test_the_draft_step_is_handed_the_lookahead_to_record_as_data(engine, tiny_s
                            stop_at_eos=False)
     want = [s.token_ids for s in engine.generate(prompts, cfg).sequences]
     core = engine.start(prompts, cfg)
-    step = core.session.draft_step = Recording(core.session.draft_step)
+    step = core.runner.device_step.draft_step = Recording(core.runner.device_step.draft_step)
     outs, _ = core.run_queued()
     assert [o.new_token_ids for o in outs] == want
     heads = {d["layer"]: sorted(d["heads"]) for d in json.load(open(tiny_sparse_config))["draft"]}

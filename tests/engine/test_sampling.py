@@ -60,9 +60,9 @@ def test_acceptance_rule_is_lossless():
 def test_generated_tokens_follow_target_distribution(tiny_pair):
     """End to end: the 2nd and 3rd generated tokens' marginals equal the target's exact marginals."""
     target, draft = load_model(tiny_pair[0]), load_model(tiny_pair[1])
-    engine = Engine(target, draft)
+    engine = Engine.from_models(target, draft)
     prompt = [5, 17, 42, 8, 33, 71]
-    N, V = 3000, engine.vocab_limit
+    N, V = 3000, engine.pair.vocab_limit
     params = SamplingRule(temperature=1.0, top_k=20)
     cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=3, temperature=1.0, top_k=20, seed=1,
                            stop_at_eos=False)

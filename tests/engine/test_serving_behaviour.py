@@ -1,4 +1,4 @@
-"""Serving behaviour that exactness tests alone would not catch (engine/llm_engine.py, engine/session.py, serve/):
+"""Serving behaviour that exactness tests alone would not catch (engine/core.py, engine/worker/, serve/):
 per-request sampling settings really applied (empirical distributions against the target's processed
 distribution), EOS stopping and `ignore_eos` (also across slot reuse), the scheduler's prefill invariants (budget,
 request-local chunk boundaries, FIFO, admission order), `dustin-d` served exactly, and aborts that free the slot
@@ -46,15 +46,15 @@ def _offline(engine, prompt, method, max_new, **kw) -> list[int]:
 
 
 def _llm(engine, eos: set[int] | None = None, **cfg) -> EngineCore:
-    """An EngineCore over `engine`; with `eos`, that set is the EOS ids its Session stops at (the Session takes the
+    """An EngineCore over `engine`; with `eos`, that set is the EOS ids its engine core stops at (the core takes the
     Engine's set when it is built; the shared Engine keeps its own)."""
-    saved = engine.eos_ids
+    saved = engine.pair.eos_ids
     if eos is not None:
-        engine.eos_ids = set(eos)
+        engine.pair.eos_ids = set(eos)
     try:
-        llm = EngineCore(engine, GenerationConfig(**cfg))
+        llm = EngineCore(engine.pair, GenerationConfig(**cfg))
     finally:
-        engine.eos_ids = saved
+        engine.pair.eos_ids = saved
     if eos is not None:
         assert llm.eos_ids == set(eos)
     return llm
@@ -82,7 +82,7 @@ def _drain(llm: EngineCore, requests=()) -> tuple[dict[str, list[int]], dict[str
 
 def _target_logits(engine, prefixes: list[list[int]]) -> torch.Tensor:
     """The target's logits [B, V] after each prefix (all of one length), from a plain full forward."""
-    target, V = engine.target, engine.vocab_limit
+    target, V = engine.pair.target, engine.pair.vocab_limit
     x = torch.tensor(prefixes)
     B, T = x.shape
     a = target.args
@@ -373,11 +373,11 @@ def test_scheduler_invariants_randomized():
                                         float(clock)))
 
 
-class _RecordingSession:
-    """Wraps the engine's Session: records admit / release / prefill calls, delegates everything."""
+class _RecordingRunner:
+    """Wraps the engine's runner: records admit / release / prefill calls, delegates everything."""
 
-    def __init__(self, session) -> None:
-        self._s = session
+    def __init__(self, runner) -> None:
+        self._s = runner
         self.calls: list[tuple] = []
 
     def __getattr__(self, name):
@@ -397,7 +397,7 @@ class _RecordingSession:
 
 
 def test_engine_steps_keep_the_prefill_invariants(engine):
-    """Guards the engine loop's prefill through `EngineCore.step()` (the Session's calls recorded): 9 requests of
+    """Guards the engine loop's prefill through `EngineCore.step()` (the runner's calls recorded): 9 requests of
     1-150 tokens arriving over several steps into 3 slots, chunk 16, 40 prompt tokens per step (not a multiple of
     the chunk). Every step: one packed prefill call padded to 40 tokens, at most 40 real tokens; each prompt cut at
     multiples of 16 from its own start; no younger request prefilled while an older one (waiting or running) with
@@ -409,8 +409,8 @@ def test_engine_steps_keep_the_prefill_invariants(engine):
     prompts = [[rng.randrange(3, 90) for _ in range(n)] for n in lengths]
     arrive_at = [0, 0, 0, 0, 1, 2, 2, 5, 9]  # step at which each request is added
     llm = _llm(engine, method="classic", max_slots=3, max_context=256, prefill_chunk=16, prefill_tokens=40)
-    rec = _RecordingSession(llm.session)
-    llm.executor.session = rec
+    rec = _RecordingRunner(llm.runner)
+    llm.executor.runner = rec
     by_prompt = {tuple(p): i for i, p in enumerate(prompts)}
     offset = [0] * len(prompts)  # prompt tokens prefilled per request
     row_of: dict[int, int] = {}  # row -> request
@@ -466,7 +466,7 @@ def test_engine_steps_keep_the_prefill_invariants(engine):
 def test_dustin_d_served_equals_offline_generation(engine):
     """Guards `dustin-d` (draft-lookahead sparse verification) in serving: 6 requests of 5-110 tokens through 3
     slots, prompts prefilled in chunks of 40 packed 80 tokens a step, give each request exactly the greedy tokens
-    of `Engine.generate` of its prompt alone, which equal those of one whole-batch offline `Session` (no serving
+    of `Engine.generate` of its prompt alone, which equal those of one whole-batch offline gang (no serving
     loop) of all the prompts (fp32, budget 24, draft window 32: the sparse selection is active, its output differs
     from full verification)."""
     prompts = _prompts(6, seed=7, low=5, high=110)

@@ -18,8 +18,8 @@ import torch
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
 from dustin.engine.kv_manager import KVManager
-from dustin.engine.session import Session
 from dustin.engine.warmup import Launch, plan_first_step, record_launches, start_kernel_warmup
+from dustin.engine.worker.runner import Runner
 
 SPARSE = dict(budget=24, draft_window=32)
 
@@ -46,9 +46,9 @@ PAD = 256  # tokens per packed prefill forward in these sessions
 def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
     """The launch signatures of a slot session's first packed prefill forward (prompts of different lengths, as
     the engine loop packs them) and of its first `steps` decode steps (launched a step ahead, as the loop does)."""
-    draft = engine.draft if cfg.spec.speculative else None
-    kv = KVManager({"target": engine.target} | ({} if draft is None else {"draft": draft}), slots, cap)
-    s = Session(engine.target, draft, cfg, engine.vocab_limit, engine.make_policy(cfg), kv=kv)
+    draft = engine.pair.draft if cfg.spec.speculative else None
+    kv = KVManager({"target": engine.pair.target} | ({} if draft is None else {"draft": draft}), slots, cap)
+    s = Runner(engine.pair.target, draft, cfg, engine.pair.vocab_limit, engine.pair.make_policy(cfg), kv=kv)
     rng = random.Random(0)
     lens = [40 + 13 * r for r in range(slots)]
     for r, n in enumerate(lens):
@@ -64,7 +64,7 @@ def _real_run(engine, cfg, slots: int, cap: int, steps: int = 2) -> list[set]:
 
 
 def _plan(engine, cfg, slots: int, cap: int):
-    return plan_first_step(engine, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
+    return plan_first_step(engine.pair, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "magicdec", "dustin", "streaming"])
@@ -105,7 +105,7 @@ def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
     generates; attributes a dry run adds to a module are removed again."""
     from dustin.engine.warmup import _module_state, _restore_modules
 
-    model = triton_pair.target
+    model = triton_pair.pair.target
     before = {n: t.clone() for n, t in model.state_dict().items()}
     keys = set(vars(model.layers[0]))
     cfg = GenerationConfig(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
@@ -182,10 +182,10 @@ def test_the_warmup_is_on_unless_switched_off(monkeypatch):
 
 
 def test_the_warmup_is_inert_on_the_cpu(triton_pair):
-    assert start_kernel_warmup(triton_pair, _cfg("dustin", 200), 3, 200) is None
+    assert start_kernel_warmup(triton_pair.pair, _cfg("dustin", 200), 3, 200) is None
     from dustin.engine.core import EngineCore
 
-    llm = EngineCore(triton_pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
+    llm = EngineCore(triton_pair.pair, GenerationConfig(method="dustin", max_slots=2, max_context=128, **SPARSE))
     assert llm.executor.kernel_warmup is None
 
 
@@ -223,7 +223,7 @@ def loop_reference(triton_pair):
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
     cfg = GenerationConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    return prompts, cfg, params, EngineCore(triton_pair, cfg).generate(prompts, params)
+    return prompts, cfg, params, EngineCore(triton_pair.pair, cfg).generate(prompts, params)
 
 
 @pytest.mark.parametrize("busy", [2, 1000])
@@ -235,7 +235,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     from dustin.engine.request import Request
 
     prompts, cfg, params, ref = loop_reference
-    llm = EngineCore(triton_pair, cfg)
+    llm = EngineCore(triton_pair.pair, cfg)
     fake = llm.executor.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm.schedule
@@ -255,7 +255,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     assert all(p.prefill and not p.decode for p in plans[:first_decode])
     if busy > 2:  # still compiling throughout the prefill: no decode step before the last prefill chunk
         assert not any(p.prefill for p in plans[first_decode:])
-    assert llm.session.warmup_s >= 0.25
+    assert llm.runner.warmup_s >= 0.25
 
 
 class _Cache:
@@ -271,13 +271,13 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
     must not run then: a real launch would read the fake tensor's address, 0)."""
     from dustin.engine.warmup import FakeTensorLeak
 
-    original = Session.dry_step
+    original = Runner.dry_step
 
     def caching_step(self):
         _Cache.by_device.setdefault(str(self.device), torch.zeros(4, device=self.device))
         return original(self)
 
-    monkeypatch.setattr(Session, "dry_step", caching_step)
+    monkeypatch.setattr(Runner, "dry_step", caching_step)
     _Cache.by_device.clear()
     plan = _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
@@ -286,7 +286,7 @@ def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch
         _Cache.held.append(torch.zeros(4, device=self.device))
         return original(self)
 
-    monkeypatch.setattr(Session, "dry_step", holding_step)
+    monkeypatch.setattr(Runner, "dry_step", holding_step)
     with pytest.raises(FakeTensorLeak, match="held by list"):
         _plan(triton_pair, _cfg("vanilla", 200), 3, 200)
     _Cache.held.clear()

@@ -50,7 +50,7 @@ def test_eval_fidelity_numbers_follow_from_its_generations(text_pair, tmp_path, 
     data = json.loads(out.read_text())
 
     engine = Engine.from_pretrained(target, draft)
-    assert data["prompt_tokens"] == [len(engine.encode(long_code_prompt(engine.tokenizer, CONTEXT, s)[0]))
+    assert data["prompt_tokens"] == [len(engine.pair.encode(long_code_prompt(engine.pair.tokenizer, CONTEXT, s)[0]))
                                      for s in SOURCES]
     runs = {(m, k, kv): r for m, k, kv, r in seen}
     assert len(runs) == len(seen) == 3 + 2 * 2  # classic x 2 draft caches, vanilla, 2 methods x 2 budgets

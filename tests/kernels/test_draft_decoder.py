@@ -364,14 +364,42 @@ def _gpu_draft(draft: str, n_layers: int, rows: int, vocab: int | None = None):
     return model, args
 
 
+def _apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|: how far a lands from b, as the self-check measures it."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _fp32_forward(model, tokens, positions, k_cache, v_cache, *, T: int, layers=()) -> dict:
+    """The fp32 forward of a fused bf16 draft's weights (`dd.reference_plan` on an fp32 copy: no rounding but
+    fp32's) over fp32 copies of the caches: logits [B * T, V], the caches it wrote (k, v) and the rotated queries
+    of `layers` ([B, Hq, T, D] each, as the observers get them)."""
+    import copy
+
+    M, kernel, a = tokens.numel(), model.layer_kernel, model.args
+    tiles = kernel.build_for(M).tiles
+    model.layer_kernel = None  # (the kernel holds its loaded build: no deep copy)
+    try:
+        m32 = copy.deepcopy(model).float()
+    finally:
+        model.layer_kernel = kernel
+    x = m32.embed_tokens(tokens).reshape(M, -1)
+    cos, sin = (t.reshape(M, -1).float().contiguous() for t in m32.rotary(positions))
+    k, v = k_cache.float(), v_cache.float()
+    q = {layer: torch.empty(M, a.n_heads * a.head_dim, device=x.device) for layer in layers}
+    h = dd.reference_plan(m32, x, positions, cos, sin, k, v, T=T, sinks=4, window=508, tiles=tiles, q_capture=q)
+    B = tokens.shape[0]
+    return {"logits": dd._norm(h, m32.norm) @ m32.lm_head.weight.T, "k": k, "v": v,
+            "q": {layer: t.view(B, T, a.n_heads, a.head_dim).transpose(1, 2) for layer, t in q.items()}}
+
+
 @sm90
 @pytest.mark.parametrize("B,T", [(16, 1), (16, 2), (32, 2), (7, 1)])
 @pytest.mark.parametrize("draft", ["qwen2.5-0.5b", "llama-3.2-1b"])
 def test_kernel_matches_the_per_layer_kernels(B, T, draft):
     """On the GPU: the persistent kernel against the draft's per-layer kernels (their layer-by-layer forward for
-    64 token rows), at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T token rows (the
-    64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache written, the
-    observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
+    64 token rows) and the fp32 forward, at a draft's shapes (4 layers of random weights; the 1B's K is split), B x T
+    token rows (the 64-row build for 32 x 2): logits, argmax, the new keys and values, nothing else of the cache
+    written, the observers' queries, and bitwise-equal repeats, eager and replayed from a CUDA graph."""
     dev = torch.device("cuda")
     model, args = _gpu_draft(draft, 4, rows=B * T)
     kernel = model.layer_kernel
@@ -418,22 +446,32 @@ def test_kernel_matches_the_per_layer_kernels(B, T, draft):
             graphed = forward(kernel, Recorder())
         graph.replay()
         torch.cuda.synchronize()
+        exact = _fp32_forward(model, tokens, positions, k0, v0, T=T, layers=Recorder.layers)
     assert torch.equal(got, again) and torch.equal(got, graphed)
     assert torch.equal(cache.k, k_got) and torch.equal(cache.v, v_got)
-    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
-    # the kernel's greedy token is the reference's, or within rounding of its best (random weights' logits are
-    # nearly flat: a near-tie may go either way)
-    chosen = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
-    assert (ref.amax(-1) - chosen <= 0.01 * ref.abs().max()).all()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
-    assert torch.allclose(k_got.float(), k_ref.float(), atol=0.05, rtol=0.02)
-    assert torch.allclose(v_got.float(), v_ref.float(), atol=0.05, rtol=0.02)
     new = torch.zeros(k0.shape[:-1], dtype=torch.bool, device=dev)
     for b in range(B):
         new[:, b, :, positions[b]] = True
     assert torch.equal(k_got[~new], k0[~new]) and torch.equal(v_got[~new], v0[~new])
-    for layer in Recorder.layers:
-        assert torch.allclose(rec.seen[layer].float(), rec_ref.seen[layer].float(), atol=0.05, rtol=0.02)
+    # Both are bf16 forwards that round at different points, and random weights amplify a rounding step layer by
+    # layer (a one-ulp change of the embeddings moves 4 layers' logits by ~2% of the largest): so the kernel is held
+    # to the fp32 forward, no farther from it than the per-layer kernels are, and not to the per-layer kernels
+    # themselves. A race or a wrong stage lands far outside.
+    logits = exact["logits"].view_as(ref)
+    pairs = {"logits": (got, ref, logits), "k": (k_got[new], k_ref[new], exact["k"][new]),
+             "v": (v_got[new], v_ref[new], exact["v"][new]),
+             **{f"q{layer}": (rec.seen[layer], rec_ref.seen[layer], exact["q"][layer]) for layer in Recorder.layers}}
+    for name, (mine, theirs, fp32) in pairs.items():
+        assert _apart(mine, fp32) <= 1.5 * _apart(theirs, fp32) + 1e-3, (name, _apart(mine, fp32),
+                                                                          _apart(theirs, fp32))
+    # the kernel's greedy token is the fp32 forward's, or within the kernel's own error of its best (random weights'
+    # logits are nearly flat: a near-tie may go either way), and it picks the fp32 forward's token about as often as
+    # the per-layer kernels do
+    e_kernel = _apart(got, logits)
+    chosen = logits.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (logits.amax(-1) - chosen <= 2 * e_kernel * logits.abs().max()).all()
+    best = logits.argmax(-1)
+    assert (got.argmax(-1) == best).sum() >= (ref.argmax(-1) == best).sum() - max(1, best.numel() // 8)
 
 
 @sm90
@@ -528,8 +566,12 @@ def test_kernel_head_chooses_the_greedy_token(B, T, cut):
 @sm90
 def test_engine_with_the_kernel_keeps_full_verification_exact():
     """On the GPU, end to end: an engine core with the kernel (its background warm-up's fake twin included, which
-    must neither launch it nor detach it) gives magicdec's tokens equal to vanilla's (full verification is exact
-    whatever the draft proposes), and dustin runs; random weights of the pair's shapes, 2 layers each."""
+    must neither launch it nor detach it) gives magicdec's tokens equal to magicdec's without it (full verification
+    emits the target's tokens whatever the draft proposes: the kernel changes none), and dustin runs; random weights
+    of the pair's shapes, 2 layers each. Not vanilla's: on this random-weight pair in bf16, magicdec and classic
+    without the kernel leave vanilla's tokens at one prompt's 22nd token (H100, 2026-12-07,
+    scripts/gpu_draft_engine_check.py); the engine's exactness against vanilla is tests/engine's and
+    scripts/gpu_engine_check.py's to hold."""
     from dataclasses import replace
 
     from dustin.bench.e2e import _shape, build_engine
@@ -545,12 +587,13 @@ def test_engine_with_the_kernel_keeps_full_verification_exact():
     def run(method, kernel):
         cfg = GenerationConfig(method=method, max_slots=4, max_context=256, options=ExecutionOptions(
             draft_kernel=kernel), **({"budget": 64} if method == "dustin" else {}))
-        core = EngineCore(engine, cfg)
+        core = EngineCore(engine.pair, cfg)
         out = core.generate(prompts, greedy)
-        return out, engine.draft.layer_kernel
+        return out, engine.pair.draft.layer_kernel
 
-    want, _ = run("vanilla", False)
-    got, kernel = run("magicdec", True)  # streaming draft, full verification
+    want, kernel = run("magicdec", False)  # streaming draft, full verification
+    assert kernel is None
+    got, kernel = run("magicdec", True)
     assert kernel is not None and kernel.vocab is not None and got == want  # greedy: the head in the launch too
     out, kernel = run("dustin", True)
     assert kernel is not None and all(len(o) == 24 for o in out)
@@ -569,8 +612,8 @@ def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
     off = engine.generate(prompts, GenerationConfig(**kw))
     on = engine.generate(prompts, GenerationConfig(**kw, options=ExecutionOptions(draft_kernel=True)))
     assert [s.token_ids for s in on.sequences] == [s.token_ids for s in off.sequences]
-    assert engine.draft.layer_kernel is None
-    assert dd.attach(engine.draft, 4, 28) == "not on a GPU"
+    assert engine.pair.draft.layer_kernel is None
+    assert dd.attach(engine.pair.draft, 4, 28) == "not on a GPU"
 
 
 @needs_nvcc

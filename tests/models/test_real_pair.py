@@ -34,14 +34,14 @@ def engine(real_pair_fp32):
 @pytest.fixture(scope="module")
 def prompts():
     engine = REAL_PAIR.get(torch.float32)  # the `engine` above (module fixtures are set up before it)
-    return [engine.encode(long_code_prompt(engine.tokenizer, n, src)[0])
+    return [engine.pair.encode(long_code_prompt(engine.pair.tokenizer, n, src)[0])
             for src, n in zip(SOURCES, LENGTHS, strict=True)]
 
 
 @pytest.fixture(scope="module")
 def shared():
     """One prefill of the prompts for every method (the CPU prefill dominates these tests)."""
-    from dustin.engine.session import PrefillCache
+    from dustin.engine.offline.prefill import PrefillCache
 
     return PrefillCache()
 
@@ -57,17 +57,18 @@ def _score_fn(engine):
     from dustin.cache.kv_cache import KVCache
 
     def score(ids):
-        a = engine.target.args
+        a = engine.pair.target.args
         T = len(ids)
         cache = KVCache(a.n_layers, 1, a.n_kv_heads, a.head_dim, T, torch.float32, "cpu")
         ctx = ForwardContext(cache, torch.arange(T)[None], torch.zeros(1, dtype=torch.int32), T, fresh=True)
         with torch.inference_mode():
-            return engine.target(torch.tensor([ids]), ctx, logits_at=torch.tensor([T - 1]))[0, : engine.vocab_limit]
+            logits = engine.pair.target(torch.tensor([ids]), ctx, logits_at=torch.tensor([T - 1]))
+            return logits[0, : engine.pair.vocab_limit]
     return score
 
 
 def test_tokenizers_are_shared(engine):
-    assert engine.draft is not None and engine.vocab_limit == len(engine.tokenizer)
+    assert engine.pair.draft is not None and engine.pair.vocab_limit == len(engine.pair.tokenizer)
 
 
 @pytest.mark.parametrize("method", ["classic", "magicdec"])

@@ -56,8 +56,8 @@ def test_engine_scales_both_models_and_admits_longer_prompts(tiny_pair):
     target, draft = tiny_pair
     plain = Engine.from_pretrained(str(target), str(draft), dtype="fp32")
     long = Engine.from_pretrained(str(target), str(draft), dtype="fp32", rope_scaling="yarn:4")
-    n = plain.target.args.max_position_embeddings
-    assert long.target.args.max_position_embeddings == long.draft.args.max_position_embeddings == 4 * n
+    n = plain.pair.target.args.max_position_embeddings
+    assert long.pair.target.args.max_position_embeddings == long.pair.draft.args.max_position_embeddings == 4 * n
     prompt = [5 + i % 80 for i in range(n + 100)]
     cfg = GenerationConfig(method="classic", gamma=2, max_new_tokens=4, stop_at_eos=False)
     with pytest.raises(InputError, match="model context"):

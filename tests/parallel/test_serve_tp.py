@@ -186,7 +186,8 @@ def test_stopping_rank_0_ends_every_rank_cleanly(server):
     lines = out.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dustin serve: http://127.0.0.1:{server.port} (model {MODEL}, "
                                                    f"method dustin"), out
-    assert lines[0].endswith("tensor parallel over 2 ranks)") and "Traceback" not in err, err
+    assert lines[0].endswith("tensor parallel over 2 ranks); lossy: sparse verification, the output can differ "
+                             "from the target's") and "Traceback" not in err, err
 
 
 def test_sigterm_to_torchrun_ends_every_rank(tiny_pair):
@@ -276,14 +277,14 @@ def _worker(rank: int, world: int, port: int, target: str, draft: str, out_dir: 
     assert init_distributed("gloo") == (rank, world)
     try:
         llm = EngineCore.from_pretrained(target, draft, device="cpu", dtype="fp32", config=GenerationConfig(**SERVE))
-        read_back, complete = [], llm.session.complete
+        read_back, complete = [], llm.runner.complete
 
         def recording(slot):  # every step's tokens as this rank read them back
             rows = complete(slot)
             read_back.append([(r.row, r.first, r.tokens) for r in rows])
             return rows
 
-        llm.session.complete = recording
+        llm.runner.complete = recording
         result = {"received": llm.executor.follow()} if rank else _lead(llm)
         result.update(read_back=read_back, counters=llm.stats())
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -300,7 +301,7 @@ def test_follower_protocol_heartbeats_and_stop_on_engine_death(tiny_pair, refere
     greedy = [0, 1, 2]
     assert [lead["tokens"][i] for i in greedy] == [reference[i].token_ids for i in greedy]
     assert len(lead["tokens"][4]) == 9
-    # the follower's session went through the same states: the same tokens in every row, sampled ones included
+    # the follower's runner went through the same states: the same tokens in every row, sampled ones included
     assert follow["read_back"] == lead["read_back"] and len(lead["read_back"]) > 10
     for key in ("prompt_tokens_total", "steps_total"):
         assert follow["counters"][key] == lead["counters"][key]

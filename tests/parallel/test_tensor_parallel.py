@@ -66,13 +66,13 @@ def _worker(rank: int, world: int, port: int, target, draft, out_dir) -> None:
     try:
         # sharded loading (each rank reads only its slices), as Engine.from_pretrained does under torchrun
         parallel = TensorParallel(rank, world)
-        engine = Engine(load_model(target, shard=parallel), load_model(draft), parallel=parallel)
-        a = engine.target.args
+        engine = Engine.from_models(load_model(target, shard=parallel), load_model(draft), parallel=parallel)
+        a = engine.pair.target.args
         assert (a.n_heads, a.n_kv_heads) == (8 // world, 4 // world)
-        fused_rows = engine.target.layers[0].self_attn.qkv_proj.weight.shape[0]  # [q | k | v] of the rank's heads
+        fused_rows = engine.pair.target.layers[0].self_attn.qkv_proj.weight.shape[0]  # [q | k | v] of the rank's heads
         assert fused_rows == (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
         outputs = _generate_all(engine)
-        s = engine.start(_prompts(), _cfg(RUNS["classic"])).session  # the cache holds only this rank's KV heads
+        s = engine.start(_prompts(), _cfg(RUNS["classic"])).runner.batch  # the cache holds only this rank's KV heads
         assert s.target_cache.k.shape[2] == 4 // world
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(outputs, f)
@@ -98,7 +98,7 @@ def reference(tp_pair):
     try:
         with pytest.MonkeyPatch.context() as mp_env:
             mp_env.delenv("TRITON_INTERPRET", raising=False)  # same selection path as the workers
-            return _generate_all(Engine(load_model(target), load_model(draft)))
+            return _generate_all(Engine.from_models(load_model(target), load_model(draft)))
     finally:
         torch.set_num_threads(threads)
 
@@ -140,17 +140,17 @@ def test_parallel_object_is_handed_in_not_patched(tp_pair):
     from dustin.parallel.tp_selection import TPDustinSelection
 
     assert current_parallel() is None
-    plain = Engine(load_model(tp_pair[0]), load_model(tp_pair[1]))
-    assert plain.parallel is None and plain.target_args is plain.target.args
+    plain = Engine.from_models(load_model(tp_pair[0]), load_model(tp_pair[1]))
+    assert plain.pair.parallel is None and plain.pair.target_args is plain.pair.target.args
     parallel = TensorParallel(0, 2)
-    engine = Engine(load_model(tp_pair[0], shard=parallel), load_model(tp_pair[1]), parallel=parallel)
-    assert engine.target.args.n_heads == 4 and engine.target_args.n_heads == 8
-    assert "make_policy" not in vars(engine) and not any(k.startswith("tp_") for k in vars(engine.target))
-    policy = engine.make_policy(GenerationConfig(method="dustin", budget=32))
+    engine = Engine.from_models(load_model(tp_pair[0], shard=parallel), load_model(tp_pair[1]), parallel=parallel)
+    assert engine.pair.target.args.n_heads == 4 and engine.pair.target_args.n_heads == 8
+    assert "make_policy" not in vars(engine.pair) and not any(k.startswith("tp_") for k in vars(engine.pair.target))
+    policy = engine.pair.make_policy(GenerationConfig(method="dustin", budget=32))
     assert isinstance(policy, TPDustinSelection) and policy.rank == 0
-    assert engine.identities()[0]["n_heads"] == 8  # the fingerprint names the unsharded shape
+    assert engine.pair.identities()[0]["n_heads"] == 8  # the fingerprint names the unsharded shape
     with pytest.raises(InputError, match="not supported with tensor parallelism"):
-        engine.make_policy(GenerationConfig(method="quest", budget=32))
+        engine.pair.make_policy(GenerationConfig(method="quest", budget=32))
 
 
 def _bench_worker(rank: int, world: int, port: int, target, draft, out_json) -> None:

@@ -342,7 +342,7 @@ SRH_D = {0: [1, 4], 1: [5], 2: [0, 7]}
 
 @pytest.fixture(scope="module")
 def pair_engine(tiny_pair):
-    return Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
 
 
 def _ids(n, seed=0):
@@ -395,14 +395,14 @@ def test_needle_mass_on_the_engine_core_equals_a_direct_loop(pair_engine, role):
 
     from dustin.profiling.srh import run_needle_batch
 
-    model = pair_engine.target if role == "target" else pair_engine.draft
+    model = pair_engine.pair.target if role == "target" else pair_engine.pair.draft
     prompts = []
     for b, n in enumerate((70, 41, 93)):
         ids = _ids(n, seed=10 + b)
         span = (5 + b, 5 + b + 25)  # 25 tokens: some of them are generated
         prompts.append(SimpleNamespace(ids=ids, n_tokens=n, spans=[(0, 1), span], asked=1))
     got = run_needle_batch(pair_engine, model, prompts, 12)
-    want = _needle_reference(model, prompts, 12, pair_engine.eos_ids, pair_engine.vocab_limit)
+    want = _needle_reference(model, prompts, 12, pair_engine.pair.eos_ids, pair_engine.pair.vocab_limit)
     assert got[2] == want[2] and got[1] == want[1]
     assert sum(want[1]) > 0  # the mass was booked at some steps
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
@@ -441,9 +441,11 @@ def traced(pair_engine):
     from dustin.profiling.trace import trace_text
 
     return ids, {
-        "full": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="full", **kw),
-        "wide": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=1000, **kw),
-        "narrow": trace_text(e.target, e.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=16, **kw),
+        "full": trace_text(e.pair.target, e.pair.draft, ids, SRH_T, SRH_D, draft_kv="full", **kw),
+        "wide": trace_text(e.pair.target, e.pair.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=1000,
+                           **kw),
+        "narrow": trace_text(e.pair.target, e.pair.draft, ids, SRH_T, SRH_D, draft_kv="streaming", draft_recent=16,
+                             **kw),
     }
 
 
@@ -480,7 +482,7 @@ def test_trace_rows_equal_an_independent_recomputation(pair_engine, traced):
 
     ids, t = traced
     full = t["full"]
-    tp, dp = _dense_probs(pair_engine.target, ids), _dense_probs(pair_engine.draft, ids)
+    tp, dp = _dense_probs(pair_engine.pair.target, ids), _dense_probs(pair_engine.pair.draft, ids)
     tol = {"rtol": 2e-3, "atol": 1e-4}  # the rows are stored in fp16
     for n, L in enumerate(full["lengths"].tolist()):
         def ahead(g, L=L):
@@ -490,7 +492,7 @@ def test_trace_rows_equal_an_independent_recomputation(pair_engine, traced):
             torch.testing.assert_close(full["hist"][n, layer].float(), _ref_row(tp[layer], heads, [L - 1], L), **tol)
             torch.testing.assert_close(full["oracle"][n, layer].float(), _ref_row(tp[layer], heads, ahead(4), L),
                                        **tol)
-        all_heads = list(range(pair_engine.target.args.n_heads))
+        all_heads = list(range(pair_engine.pair.target.args.n_heads))
         torch.testing.assert_close(full["oracle_all"][n].float(),
                                    sum(_ref_row(p, all_heads, ahead(4), L) for p in tp.values()), **tol)
         for i, d in enumerate(DELTAS):
@@ -511,7 +513,7 @@ def test_step_positions_and_too_short_texts(pair_engine):
     with pytest.raises(InputError, match="too short"):
         step_positions(60, 3, 5, 4)  # first step at 46: too close to the start for δ = 16 look-backs
     with pytest.raises(InputError, match="too short"):
-        trace_text(pair_engine.target, pair_engine.draft, _ids(50), SRH_T, SRH_D, gamma=3, steps=2, stride=4)
+        trace_text(pair_engine.pair.target, pair_engine.pair.draft, _ids(50), SRH_T, SRH_D, gamma=3, steps=2, stride=4)
 
 
 def test_run_trace_writes_resumes_and_loads_padded(pair_engine, tmp_path, monkeypatch):
@@ -541,8 +543,8 @@ def test_run_trace_writes_resumes_and_loads_padded(pair_engine, tmp_path, monkey
     assert loaded["lengths"].tolist() == [291, 296, 231, 236, 261, 266]
     assert loaded["text"].tolist() == [0, 0, 1, 1, 2, 2]
     assert loaded["oracle"].shape == (6, 3, 300) and loaded["hist_delta"].shape == (6, 5, 300)
-    direct = trace.trace_text(pair_engine.target, pair_engine.draft, texts[1][1], SRH_T, SRH_D, gamma=3, steps=2,
-                              stride=5, draft_kv="full")
+    direct = trace.trace_text(pair_engine.pair.target, pair_engine.pair.draft, texts[1][1], SRH_T, SRH_D, gamma=3,
+                              steps=2, stride=5, draft_kv="full")
     for name in ("oracle", "oracle_all", "hist", "hist_delta", "draft"):
         assert torch.equal(loaded[name][2:4, ..., :240], direct[name])
         assert loaded[name][2:4, ..., 240:].abs().max() == 0  # padding of the shorter text
@@ -758,7 +760,7 @@ def _write_tuned(folder, name, t_id, d_id, **cfg):
 def test_find_tuned_matches_fingerprints(pair_engine, config_dir):
     from dustin.selection.tuned import find_tuned, load_tuned
 
-    t_id, d_id = pair_engine.identities()
+    t_id, d_id = pair_engine.pair.identities()
     (config_dir / "notes.json").write_text(json.dumps({"budget": 64}))  # no "models": not a tuned config
     assert find_tuned(t_id, d_id) is None
     from dustin.selection import tuned
@@ -776,20 +778,20 @@ def test_find_tuned_matches_fingerprints(pair_engine, config_dir):
 
 def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_path):
     e = pair_engine
-    before = e.make_policy(GenerationConfig(method="dustin")).cfg
+    before = e.pair.make_policy(GenerationConfig(method="dustin")).cfg
     assert before.source == "built-in default"
     from dustin.selection import tuned
     tuned.shipped.cache_clear()
-    _write_tuned(config_dir, "pair.json", *e.identities())
-    policy = e.make_policy(GenerationConfig(method="dustin"))
+    _write_tuned(config_dir, "pair.json", *e.pair.identities())
+    policy = e.pair.make_policy(GenerationConfig(method="dustin"))
     assert policy.cfg.source.startswith("tuned:") and policy.cfg.source == "tuned: pair.json"
     assert policy.cfg.budget == 48 and policy.m == 10 and policy.cfg.target[0].heads == (1, 6)
-    scaled = e.make_policy(GenerationConfig(method="dustin-t", budget=76)).cfg  # --budget keeps m's share
+    scaled = e.pair.make_policy(GenerationConfig(method="dustin-t", budget=76)).cfg  # --budget keeps m's share
     assert scaled.source == "tuned: pair.json" and scaled.budget == 76 and scaled.draft_topm == 20
     explicit = tmp_path / "mine.json"
     explicit.write_text(json.dumps({"target": [{"layer": 0, "heads": [2]}], "draft": [{"layer": 2, "heads": [5]}],
                                     "budget": 40, "draft_topm": 4}))
-    own = e.make_policy(GenerationConfig(method="dustin", sparse_config=str(explicit))).cfg
+    own = e.pair.make_policy(GenerationConfig(method="dustin", sparse_config=str(explicit))).cfg
     assert own.source == str(explicit) and own.budget == 40 and own.target[0].layer == 0
     out = json.loads(json.dumps(e.generate([_ids(70, 5)], GenerationConfig(
         method="dustin", gamma=2, max_new_tokens=4, stop_at_eos=False, draft_window=24)).to_json()))
@@ -839,10 +841,10 @@ def test_tuned_config_reaches_other_weights_of_the_same_models_by_identity(tiny_
     from tests.tiny_models import with_char_tokenizer
 
     def source(target, draft):
-        return Engine.from_pretrained(target, draft).make_policy(GenerationConfig(method="dustin")).cfg.source
+        return Engine.from_pretrained(target, draft).pair.make_policy(GenerationConfig(method="dustin")).cfg.source
 
     profiled = Engine.from_pretrained(*tiny_pair)
-    t_id, d_id = profiled.identities()
+    t_id, d_id = profiled.pair.identities()
     assert t_id["tokenizer"] is not None and t_id["tokenizer"] == d_id["tokenizer"]
     _write_tuned(config_dir, "pair.json", t_id, d_id)
     tuned.shipped.cache_clear()
@@ -858,9 +860,9 @@ def test_tuned_config_reaches_other_weights_of_the_same_models_by_identity(tiny_
     tuned._NOTED.clear()
     perturbed = _copy_pair(tiny_pair, tmp_path / "perturbed", noise=0.01)
     engine = Engine.from_pretrained(*perturbed)
-    assert engine.identities()[0]["fingerprint"] != t_id["fingerprint"]
+    assert engine.pair.identities()[0]["fingerprint"] != t_id["fingerprint"]
     for _ in range(2):
-        cfg = engine.make_policy(GenerationConfig(method="dustin")).cfg
+        cfg = engine.pair.make_policy(GenerationConfig(method="dustin")).cfg
         assert cfg.source == "tuned: pair.json (by model identity; other weights)" and cfg.target[0].heads == (1, 6)
     notes = [r.getMessage() for r in caplog.records]
     assert len(notes) == 1 and "\n" not in notes[0], notes
@@ -870,9 +872,9 @@ def test_tuned_config_reaches_other_weights_of_the_same_models_by_identity(tiny_
     assert source(*other_arch) == "built-in default"
     assert source(*with_char_tokenizer(perturbed, tmp_path / "chars")) == "built-in default"
     assert len(caplog.records) == 1
-    bare = Engine(load_model(perturbed[0]), load_model(perturbed[1]))  # no tokenizer: no identity to go by
-    assert bare.make_policy(GenerationConfig(method="dustin")).cfg.source == "built-in default"
-    assert Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1])).make_policy(
+    bare = Engine.from_models(load_model(perturbed[0]), load_model(perturbed[1]))  # no tokenizer: no identity to go by
+    assert bare.pair.make_policy(GenerationConfig(method="dustin")).cfg.source == "built-in default"
+    assert Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1])).pair.make_policy(
         GenerationConfig(method="dustin")).cfg.source == "tuned: pair.json"
 
 
@@ -884,7 +886,7 @@ def test_the_fetched_pair_gets_the_shipped_config_exactly(real_pair, caplog):
 
     from dustin.selection import tuned
 
-    t_id, d_id = real_pair.identities()
+    t_id, d_id = real_pair.pair.identities()
     match = tuned.match_tuned(t_id, d_id)
     assert match.exact and match.path.name == "qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json"
     recorded = json.loads(match.path.read_text())["models"]

@@ -14,7 +14,7 @@ from dustin.selection.oracle import window_probs
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    return Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
 
 
 def _prompts(lengths):
@@ -103,7 +103,7 @@ def test_small_budget_plans_differ_by_layer_and_head(engine, tiny_sparse_config)
     prompts = _prompts([150, 210])
     cfg = GenerationConfig(method="oracle-head-d1", gamma=3, max_new_tokens=8, stop_at_eos=False, budget=32,
                            sparse_config=tiny_sparse_config, temperature=0.0)
-    policy = engine.make_policy(cfg)
+    policy = engine.pair.make_policy(cfg)
     assert isinstance(policy, LadderOracle) and policy.dense_layers == 1
     seen: dict[int, list] = {}
     plan_layer = policy.plan_layer
@@ -115,9 +115,9 @@ def test_small_budget_plans_differ_by_layer_and_head(engine, tiny_sparse_config)
 
     policy.plan_layer = recording
     engine.start(prompts, cfg, policy=policy).step()  # the prefill and step 1
-    n_layers = engine.target.args.n_layers
+    n_layers = engine.pair.target.args.n_layers
     assert set(seen) == set(range(n_layers)) and seen[0] == [None]
     sets = [seen[layer][0] for layer in range(1, n_layers)]
-    assert all(x.shape == (2, engine.target.args.n_kv_heads, 32) for x in sets)
+    assert all(x.shape == (2, engine.pair.target.args.n_kv_heads, 32) for x in sets)
     assert any(not torch.equal(sets[0], x) for x in sets[1:])  # layers choose their own sets
     assert any(not torch.equal(x[:, 0], x[:, 1]) for x in sets)  # KV heads choose their own sets

@@ -11,7 +11,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import ExecutionOptions, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
@@ -20,7 +20,7 @@ from dustin.selection.policies import DustinSelection
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    return Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
     k, gamma, n_steps = 32, 3, 5
     cfg = GenerationConfig(method=method, gamma=gamma, max_new_tokens=64, stop_at_eos=False, budget=k,
                            sparse_config=sparse_cfg)
-    policy = engine.make_policy(cfg)
+    policy = engine.pair.make_policy(cfg)
     plans, plan = [], policy.plan
 
     def recording(state):
@@ -117,7 +117,7 @@ def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
     classic = _run(engine, prompts, method="classic")
     for k, full in ((32, False), (400, True)):
         cfg = SparseConfig.load(sparse_cfg).with_budget(k)
-        policies = {m: engine.make_policy(GenerationConfig(method=m, budget=k, sparse_config=sparse_cfg))
+        policies = {m: engine.pair.make_policy(GenerationConfig(method=m, budget=k, sparse_config=sparse_cfg))
                     for m in ("dustin", "dustin-t", "streaming")}
         probe = ARRProbe(policies, cfg.budget)
         s = engine.generate(prompts, GenerationConfig(method="classic", gamma=3, max_new_tokens=24, stop_at_eos=False),
@@ -141,7 +141,7 @@ def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
     prompts = _prompts([120, 90], seed=6)
     cfg = GenerationConfig(method="classic", gamma=3, max_new_tokens=12, stop_at_eos=False)
     classic = [x.token_ids for x in engine.generate(prompts, cfg).sequences]
-    policies = {m: engine.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
+    policies = {m: engine.pair.make_policy(GenerationConfig(method=m, budget=32, sparse_config=sparse_cfg))
                 for m in ("quest", "specattn", "dustin")}
     probe = ARRProbe(policies, 32)
     shared = PrefillCache() if reuse else None
@@ -164,11 +164,11 @@ def test_target_scores_use_the_last_cached_query(engine):
     core = engine.start([prompt], GenerationConfig(method="dustin-t", gamma=3, max_new_tokens=20, stop_at_eos=False,
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
-    s = core.session
+    s = core.runner.batch
     L = s.target_cache.lengths.clone()
     got = policy.target_scores.compute({0: s.target_cache.k[0]}, L)[0, : int(L)]
     committed = (prompt + out)[: int(L)]  # cached tokens (all but the pending one)
-    target, a = engine.target, engine.target.args
+    target, a = engine.pair.target, engine.pair.target.args
     captured = {}
 
     def grab(layer, q, k_cache, ctx):
@@ -214,8 +214,8 @@ def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     tri = AttentionBackend("triton")
-    engines = [Engine(load_model(target, backend=tri), load_model(draft, backend=tri)),
-               Engine(load_model(target), load_model(draft))]
+    engines = [Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri)),
+               Engine.from_models(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
     outs = [e.generate(prompts, GenerationConfig(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
                                                  sparse_config=str(path), draft_window=24)) for e in engines]
@@ -234,11 +234,11 @@ def test_draft_scores_sum_the_lookahead_attention(engine):
                                                    options=ExecutionOptions(overlap=False)), policy=policy)
     L0 = len(prompt)
     out = [t for o in core.step() for t in o.new_token_ids]  # the prefill and step 1, read back
-    s = core.session
+    s = core.runner.batch
     got = policy.draft_scores.scores[0, :L0]
     lookahead = s.verify_input[0, :gamma].tolist()  # pending, d1, d2
     ids = (prompt + out)[:L0] + lookahead
-    draft, a = engine.draft, engine.draft.args
+    draft, a = engine.pair.draft, engine.pair.draft.args
     captured = {}
 
     def grab(layer, q, k_cache, ctx):
@@ -316,4 +316,4 @@ def test_dustin_variants_without_their_score_heads(engine, tmp_path):
     path.write_text(json.dumps({"draft": [{"layer": 1, "heads": [0]}], "budget": 32, "draft_topm": 4}))
     with pytest.raises(InputError, match="no target score heads"):
         _run(engine, _prompts([40]), method="dustin-t", sparse_config=str(path))
-    assert engine.make_policy(GenerationConfig(method="dustin", sparse_config=str(path))).m == 12
+    assert engine.pair.make_policy(GenerationConfig(method="dustin", sparse_config=str(path))).m == 12

@@ -9,7 +9,7 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.session import PrefillCache
+from dustin.engine.offline.prefill import PrefillCache
 from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.scoring import causal_probs
@@ -23,7 +23,7 @@ RAGGED = [90, 130, 40]  # two prompts longer than k (compressed), one shorter (k
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    return Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
 
 
 def _prompts(lengths, seed=0):
@@ -84,13 +84,13 @@ def test_prompt_picks_equal_a_direct_recomputation(engine):
     k keeps every position."""
     prompts = _prompts(RAGGED)
     _, policy = _session(engine, prompts)
-    a, W = engine.target.args, SNAPKV_WINDOW
+    a, W = engine.pair.target.args, SNAPKV_WINDOW
     assert policy.indices.shape == (a.n_layers, 3, a.n_kv_heads, K + 20 + 3 + 1)
     assert policy.prefill.prompt_lengths.tolist() == RAGGED
     exact = 0
     for b, ids in enumerate(prompts):
         n = len(ids)
-        qk = _dense_prefill(engine.target, ids)
+        qk = _dense_prefill(engine.pair.target, ids)
         for layer in range(a.n_layers):
             for h in range(a.n_kv_heads):
                 c = int(policy.counts[layer, b, h])
@@ -132,11 +132,11 @@ def test_plan_is_prompt_picks_and_generated_positions(engine):
     core, policy = _session(engine, prompts)
     for _ in range(2):
         core.step()
-    s = core.session
+    s = core.runner.batch
     L = s.target_cache.lengths.clone()
     assert bool((L > torch.tensor(RAGGED)).all())  # something was generated
     assert policy.plan(s) is policy
-    a = engine.target.args
+    a = engine.pair.target.args
     for layer in range(a.n_layers):
         plan = policy.plan_layer(layer, None, None)
         assert plan.indices.shape == (3, a.n_kv_heads, policy.prefill.k_max) and plan.indices.dtype == torch.int32
@@ -196,8 +196,8 @@ def test_triton_backend_gives_the_same_tokens(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", "qwen2", heads=4, kv_heads=2, seed=3)  # head_dim 16
     draft = make_tiny_draft(target, tmp_path / "d", noise=0.1)
     tri = AttentionBackend("triton")
-    engines = [Engine(load_model(target, backend=tri), load_model(draft, backend=tri)),
-               Engine(load_model(target), load_model(draft))]
+    engines = [Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri)),
+               Engine.from_models(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
     outs = [e.generate(prompts, _cfg(budget=40, max_new_tokens=8)) for e in engines]
     assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]

@@ -2,6 +2,7 @@
 (attention/backend.py `weighted_mask`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,7 +22,7 @@ from dustin.selection.tail import AdaptiveTail, DustinTail, LayerTailOracle, ada
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    return Engine(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
 
 
 def _prompts(lengths, seed=3):
@@ -352,7 +353,8 @@ def test_weight_one_over_the_whole_context_is_vanilla(engine, tiny_sparse_config
     prompts = _prompts([60, 97, 130])
     cfg = dict(stop_at_eos=False, max_new_tokens=24, gamma=3, temperature=0.0)
     vanilla = engine.generate(prompts, GenerationConfig(method="vanilla", **cfg))
-    policy = engine.make_policy(GenerationConfig(method=method, budget=200, sparse_config=tiny_sparse_config, **cfg))
+    tail_cfg = GenerationConfig(method=method, budget=200, sparse_config=tiny_sparse_config, **cfg)
+    policy = engine.pair.make_policy(tail_cfg)
     plans = []
     tailed = policy._tailed
 
@@ -361,8 +363,7 @@ def test_weight_one_over_the_whole_context_is_vanilla(engine, tiny_sparse_config
         return plans[-1]
 
     policy._tailed = recording
-    out = engine.generate(prompts, GenerationConfig(method=method, budget=200, sparse_config=tiny_sparse_config, **cfg),
-                          policy=policy)
+    out = engine.generate(prompts, tail_cfg, policy=policy)
     assert [s.token_ids for s in out.sequences] == [s.token_ids for s in vanilla.sequences]
     assert plans and all(p.bias is not None and p.bias.eq(0).all() for p in plans)
     assert any(int(p.counts.max()) > 50 for p in plans)  # the tail was drawn (|S| = 50)
@@ -387,8 +388,43 @@ def test_positions_read_are_reported(engine, tiny_sparse_config):
     base = dict(budget=64, sparse_config=tiny_sparse_config, stop_at_eos=False, max_new_tokens=8, gamma=3)
     fixed = engine.generate(prompts, GenerationConfig(method="oracle-dustin-tail", **base))
     assert fixed.budget_k["mean"] == 64 and fixed.budget_k["samples"] % (3 * 2) == 0  # 3 layers x 2 KV heads
-    policy = engine.make_policy(GenerationConfig(method="oracle-dustin-tail-auto", **base))
+    policy = engine.pair.make_policy(GenerationConfig(method="oracle-dustin-tail-auto", **base))
     assert isinstance(policy, DustinTail) and (policy.exact_k, policy.tail_m) == (32, 32)
     auto = engine.generate(prompts, GenerationConfig(method="oracle-dustin-tail-auto", **base), policy=policy)
     assert 32 + 2 < auto.budget_k["mean"] <= 64
-    assert isinstance(engine.make_policy(GenerationConfig(method="oracle-layer-tail", **base)), LayerTailOracle)
+    assert isinstance(engine.pair.make_policy(GenerationConfig(method="oracle-layer-tail", **base)), LayerTailOracle)
+
+
+@pytest.mark.parametrize("budget", [96, 128])
+def test_every_row_reads_its_budget_at_the_backend(engine, tiny_sparse_config, monkeypatch, budget):
+    """Equal positions read at equal budget, counted where the verify reads them: the distinct cached positions
+    each sparse-verify call lets a row and KV head attend (the plan's mask, not what the policy says it read), for
+    the rows of the CPU eval built as `eval tasks` builds them (`row_config`). Every running row reads exactly the
+    budget in every layer and KV head (all prompts are longer), at both budgets: a row does not fall back to some
+    other k. A finished row's slot is parked at length 1 until the batch ends, and reads that one position."""
+    from types import SimpleNamespace
+
+    from dustin.eval.sweep import row_config
+
+    reads: list[torch.Tensor] = []
+    verify = AttentionBackend.sparse_verify
+
+    def counting(self, q, k_cache, v_cache, lengths, plan, *, max_len):
+        T = q.shape[2]
+        seen = sparse_mask(lengths, plan, T, max_len)[:, :, 0]  # the first query: the cached positions + itself
+        cached = torch.arange(max_len)[None, None, :] < lengths.long()[:, None, None]
+        n = (seen & cached).sum(-1).expand(-1, k_cache.shape[1])  # [B, Hkv]
+        reads.append(torch.stack([n, lengths.long()[:, None].clamp_max(budget).expand_as(n)]))
+        return verify(self, q, k_cache, v_cache, lengths, plan, max_len=max_len)
+
+    monkeypatch.setattr(AttentionBackend, "sparse_verify", counting)
+    args = SimpleNamespace(gamma=3, draft_window=512, config=tiny_sparse_config, seed=0)
+    prompts = _prompts([150, 210, 180], seed=5)
+    for method in ("dustin", "oracle-layer", "oracle-layer-tail", "oracle-dustin-tail", "oracle-dustin-tail-w1",
+                   "oracle-dustin-tail75", "oracle-layer-tail75"):
+        reads.clear()
+        engine.generate(prompts, dataclasses.replace(row_config(method, budget, args, 8), stop_at_eos=False))
+        assert reads and len(reads) % 3 == 0, method  # every one of the 3 layers verifies sparsely, every step
+        n, want = torch.cat(reads, dim=1)
+        assert torch.equal(n, want), method
+        assert (n == budget).float().mean() > 0.5, method  # mostly running rows, each read at the budget
