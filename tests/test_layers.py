@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "dustin"
 # top to bottom; a package imports only its own modules and those of packages below it (docs/architecture.md)
 LAYERS = [
     "__main__", "cli", "bench", "profiling", "serve", "__init__", "llm", "eval", "tasks", "data", "flags", "engine",
-    "parallel", "selection", "models", "attention", "kernels", "cache", "scoring", "runtime", "defaults", "errors",
+    "parallel", "selection", "models", "attention", "kernels", "cache", "scoring", "runtime", "rng", "defaults",
+    "errors",
 ]
 
 

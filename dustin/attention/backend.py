@@ -1,7 +1,8 @@
 """Attention backends: how a forward attends, given the cache and the plan in `ForwardContext`.
 
-- `sdpa`: PyTorch scaled_dot_product_attention with a boolean mask, each KV group's query heads folded
-  into the query-length dimension so K/V are never repeated. Runs everywhere; the CPU default.
+- `sdpa`: PyTorch scaled_dot_product_attention with a boolean mask (a float one for a plan with log-weights,
+  `SparsePlan.bias`), each KV group's query heads folded into the query-length dimension so K/V are never
+  repeated. Runs everywhere; the CPU default.
 - `triton`: our split-K (flash-decoding) GQA kernels for the verify / decode step and for sparse
   verification over an index list. The GPU default (see docs/benchmarks.md for the measurements).
 Prefill of one fresh sequence uses SDPA's causal kernel over the prompt itself; a packed prefill (prompt chunks of
@@ -41,6 +42,26 @@ def sparse_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int) -> torc
     return (selected & old)[:, :, None, :] | causal_new[:, None]
 
 
+def weighted_mask(lengths: torch.Tensor, plan: SparsePlan, T: int, S: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, T, S] additive mask of a plan with log-weights (`SparsePlan.bias`): a gathered position's bias where
+    `sparse_mask` lets a query see it, 0 for the new tokens and for every position of a `dense` row, -inf where it
+    does not. In `dtype`, the queries' (SDPA takes a float mask of their type)."""
+    seen = sparse_mask(lengths, plan, T, S)
+    indices = plan.indices if plan.indices.dim() == 3 else plan.indices[:, None]
+    counts = plan.counts if plan.counts.dim() == 2 else plan.counts[:, None]
+    bias = plan.bias if plan.bias.dim() == 3 else plan.bias[:, None]
+    B, H, K = indices.shape
+    valid = torch.arange(K, device=lengths.device)[None, None, :] < counts[:, :, None]
+    # Add, as sparse_mask does: padding slots (position 0) add 0, so they cannot overwrite a real pick of position 0
+    weights = torch.zeros(B, H, S, dtype=torch.float32, device=lengths.device).scatter_add_(
+        2, indices.long().clamp_max(S - 1), torch.where(valid, bias.float(), 0.0))
+    j = torch.arange(S, device=lengths.device)
+    weights = weights * (j[None, None, :] < lengths.long()[:, None, None])  # picks past lengths[b] are ignored
+    if plan.dense is not None:
+        weights = torch.where(plan.dense[:, None, None], 0.0, weights)
+    return torch.where(seen, weights[:, :, None, :], float("-inf")).to(dtype)
+
+
 class AttentionBackend:
     def __init__(self, name: str = "sdpa") -> None:
         if name not in BACKENDS:
@@ -77,15 +98,18 @@ class AttentionBackend:
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
 
     def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
-        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
+        """The new tokens' attention over the plan's positions. A plan with log-weights (`SparsePlan.bias`) takes
+        SDPA with a float mask on every device: the Triton kernels do not read weights yet."""
+        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES and plan.bias is None:
             from dustin.kernels.sparse_verify import sparse_verify_attention
             if plan.dense is None:
                 return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
                                                out=token_major(q))
             return self._dense_or_sparse(q, k_cache, v_cache, lengths, plan, max_len)
         S = min(max_len, k_cache.shape[2])
-        return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S,
-                                     mask=sparse_mask(lengths, plan, q.shape[2], S))
+        T = q.shape[2]
+        mask = sparse_mask(lengths, plan, T, S) if plan.bias is None else weighted_mask(lengths, plan, T, S, q.dtype)
+        return verify_attention_sdpa(q, k_cache, v_cache, lengths, max_len=S, mask=mask)
 
 
     def _dense_or_sparse(self, q, k_cache, v_cache, lengths, plan: SparsePlan, max_len: int) -> torch.Tensor:

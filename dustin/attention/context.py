@@ -20,13 +20,22 @@ from dustin.kernels.prefill_plan import PrefillPlan
 class SparsePlan:
     """Cached positions the new tokens attend to, shared by all layers: one set per sequence (indices [B, K], counts
     [B]), or one per sequence and KV head (indices [B, Hkv, K], counts [B, Hkv]; query head h reads its KV head's).
-    Sorted; entries past the count are padding. Rows marked `dense` attend to the whole cache."""
+    Sorted; entries past the count are padding. Rows marked `dense` attend to the whole cache.
+
+    `bias`, when set, weights each gathered position: an additive log-weight on its attention score, read next to
+    its index (same shape as `indices`), so that position i counts e^{s_i + bias_i} = w_i e^{s_i} in both the
+    softmax's numerator and its denominator. A sampled tail of m positions drawn uniformly from the R cached
+    positions outside the exact set carries log(|R| / m): its sums then estimate the sums over all of R without
+    bias (dustin/selection/tail.py). Exact positions carry 0, unread positions are simply absent (-inf), the new
+    tokens and `dense` rows are never weighted. Natural log, as the scores are: the Triton kernels, which work in
+    base 2 with log2(e) folded into the scale, take bias * log2(e). None: every weight is 1."""
 
     indices: torch.Tensor  # int32 [B, K] or [B, Hkv, K]
     counts: torch.Tensor  # int32 [B] or [B, Hkv]
     # bool [B] or None: rows that verify against the whole cache this step instead (their indices are ignored):
     # `--budget auto --budget-dense`, for rows whose estimated attention is too spread out for k_max positions
     dense: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # float32 like `indices`, or None: the log-weight of each gathered position
 
 
 class LayerPlanner(Protocol):

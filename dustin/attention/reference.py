@@ -46,20 +46,27 @@ def verify_attention_reference(q, k_cache, v_cache, lengths, *, sinks: int = 0, 
 
 
 def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, counts, *,
-                                      scale: float | None = None) -> torch.Tensor:
+                                      scale: float | None = None, log_weights=None) -> torch.Tensor:
     """Attention over the selected cached positions plus the new tokens (see module docstring).
     indices/counts are [B, K]/[B] (one list per sequence) or [B, Hkv, K]/[B, Hkv] (one per KV head: query
-    head h then sees indices[b, h // G, :counts[b, h // G]], G = Hq // Hkv)."""
+    head h then sees indices[b, h // G, :counts[b, h // G]], G = Hq // Hkv). log_weights (shaped like indices):
+    selected position i enters the softmax with weight exp(log_weights[i]), i.e. its score plus that log-weight
+    (`SparsePlan.bias`); the new tokens keep weight 1."""
     B, Hq, T, D = q.shape
     S = int(lengths.max().item()) + T
     if indices.dim() == 2:  # a per-sequence list is the per-head case with one list shared by all heads
         indices, counts = indices[:, None], counts[:, None]
+        log_weights = None if log_weights is None else log_weights[:, None]
     pos = lengths.to(torch.long)[:, None] + torch.arange(T, device=q.device)[None, :]
     j = torch.arange(S, device=q.device)
     selected = torch.zeros(B, indices.shape[1], S, dtype=torch.bool, device=q.device)  # [B, Hkv or 1, S]
+    weight = torch.zeros(B, indices.shape[1], S, dtype=torch.float32, device=q.device)
     for b in range(B):
         for h in range(indices.shape[1]):
-            selected[b, h, indices[b, h, : int(counts[b, h])].long()] = True
+            picks = indices[b, h, : int(counts[b, h])].long()
+            selected[b, h, picks] = True
+            if log_weights is not None:
+                weight[b, h, picks] = log_weights[b, h, : int(counts[b, h])].float()
     old = selected & (j[None, None, :] < lengths.long()[:, None, None])  # out-of-range picks are ignored
     new_tok = (j[None, None, :] >= lengths.long()[:, None, None]) & (j[None, None, :] <= pos[:, :, None])
     mask = old[:, :, None, :] | new_tok[:, None]  # [B, Hkv or 1, T, S]
@@ -67,6 +74,7 @@ def sparse_verify_attention_reference(q, k_cache, v_cache, lengths, indices, cou
     k = _expand_kv(k_cache[:, :, :S].float(), Hq)
     v = _expand_kv(v_cache[:, :, :S].float(), Hq)
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
+    scores = scores + _expand_kv(weight * old, Hq)[:, :, None, :]
     scores = scores.masked_fill(~_expand_kv(mask, Hq), float("-inf"))
     return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v).to(q.dtype)
 

@@ -17,7 +17,8 @@ def verify_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           sinks: int = 0, window: int = 0, scale: float | None = None,
                           max_len: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """max_len bounds max(lengths) + T (default: the capacity); `mask` [B, 1, T, S] or [B, Hkv, T, S] (one
-    per KV head) overrides the causal / streaming mask (sparse verification uses it)."""
+    per KV head) overrides the causal / streaming mask (sparse verification uses it): boolean, or additive in
+    q's dtype (-inf where unseen; a sampled tail's log-weights)."""
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     if Hq % Hkv:

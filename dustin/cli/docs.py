@@ -158,6 +158,10 @@ METHOD_NOTES = {
 def method_note(method: str) -> tuple[str, str]:
     if method in METHOD_NOTES:
         return METHOD_NOTES[method]
+    if "-tail" in method:  # the sampled-tail rows beside the ladder (selection/tail.py)
+        src = "the oracle ladder's per-layer set" if method.startswith("oracle-layer-") else "dustin's set"
+        weight = "not reweighted (w = 1, a control)" if method.endswith("-w1") else "reweighted"
+        return (f"{src} plus a uniform sample of the rest of the context, {weight} (a sampled tail)", "analysis only")
     if method.startswith("oracle-"):  # the oracle ladder's rungs
         return ("the oracle's set per layer, per KV head or per query head (the oracle ladder)", "analysis only")
     raise KeyError(f"{method}: no line in dustin/cli/docs.py METHOD_NOTES")

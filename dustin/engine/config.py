@@ -14,7 +14,7 @@ from dustin.defaults import (
     GAMMA_AUTO_MAX,
 )
 from dustin.errors import InputError
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS
+from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ METHODS: dict[str, MethodSpec] = {
     "oracle": MethodSpec(speculative=True, draft_kv="full", policy="oracle"),
     # the oracle ladder (analysis, docs/accuracy.md): per-layer oracle sets per layer / KV head / query head
     **{name: MethodSpec(speculative=True, draft_kv="full", policy=name) for name in ORACLE_RUNGS},
+    # the sampled-tail rows (analysis, docs/accuracy.md): an exact set plus a uniform, reweighted sample of the rest;
+    # the exact set of rung (b) with the ladder's full draft, or dustin's own with dustin's streaming one
+    **{name: MethodSpec(speculative=True, draft_kv="full" if row.source == "layer" else "streaming", policy=name)
+       for name, row in ORACLE_TAIL_ROWS.items()},
 }
 DRAFT_KV_MODES = ("full", "streaming")
 # the methods that verify against the whole cache (lossless: greedy output is vanilla's whatever the budget)
@@ -177,6 +181,8 @@ class GenerationConfig:
             raise InputError("--budget-dense goes with --budget auto (it widens rows that auto's k cannot serve)")
         elif self.budget is not None and (not isinstance(self.budget, int) or self.budget < 21):
             raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), or auto; got {self.budget!r}")
+        elif self.budget is not None and self.spec.policy in ORACLE_TAIL_ROWS:
+            ORACLE_TAIL_ROWS[self.spec.policy].split(self.budget, 21)  # the exact part >= 4 sinks + 16 recent + 1
         if self.options.accept_prob is not None and not self.spec.speculative:
             raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_window:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dustin.rng import counter_uniform, i64
+
 _FIRST_K = 256  # the CPU looks for the top-p cut among this many largest logits first (x4 while it may be past)
 _BLOCK = 1024  # entries per block of `inverse_cdf`'s two-level search
 
@@ -221,36 +223,6 @@ def accept_controlled(draft: torch.Tensor, target_logits: torch.Tensor, accept_p
     return n_acc, next_tok
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(x: int) -> int:
-    """A 64-bit constant as the signed value torch's int64 arithmetic wraps around to."""
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """U[0, 1) noise [B, n] from a counter-based generator: draw j of row b is splitmix64(seed[b] + golden *
-    (offset[b] + j)), its top 24 bits as a float. A row's numbers depend only on its own seed and how many it drew
-    before, never on the batch or on other rows' draws, and the state is two device tensors: a CUDA graph replays
-    it by reading them (callers advance `offsets` in place)."""
-    j = offsets[:, None] + torch.arange(n, device=seeds.device)[None, :]
-    z = seeds[:, None] + j * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 40).float() * (1.0 / (1 << 24))
-
-
 class RowSampling:
     """Per-sequence sampling parameters of a batch whose requests differ (the serving engine's slots).
 
@@ -292,7 +264,7 @@ class RowSampling:
         self._top_k[row] = params.top_k if params.filters else 0
         self._top_p[row] = params.top_p if params.filters else 1.0
         self._greedy[row] = params.greedy
-        self._seeds[row] = _i64(seed * 0x2545F4914F6CDD1D + 1)  # spread small seeds over 64 bits
+        self._seeds[row] = i64(seed * 0x2545F4914F6CDD1D + 1)  # spread small seeds over 64 bits
         self._offsets[row] = 0
 
     @property
@@ -302,6 +274,14 @@ class RowSampling:
     @property
     def greedy(self) -> bool:
         return all(p.greedy for p in self.params)
+
+    def row_keys(self, greedy_key: int) -> torch.Tensor:
+        """[B] int64: one key per row for the random choices made for a row outside its token choice (the sampled
+        tail of sparse verification: dustin/selection/tail.py). A sampled row's is its own seed (its request's, or
+        the one drawn at admission), so that its tail is as reproducible as its tokens; a greedy row's is
+        `greedy_key`, the same for every greedy row, so that greedy output depends on nothing but the row itself:
+        the same run to run, alone or in any batch, in any slot."""
+        return torch.where(self._greedy, i64(greedy_key), self._seeds)
 
     @property
     def mode(self) -> str:

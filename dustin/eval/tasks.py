@@ -211,8 +211,9 @@ def _budgets(rows) -> list:
 def summarize(rows: list[dict], p: dict) -> dict:
     """(task, context, method, budget) -> {score, n, ci, tau, agreement, k, by_index}: means over the samples,
     with the sample count, a 95% interval of the score (dustin/eval/stats.py: Wilson for 0/1 scores, else
-    bootstrap) and the mean k verified against (the budget, or for auto:P the mean over the (sequence, step)
-    pairs of the batches that ran the samples)."""
+    bootstrap) and the mean k verified against: what the policy measured where it reports it (auto:P: over the
+    (sequence, step) pairs of the batches that ran the samples; the sampled-tail rows: the positions read per
+    (sequence, step, layer, KV head)), else the budget."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["context"], r["method"], r["budget"]), []).append(r)
@@ -221,11 +222,11 @@ def summarize(rows: list[dict], p: dict) -> dict:
         return None if not xs else sum(xs) / len(xs)
 
     def mean_k(g, budget):
-        if budget is None or auto_p(budget) is None:
-            return budget
         ks = [(x["budget_k"]["mean"], x["budget_k"]["samples"]) for x in g
               if x.get("budget_k") and x["budget_k"]["samples"]]
-        return sum(k * n for k, n in ks) / sum(n for _, n in ks) if ks else None
+        if ks:
+            return sum(k * n for k, n in ks) / sum(n for _, n in ks)
+        return budget if budget is None or auto_p(budget) is None else None
 
     out = {key: {"score": mean([x["score"] for x in g]), "n": len(g),
                  "ci": list(mean_interval([x["score"] for x in g])),

@@ -140,6 +140,13 @@ class BudgetHistogram:
             active = active & ~dense
         self.counts.scatter_add_(0, k.long().clamp(0, self.counts.numel() - 1), active.long())
 
+    def report(self, reset: bool = False) -> dict | None:
+        """`summary`, then, with `reset`, a fresh count (a run's report counts that run only)."""
+        out = self.summary()
+        if reset:
+            self.reset()
+        return out
+
     def summary(self) -> dict | None:
         """{"mean", "p50", "p90", "p99", "samples", "dense"} of k over the sparsely verified pairs, and the share of
         pairs verified against the whole cache, or None before any step."""

@@ -32,8 +32,9 @@ class StepState(Protocol):
     `after_verify` the one this step chose), verify_input / verify_positions (this step's [pending, drafts] and
     positions, set before `plan`: G + 1 columns, G <= gamma), row_gamma (each row's own Γ, long [B]: a row's
     drafts past it, and the draft forwards' lookahead queries past it, are not its own and must not count for
-    it), done (rows that stopped), finished (host copy). A non-speculative step (vanilla, or G = 0) calls
-    `begin_step`, the target observers and `after_verify` too, but no `plan`."""
+    it), done (rows that stopped), finished (host copy), sampler (the rows' sampling, and their keys for other
+    draws). A non-speculative step (vanilla, or G = 0) calls `begin_step`, the target observers and `after_verify`
+    too, but no `plan`."""
 
     B: int
     gamma: int
@@ -52,6 +53,7 @@ class StepState(Protocol):
     verify_positions: torch.Tensor
     done: torch.Tensor
     finished: list[bool]
+    sampler: object  # engine.sampling.RowSampling: each row's sampling, and its key for other draws (`row_keys`)
 
 
 

@@ -114,3 +114,43 @@ ORACLE_RUNGS: dict[str, tuple[str, int]] = {
 def oracle_rung(name: str) -> tuple[str, int]:
     """(granularity, leading dense layers) of a ladder method name such as oracle-kv-d1."""
     return ORACLE_RUNGS[name]
+
+
+@dataclass(frozen=True)
+class TailRow:
+    """A sampled-tail row (selection/tail.py): an exact set S plus m positions drawn uniformly from the rest R of
+    the row's context, each weighted |R| / m. source: where S comes from ("layer": the ladder's rung (b), the exact
+    per-layer set; "dustin": dustin's own selection); share: the tail's part of the budget (m = share * k, |S| =
+    k - m); weighted False: the tail taken with weight 1 (the control that shows what the weight does); adaptive:
+    m per row, layer and KV head from an (ε, δ) bound on the estimate's error, at most share * k."""
+
+    source: str
+    share: float
+    weighted: bool = True
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.source not in TAIL_SOURCES:
+            raise InputError(f"tail source {self.source!r} must be one of {', '.join(TAIL_SOURCES)}")
+        if not 0.0 < self.share < 1.0:
+            raise InputError(f"the tail's share of the budget must be in (0, 1), got {self.share}")
+
+    def split(self, budget: int, min_exact: int) -> tuple[int, int]:
+        """(|S|, m) of a budget k: m = round(share * k) >= 1 sampled, the rest exact, at least `min_exact` (the
+        sinks, the recent window and one more)."""
+        m = round(self.share * budget)
+        if m < 1 or budget - m < min_exact:
+            raise InputError(f"--budget {budget} with a {self.share:.0%} tail leaves {budget - m} exact positions "
+                             f"and {m} sampled: the exact set needs >= {min_exact} (sinks + window + 1) and the tail "
+                             f">= 1; raise --budget")
+        return budget - m, m
+
+
+# The sampled-tail rows: oracle-{source}-tail[75][-w1|-auto]. No number: the even split (half the budget sampled);
+# 75: the tail-heavy one. -w1: not reweighted; -auto: m from (ε, δ) under the split's m as a cap.
+TAIL_SOURCES = ("layer", "dustin")
+TAIL_SHARES = {"": 0.5, "75": 0.75}
+_TAIL_VARIANTS = {"": {}, "-w1": {"weighted": False}, "-auto": {"adaptive": True}}
+ORACLE_TAIL_ROWS: dict[str, TailRow] = {
+    f"oracle-{src}-tail{suffix}{variant}": TailRow(src, share, **kw)
+    for src in TAIL_SOURCES for suffix, share in TAIL_SHARES.items() for variant, kw in _TAIL_VARIANTS.items()}

@@ -6,7 +6,8 @@
 - `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
               it runs a full-cache forward first, so it is for analysis only.
 Per-layer baselines live in `layerwise.py` (`quest`, `specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time
-set per layer and KV head, fixed after prefill, plus every generated position).
+set per layer and KV head, fixed after prefill, plus every generated position); `tail.py` the sampled-tail rows
+(`oracle-layer-tail*`, `oracle-dustin-tail*`: an exact set plus a uniform, reweighted sample of the rest).
 One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
 tokens are appended and nothing is evicted, so any position can be selected at a later step.
 """
@@ -18,7 +19,7 @@ from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import FullSelection, SelectionPolicy, StepState, draft_query_shape
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, SparseConfig
+from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 from dustin.selection.ladder import LadderOracle
 from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
@@ -82,12 +83,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         self.auto = rule
 
     def budget_stats(self, reset: bool = False) -> dict | None:
-        if self._k_hist is None:
-            return None
-        out = self._k_hist.summary()
-        if reset:
-            self._k_hist.reset()
-        return out
+        return None if self._k_hist is None else self._k_hist.report(reset)
 
     def _setup(self, state: StepState) -> None:
         if self._target_scores is not None or self._draft_scores is not None:
@@ -167,7 +163,8 @@ class OracleSelection(SelectionPolicy):
         return SparsePlan(idx, counts)
 
 
-POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "quest", "specattn", "snapkv", "oracle", *ORACLE_RUNGS)
+POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "quest", "specattn", "snapkv", "oracle", *ORACLE_RUNGS,
+            *ORACLE_TAIL_ROWS)
 
 
 def policy_class(name: str) -> type[SelectionPolicy]:
@@ -183,6 +180,9 @@ def policy_class(name: str) -> type[SelectionPolicy]:
         return OracleSelection
     if name in ORACLE_RUNGS:
         return LadderOracle
+    if name in ORACLE_TAIL_ROWS:
+        from dustin.selection.tail import DustinTail, LayerTailOracle
+        return LayerTailOracle if ORACLE_TAIL_ROWS[name].source == "layer" else DustinTail
     if name in ("quest", "specattn"):
         return QuestSelection if name == "quest" else SpecAttnSelection
     if name == "snapkv":
@@ -196,6 +196,6 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
         return FullSelection()
     if cfg is None:
         raise ValueError(f"policy {name!r} needs a SparseConfig")
-    if cls is DustinSelection or name in ORACLE_RUNGS:
+    if cls is DustinSelection or name in ORACLE_RUNGS or name in ORACLE_TAIL_ROWS:
         return cls(cfg, name)
     return cls(cfg)

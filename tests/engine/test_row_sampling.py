@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dustin.engine.sampling import RowSampling, SamplingRule, counter_uniform, probabilities
+from dustin.engine.sampling import RowSampling, SamplingRule, probabilities
+from dustin.rng import counter_uniform
 from tests.engine.test_sampling import chi2_test
 
 RULES = [SamplingRule(0.7, 0, 0.9), SamplingRule(0.0), SamplingRule(1.3, 5, 1.0), SamplingRule(1.0, 50, 0.5),

@@ -108,6 +108,20 @@ def test_mean_k_and_paired_difference_by_hand(tmp_path):
     assert (tmp_path / "front.png").stat().st_size > 1000
 
 
+def test_a_fixed_budget_row_that_reports_what_it_read_shows_that(tmp_path):
+    """The sampled-tail rows report the positions they read (the adaptive ones fewer than their budget): the mean k
+    column shows the measured mean; a fixed row without a report shows its budget."""
+    from dustin.eval.tasks import row_average, summarize
+
+    rows = [dict(r, method="oracle-dustin-tail-auto", budget=256) for r in _rows() if r["method"] == "dustin"]
+    rows += [dict(r, method="dustin", budget=128, budget_k=None) for r in _rows() if r["method"] == "dustin"]
+    p = {"tasks": [_Task("a"), _Task("b")], "contexts": [100],
+         "rows": [("oracle-dustin-tail-auto", 256), ("dustin", 128)]}
+    summary = summarize(rows, p)
+    assert row_average(summary, ["a", "b"], 100, "oracle-dustin-tail-auto", 256)["k"] == pytest.approx(30000 / 90)
+    assert row_average(summary, ["a", "b"], 100, "dustin", 128)["k"] == 128
+
+
 def test_needles_sweep_takes_auto_budgets_and_fidelity_refuses_them(capsys, tmp_path):
     from dustin.cli.main import main
     from dustin.eval.retrieval import plan
