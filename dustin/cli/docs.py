@@ -173,7 +173,7 @@ def methods_markdown() -> str:
     from dustin.engine.config import FULL_METHODS, METHODS
     from dustin.parallel.tp_selection import TP_POLICIES
     from dustin.selection.config import DUSTIN_POLICIES
-    from dustin.selection.policies import policy_class
+    from dustin.selection.registry import policy_class
 
     out = ["| `--method` | output | verifies against | for | `dustin serve` | tensor parallel |",
            "|---|---|---|---|---|---|"]

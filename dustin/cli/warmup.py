@@ -40,7 +40,7 @@ def run(args) -> int:
     from dustin.engine.offline.batch import KEPT_ROUNDING
     from dustin.engine.pair import parse_device
     from dustin.engine.warmup import KernelWarmup, compiles_here, plan_first_step
-    from dustin.selection.policies import policy_class
+    from dustin.selection.registry import policy_class
 
     methods = method_list(args.methods)
     chunked = [m for m in METHODS if policy_class(METHODS[m].policy).row_local]

@@ -22,7 +22,7 @@ from dustin.parallel.tp import TensorParallel, current_parallel, init_distribute
 from dustin.runtime import auto_dtype, resolve_device
 from dustin.selection.base import SelectionPolicy
 from dustin.selection.config import BUILTIN, SparseConfig, default_config
-from dustin.selection.policies import make_policy as build_policy
+from dustin.selection.registry import make_policy as build_policy
 from dustin.selection.tuned import load_tuned, match_tuned, model_identity, note_identity_match
 
 

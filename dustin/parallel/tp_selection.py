@@ -23,7 +23,8 @@ from dustin.errors import InputError
 from dustin.selection.base import StepState
 from dustin.selection.config import DUSTIN_POLICIES, ScoreHeads
 from dustin.selection.estimators import TargetHistoricalScores
-from dustin.selection.policies import DustinSelection, make_policy
+from dustin.selection.policies import DustinSelection
+from dustin.selection.registry import make_policy
 
 TP_POLICIES = ("full", "streaming", *DUSTIN_POLICIES)
 

@@ -5,9 +5,10 @@
 - `dustin-t`: m = 0 (target-historical only); `dustin-d`: the whole unprotected budget from S_draft.
 - `oracle`:   top-k of the true mean attention of the verify window over all target heads and layers (Eq. 3);
               it runs a full-cache forward first, so it is for analysis only.
-Per-layer baselines live in `layerwise.py` (`quest`, `specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time
-set per layer and KV head, fixed after prefill, plus every generated position); `tail.py` the sampled-tail rows
-(`oracle-layer-tail*`, `oracle-dustin-tail*`: an exact set plus a uniform, reweighted sample of the rest).
+The registry of every policy by name is `registry.py`. Per-layer baselines live in `layerwise.py` (`quest`,
+`specattn`) and `snapkv.py` (`snapkv`: SnapKV's prompt-time set per layer and KV head, fixed after prefill, plus
+every generated position); `tail.py` the sampled-tail rows (`oracle-layer-tail*`, `oracle-dustin-tail*`: an exact
+set plus a uniform, reweighted sample of the rest).
 One index set per sequence is shared by all layers and heads. Every policy keeps the full cache: accepted
 tokens are appended and nothing is evicted, so any position can be selected at a later step.
 """
@@ -18,13 +19,10 @@ import torch
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
 from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
-from dustin.selection.base import FullSelection, SelectionPolicy, StepState, draft_query_shape
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS, SparseConfig
+from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
+from dustin.selection.config import SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
-from dustin.selection.ladder import LadderOracle
-from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
 from dustin.selection.oracle import oracle_set, window_attention
-from dustin.selection.snapkv import SnapKVSelection
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
@@ -161,41 +159,3 @@ class OracleSelection(SelectionPolicy):
         mass = window_attention(state.target, state.target_cache, state.verify_input, state.verify_positions)
         idx, counts = oracle_set(mass, state.target_cache.lengths, self.cfg.budget, self.cfg.sinks, self.cfg.window)
         return SparsePlan(idx, counts)
-
-
-POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "quest", "specattn", "snapkv", "oracle", *ORACLE_RUNGS,
-            *ORACLE_TAIL_ROWS)
-
-
-def policy_class(name: str) -> type[SelectionPolicy]:
-    """The class of a verification policy by name (its class attributes say how the engine may run it:
-    `row_local`, `graph_safe`)."""
-    if name == "full":
-        return FullSelection
-    if name == "streaming":
-        return StreamingSelection
-    if name in DUSTIN_POLICIES:
-        return DustinSelection
-    if name == "oracle":
-        return OracleSelection
-    if name in ORACLE_RUNGS:
-        return LadderOracle
-    if name in ORACLE_TAIL_ROWS:
-        from dustin.selection.tail import DustinTail, LayerTailOracle
-        return LayerTailOracle if ORACLE_TAIL_ROWS[name].source == "layer" else DustinTail
-    if name in ("quest", "specattn"):
-        return QuestSelection if name == "quest" else SpecAttnSelection
-    if name == "snapkv":
-        return SnapKVSelection
-    raise ValueError(f"unknown selection policy {name!r}; choose from {POLICIES}")
-
-
-def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
-    cls = policy_class(name)
-    if cls is FullSelection:
-        return FullSelection()
-    if cfg is None:
-        raise ValueError(f"policy {name!r} needs a SparseConfig")
-    if cls is DustinSelection or name in ORACLE_RUNGS or name in ORACLE_TAIL_ROWS:
-        return cls(cfg, name)
-    return cls(cfg)

@@ -1,4 +1,5 @@
-"""The import graph of the dustin package: layering and cycles, read from the source (nothing is imported).
+"""The import graph of the dustin package: cycles and the command line's place, read from the source (nothing is
+imported). The package layers and their order are tests/test_layers.py's.
 
 Two rules:
 - Only the command line (dustin/cli/, dustin/__main__.py) imports `dustin.cli`. Command modules take their shared
@@ -26,23 +27,7 @@ KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
 # only when called still depends on it. Empty: none is tolerated.
 KNOWN_CYCLES_ALL_IMPORTS: frozenset[tuple[str, ...]] = frozenset()
 
-# The declared layers, bottom first: a module may import its own layer and the layers below it. Each entry is a
-# top-level module or package of dustin; "" is the package itself (dustin/__init__.py: the public API).
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "defaults", "runtime", "scoring"),  # plain Python, nothing of dustin below them
-    ("cache", "kernels", "attention", "models"),  # the model runtime: caches, kernels, attention plans, models
-    ("selection",),  # verification-time KV selection policies (read the batch through StepState)
-    ("parallel",),  # tensor parallelism: shards models, TP forms of the policies
-    ("engine",),  # the engine: config, runners, sessions, the loop
-    ("flags",),  # the command line's shared flag groups (read the engine's method table)
-    ("llm", "serve"),  # the Python API and the HTTP server over the engine
-    ("",),  # `import dustin`: the public names (LLM, SamplingParams, __version__)
-    ("data", "tasks"),  # evaluation data packages and tasks
-    ("eval", "bench", "profiling"),  # the measurement commands
-    ("cli", "__main__"),  # the command line
-)
-# Imports from a lower layer up to a higher one known today, as (importing module, imported module).
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
+# The package layers and their order are tests/test_layers.py's (the order docs/architecture.md states).
 
 
 def _module_name(path: Path) -> str:
@@ -185,44 +170,6 @@ def test_no_import_cycles_counting_imports_inside_functions():
         _describe(c, graph) for c in unexpected)
     stale = sorted(KNOWN_CYCLES_ALL_IMPORTS - cycles)
     assert not stale, f"these cycles are gone: remove them from KNOWN_CYCLES_ALL_IMPORTS: {stale}"
-
-
-def _layer(module: str) -> int:
-    """The index in LAYERS of a dustin module."""
-    top = module.split(".")[1] if "." in module else ""
-    return next(i for i, layer in enumerate(LAYERS) if top in layer)
-
-
-def _upward(graph: dict[str, dict[str, int]]) -> set[tuple[str, str]]:
-    up = set()
-    for m, deps in graph.items():
-        for d in deps:
-            if _layer(d) > _layer(m):
-                up.add((m, d))
-    return up
-
-
-def test_every_module_has_a_layer():
-    tops = {m.split(".")[1] if "." in m else "" for m in _modules()}
-    declared = {name for layer in LAYERS for name in layer}
-    assert tops == declared, f"undeclared: {sorted(tops - declared)}; gone: {sorted(declared - tops)}"
-
-
-def test_imports_follow_the_layer_order():
-    """Every import (inside functions too) points to its own layer or below, but the known exceptions: at most
-    one import may run upward."""
-    up = _upward(_graph(module_level=False))
-    unexpected = sorted(up - KNOWN_UPWARD)
-    assert not unexpected, ("imports up the layer order (LAYERS); move the shared code down or the importer up: "
-                            f"{unexpected}")
-    assert not sorted(KNOWN_UPWARD - up), f"gone: remove from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - up)}"
-    assert len(KNOWN_UPWARD) <= 1
-
-
-def test_the_layer_check_sees_an_upward_import():
-    graph = {"dustin.kernels.x": {"dustin.engine.session": 3}, "dustin.engine.session": {"dustin.kernels.x": 1},
-             "dustin.cli.main": {"dustin": 1}, "dustin.selection.base": {"dustin": 2}, "dustin": {}}
-    assert _upward(graph) == {("dustin.kernels.x", "dustin.engine.session"), ("dustin.selection.base", "dustin")}
 
 
 def test_the_cycle_finder_finds_a_cycle_and_skips_what_does_not_run():

@@ -14,7 +14,7 @@ from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.scoring import causal_probs
 from dustin.selection.config import SparseConfig
-from dustin.selection.policies import POLICIES, make_policy
+from dustin.selection.registry import POLICIES, make_policy
 from dustin.selection.snapkv import SNAPKV_KERNEL, SNAPKV_WINDOW, SnapKVSelection
 from tests.offline import offline
 
