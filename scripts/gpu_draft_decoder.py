@@ -20,6 +20,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The draft's shape and the rows it runs, shared by the draft-kernel scripts."""
+    p.add_argument("--draft", default="qwen2.5-0.5b")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=508)
+
+
 def graph_ms(fn, reps: int = 200) -> float:
     import torch
     s = torch.cuda.Stream()
@@ -53,11 +62,7 @@ def main() -> int:
     from dustin.models.transformer import Transformer
 
     p = argparse.ArgumentParser()
-    p.add_argument("--draft", default="qwen2.5-0.5b")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=508)
+    draft_arguments(p)
     p.add_argument("--unchecked", action="store_true",
                    help="time (or profile) the kernel without its self-check at attach: for timing a build whose "
                         "numbers are still being worked on, never for figures of a checked build")

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_draft_decoder import draft_arguments  # scripts/ is the script's own folder on sys.path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 OPS = ("QKV", "ATT", "O", "GU", "DOWN", "HEAD")
@@ -125,11 +127,7 @@ def plot(path: Path, layers: tuple[int, int] = (1, 3)) -> Path:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--draft", default="qwen2.5-0.5b")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=508)
+    draft_arguments(p)
     p.add_argument("--plot", type=Path, help="draw the PNG of a saved record (.pt) and exit")
     p.add_argument("--plot-layers", default="1-3", help="the decoder layers the PNG shows, first-last")
     a = p.parse_args()
