@@ -9,6 +9,7 @@ are not in these steps: on a GPU `scripts/gpu_first_step_compile.py` at commit e
 step still compiled)."""
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -374,3 +375,36 @@ def test_dustin_warmup_needs_a_gpu(capsys):
     assert err.count("\n") == 1 and "--device cuda" in err
     assert main(["warmup", "--device", "cpu", "--methods", "quest"]) == 2
     assert "whole-batch" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiles for a CUDA GPU (run with TRITON_INTERPRET=0)")
+def test_on_a_gpu_the_first_steps_compile_nothing_on_the_main_thread(tmp_path):
+    """The GPU claim of the warm-up: a new engine core compiles its plan on background threads without an error,
+    and its first prefill and first decode steps then compile no kernel on the main thread. The pair's shapes
+    (6 heads of 16, 3 layers) are this test's own, so no earlier test of the process compiled its kernels."""
+    from dustin.engine.core import EngineCore
+    from dustin.engine.request import Request, SamplingParams
+    from dustin.engine.warmup import watch_compiles
+    from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+    target = make_tiny_checkpoint(tmp_path / "t", "qwen2", layers=3, dim=96, heads=6, kv_heads=2, seed=3)
+    pair = Engine.from_pretrained(str(target), str(make_tiny_draft(target, tmp_path / "d", noise=0.1)),
+                                  attention="triton", device="cuda").pair
+    main = []
+    unwatch = watch_compiles(lambda thread, name, hit, s: main.append(name) if thread == "MainThread" else None)
+    try:
+        core = EngineCore(pair, GenerationConfig(method="dustin", max_slots=3, max_context=256, **SPARSE))
+        assert core.executor.kernel_warmup is not None
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for i in range(3):
+            core.add_request(Request(f"r{i}", [random.Random(i).randrange(3, 90) for _ in range(60 + 7 * i)], params))
+        decoded = 0
+        while core.has_unfinished() and decoded == 0:
+            decoded += sum(len(o.new_token_ids) for o in core.step() if o.new_token_ids)
+    finally:
+        unwatch()
+    stats = core.executor.warmup_stats
+    assert stats is not None and stats["errors"] == 0, stats
+    assert stats["kernels"] > 5 and decoded > 0
+    assert main == [], f"compiled on the main thread during the first steps: {main}"
