@@ -223,20 +223,30 @@ class _FakeWarmup:
 
 
 @pytest.fixture(scope="module")
-def loop_reference(triton_pair):
-    """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases: the
-    Triton kernels run interpreted on the CPU)."""
+def plain_pair(tmp_path_factory):
+    """The loop test's pair: the loop's order does not depend on the attention backend, so the PyTorch one (the
+    Triton interpreter would multiply the test's time)."""
+    from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+    root = tmp_path_factory.mktemp("loop_pair")
+    target = make_tiny_checkpoint(root / "t", "qwen2", layers=3, heads=4, kv_heads=2, seed=1)
+    return Engine.from_pretrained(str(target), str(make_tiny_draft(target, root / "d", noise=0.1)))
+
+
+@pytest.fixture(scope="module")
+def loop_reference(plain_pair):
+    """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases)."""
     from dustin.engine.core import EngineCore
     from dustin.engine.request import SamplingParams
 
     prompts = [[random.Random(i).randrange(3, 90) for _ in range(44 + 9 * i)] for i in range(3)]
     cfg = GenerationConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    return prompts, cfg, params, EngineCore(triton_pair.pair, cfg).generate(prompts, params)
+    return prompts, cfg, params, EngineCore(plain_pair.pair, cfg).generate(prompts, params)
 
 
 @pytest.mark.parametrize("busy", [2, 1000])
-def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(triton_pair, loop_reference, busy):
+def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(plain_pair, loop_reference, busy):
     """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
     the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
     time), and every request gets the tokens of a run without a warm-up."""
@@ -244,7 +254,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     from dustin.engine.request import Request
 
     prompts, cfg, params, ref = loop_reference
-    llm = EngineCore(triton_pair.pair, cfg)
+    llm = EngineCore(plain_pair.pair, cfg)
     fake = llm.executor.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm.schedule
