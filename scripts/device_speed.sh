@@ -35,10 +35,12 @@
 #                                        # to each (e.g. FLAGS=--draft-kernel), CELLS picks cells ("16x2048 ...")
 #   bash scripts/device_speed.sh budget  # no weights: what a larger verify budget costs, dustin at k = 512, 2048 and
 #                                        # auto (p 0.95), 16 x 16k / 32k, the pair's shapes at τ 3.6 (+ vanilla)
+#   bash scripts/device_speed.sh warmup  # no weights: the kernel warm-up's GPU test (its plan compiles on threads
+#                                        # without an error, and the first steps compile nothing on the main thread)
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-case $mode in random|draft|draft8b|budget) weights=no ;; *) weights=yes ;; esac
+case $mode in random|draft|draft8b|budget|warmup) weights=no ;; *) weights=yes ;; esac
 if [ $weights = yes ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
@@ -178,6 +180,8 @@ elif [ "$mode" = budget ]; then
       --batches 16 --tau 3.6 --warmup 3 --steps 12 --methods $([ $b = 512 ] && echo vanilla,)dustin --budget $b \
       $([ $b = auto ] && echo --budget-p 0.95) --json-out "$OUT/budget_$b.json" --plot-out "$OUT/budget_$b.png"
   done
+elif [ "$mode" = warmup ]; then
+  run 240 env TRITON_INTERPRET=0 python3 -m pytest -q tests/engine/test_warmup.py -k on_a_gpu -p no:cacheprovider
 elif [ "$mode" = random ]; then
   cfg=dustin/configs/qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct.json
   run 150 python3 scripts/gpu_step_graph_check.py

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from dustin.errors import InputError
+from dustin.kernels.launch import watched
 
 
 def add_arguments(p) -> None:
@@ -45,6 +46,7 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
+@watched
 @triton.jit
 def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Each program sums ITERS consecutive blocks of x in fp32 and writes one partial sum."""

@@ -18,18 +18,21 @@ How:
    alignment is that of its storage offset, storages being allocated aligned), ints and constexprs as given.
    The prefill also gives the policy's observers the state the first step reads (S_target's last prompt query).
    So the plan is the code's own launches at the real sizes, not a list kept by hand: a kernel added to the
-   forward is planned too. Nothing runs on the device; the real runner and policy are not touched, attributes
-   the dry run set on the models' modules are restored, and fake tensors it left in global dict caches (e.g. a
-   per-device buffer made on first use) are removed, since a real launch would read their address, 0
-   (`sweep_fakes`; one left anywhere else raises `FakeTensorLeak`).
-2. Compile (`KernelWarmup`). Threads hand each planned launch, the prefill's first, to the kernel's
-   `run(..., warmup=True)`: Triton binds and specializes the arguments exactly as for a launch, compiles the
-   kernel (or loads it from its on-disk cache, ~/.triton/cache or $TRITON_CACHE_DIR) and stores it in the JIT's
-   per-device cache, launching nothing; the thread then builds the kernel's launcher and loads its binary, as the
-   first launch would. The real forwards then find every kernel ready. Compiling is CPU work (Python, MLIR, LLVM,
-   ptxas, the C compiler), mostly outside the GIL; the main thread meanwhile prefills, releasing the GIL in every
-   CUDA call. No thread but the main one launches kernels. Each kernel's per-device JIT state is created on the
-   main thread before the threads start (two threads creating it at once could each keep a different one).
+   forward is planned too. The launches are seen through dustin's own launch seam (every kernel is `@watched`,
+   dustin/kernels/launch.py), not by replacing anything of Triton's. Nothing runs on the device and the real
+   runner and policy are not touched. The code the dry run runs keeps no fake tensor beyond the call (a cache of
+   per-device buffers, e.g. the arrival counters, keeps only real ones); should one survive, a real launch would
+   read its address, 0, so the plan then fails with `FakeTensorLeak`. The check needs no search of the heap: every
+   fake tensor holds its FakeTensorMode, so the dry run's mode outliving the call means a fake tensor did.
+2. Compile (`KernelWarmup`). Threads hand each planned launch, the prefill's first, to the kernel's public
+   `warmup(...)`: Triton binds and specializes the arguments exactly as for a launch, compiles the kernel (or loads
+   it from its on-disk cache, ~/.triton/cache or $TRITON_CACHE_DIR) and stores it in the JIT's per-device cache,
+   launching nothing; the thread then builds the kernel's launcher and loads its binary, as the first launch would
+   (reading the compiled kernel's `run`, a public property that does both once). The real forwards then find every
+   kernel ready. Compiling is CPU work (Python, MLIR, LLVM, ptxas, the C compiler), mostly outside the GIL; the
+   main thread meanwhile prefills, releasing the GIL in every CUDA call. No thread but the main one launches
+   kernels. All specializations of one kernel compile on one thread, in order: a kernel's per-device JIT state is
+   made on its first compile, and two threads making it at once could each keep their own.
 3. The engine loop (`EngineCore`) waits for the prefill's kernels before its first prefill, prefills while the
    rest compile, holds decode steps back until they are done, and waits for them before its first decode step
    (the waits are reported: `prefill_wait_s`, and `wait_s` with the one-time costs).
@@ -47,18 +50,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import os
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from dustin.engine.hooks import intercept_launches, sweep_fakes, track_fakes
-from dustin.kernels.dispatch import interpreting
+from dustin.kernels.dispatch import interpreting, is_fake
 
 _SPEC_INT32 = (-(2 ** 31), 2 ** 31 - 1)
 
@@ -101,9 +105,7 @@ def _is_tensor_like(x) -> bool:
 def _aligned(t) -> bool:
     """Whether a tensor argument's address is a multiple of 16 bytes. A fake tensor has no address: its storage
     is taken as aligned (PyTorch's allocators align every block to at least 64 bytes) and its offset decides."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if isinstance(t, torch.Tensor) and is_fake(t):
+    if is_fake(t):
         return t.storage_offset() * t.element_size() % 16 == 0
     return t.data_ptr() % 16 == 0
 
@@ -113,10 +115,10 @@ _POINTER_CLASS = None
 
 def _pointer(dtype, aligned: bool):
     """A stand-in for a tensor argument that Triton binds like the tensor: its dtype, and an address that is or
-    is not a multiple of 16 (Triton's MockTensor, which `JITFunction.warmup` passes, is always aligned)."""
+    is not a multiple of 16 (Triton's public MockTensor, which `warmup` makes of a bare dtype, is always aligned)."""
     global _POINTER_CLASS
     if _POINTER_CLASS is None:
-        from triton.runtime.jit import MockTensor
+        from triton import MockTensor
 
         class Pointer(MockTensor):
             def __init__(self, dtype, ptr: int) -> None:
@@ -191,8 +193,9 @@ class Launch:
 
     def compile(self):
         """Compile (or load from Triton's disk cache) into the JIT's cache of the calling thread's current device,
-        launching nothing."""
-        return self.kernel.run(*self.args, grid=None, warmup=True, **dict(self.kwargs))
+        launching nothing (Triton's public `warmup`); the compiled kernel."""
+        kernel = self.kernel.warmup(*self.args, grid=None, **dict(self.kwargs))
+        return kernel.result() if hasattr(kernel, "result") else kernel  # a future under async compilation
 
 
 class _Recorder:
@@ -214,38 +217,15 @@ class _Recorder:
 def record_launches(execute: bool = False):
     """Within the block, this thread's Triton kernel launches are recorded (`Launch`, one per distinct
     specialization, in order) and, unless `execute`, not run. Yields the list. Other threads' launches are not
-    affected (dustin/engine/hooks.py `intercept_launches`)."""
+    affected (dustin/kernels/launch.py `watch_launches`)."""
+    from dustin.kernels.launch import watch_launches
+
     rec = _Recorder(execute)
-    with intercept_launches(rec.add, execute):
+    with watch_launches(rec.add, execute):
         yield rec.launches
 
 
 # ------------------------------------------------------------------------------------------------ planning
-_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
-
-
-def _module_state(models) -> list[tuple[torch.nn.Module, dict, dict]]:
-    """A shallow snapshot of every module's attributes (and parameter, buffer and submodule tables)."""
-    return [(m, dict(vars(m)), {d: dict(getattr(m, d)) for d in _MODULE_DICTS})
-            for model in models if model is not None for m in model.modules()]
-
-
-def _restore_modules(state) -> None:
-    """Undo what a dry run set on the models' modules (a lazily built buffer would hold a fake tensor)."""
-    for m, attrs, tables in state:
-        for d, before in tables.items():
-            table = getattr(m, d)
-            if table.keys() != before.keys() or any(table[k] is not v for k, v in before.items()):
-                table.clear()
-                table.update(before)
-        now = vars(m)
-        for k in set(now) - set(attrs):
-            delattr(m, k)
-        for k, v in attrs.items():
-            if now.get(k) is not v and k not in _MODULE_DICTS:
-                now[k] = v
-
-
 class FakeTensorLeak(RuntimeError):
     """The dry run left a fake tensor where the engine may later use it (a real launch would read address 0)."""
 
@@ -258,8 +238,6 @@ class Plan:
     prefill: list[Launch]
     step: list[Launch]
     dry_run_s: float = 0.0
-    sweep_s: float = 0.0
-    fakes_removed: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def launches(self) -> list[Launch]:
@@ -272,37 +250,47 @@ def plan_first_step(pair, cfg, slots: int, capacity: int, prefill_tokens: int = 
     the engine loop packs them) and first decode step of a `Runner` of `slots` rows and `capacity` positions running
     `cfg` on `pair`'s models, found by running them on a fake twin (module docstring): one specialization each.
     shared: the runner's shared sampling rule (`BatchState`; None: greedy), which picks the first step's code path.
-    The models are left as they were, and fake tensors the code left in dict caches are removed. Raises
-    RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor is left anywhere else."""
-    draft = pair.draft if cfg.spec.speculative else None
-    state = _module_state([pair.target, draft])
+    Raises RuntimeError if the dry run failed, or FakeTensorLeak if a fake tensor outlived it (module docstring)."""
     error, t0 = None, time.perf_counter()
     prefill: list[Launch] = []
     step: list[Launch] = []
-    with track_fakes() as fakes:
-        try:
-            prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk, shared)
-        except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            _restore_modules(state)
-            state = None
-    t1 = time.perf_counter()
-    removed, left = sweep_fakes(fakes)  # the dry run's frame is gone: what holds a fake tensor now outlives it
-    if left:
-        raise FakeTensorLeak(f"the warm-up's dry run left fake tensors held by {'; '.join(left)} (removed from "
-                             f"dict caches: {removed or 'none'})")
+    mode = FakeTensorModeRef()
+    try:
+        prefill, step = _dry_run(pair, cfg, slots, capacity, prefill_tokens, prefill_chunk, shared, mode)
+    except Exception as e:  # kept as text: the traceback's frames would keep the fake tensors alive
+        error = f"{type(e).__name__}: {e}"
+    if mode.alive():
+        raise FakeTensorLeak("the warm-up's dry run left a fake tensor alive beyond it: code it ran stored one "
+                             "where a real launch may read it (address 0); DUSTIN_KERNEL_WARMUP=0 runs without "
+                             "the warm-up")
     if error is not None:
         raise RuntimeError(f"the warm-up's dry run failed: {error}")
-    return Plan(prefill, step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4), removed)
+    return Plan(prefill, step, round(time.perf_counter() - t0, 4))
 
 
-def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int, shared
-             ) -> tuple[list[Launch], list[Launch]]:
+class FakeTensorModeRef:
+    """A weak reference to the dry run's FakeTensorMode. Every fake tensor holds its mode (`FakeTensor.fake_mode`),
+    so once the dry run has returned and a collection has run, the mode is alive only if a fake tensor is."""
+
+    def __init__(self) -> None:
+        self._ref = None
+
+    def make(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._ref = weakref.ref(mode)
+        return mode
+
+    def alive(self) -> bool:
+        gc.collect()  # the twin's reference cycles (modules, runners) go with the collection
+        return self._ref is not None and self._ref() is not None
+
+
+def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_chunk: int, shared,
+             mode_ref: FakeTensorModeRef) -> tuple[list[Launch], list[Launch]]:
     """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
     makes is local to this call."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dustin.engine.kv_manager import KVManager
     from dustin.engine.sampling import GREEDY
     from dustin.engine.timing import NullTimer
@@ -310,7 +298,7 @@ def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_
 
     draft = pair.draft if cfg.spec.speculative else None
     policy = pair.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = mode_ref.make()
     with mode, torch.inference_mode():
         models = {"target": pair.target} | ({} if draft is None else {"draft": draft})
         twin = Runner(pair.target, draft, cfg, pair.vocab_limit, policy, kv=KVManager(models, slots, capacity),
@@ -383,6 +371,44 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
+class LaunchQueue:
+    """The plan's launches in order (the prefill's first), handed to compile threads so that a kernel's first
+    specialization compiles alone: Triton makes a kernel's per-device JIT state (its binder and kernel cache) on
+    the kernel's first compile, and two threads making it at once could each keep their own. A kernel's other
+    specializations then compile on any thread, in parallel. A thread takes the earliest launch it may start."""
+
+    def __init__(self, launches: list[Launch]) -> None:
+        self._items = list(enumerate(launches))
+        self._state: dict[int, str] = {}  # id(kernel) -> "compiling" (its first) or "made"
+        self._cond = threading.Condition()
+
+    def _take(self) -> tuple[int, Launch] | None:
+        with self._cond:
+            while self._items:
+                for pos, (_, launch) in enumerate(self._items):
+                    state = self._state.get(id(launch.kernel))
+                    if state != "compiling":
+                        if state is None:
+                            self._state[id(launch.kernel)] = "compiling"
+                        return self._items.pop(pos)
+                self._cond.wait()  # every launch left waits for its kernel's first compile
+            return None
+
+    def _made(self, launch: Launch) -> None:
+        with self._cond:
+            if self._state.get(id(launch.kernel)) == "compiling":
+                self._state[id(launch.kernel)] = "made"
+                self._cond.notify_all()
+
+    def drain(self, compile_one) -> None:
+        """Run `compile_one((index, launch))` on each launch this thread takes, until none is left."""
+        while (item := self._take()) is not None:
+            try:
+                compile_one(item)
+            finally:
+                self._made(item[1])
+
+
 class KernelWarmup:
     """Compiles a plan's launches on background threads (`start`), the prefill's first; `wait_prefill` and `wait`
     block until those, or all, are ready, and `wait` returns the stats. Each kernel is compiled (or loaded from
@@ -395,9 +421,9 @@ class KernelWarmup:
         self.threads = threads or default_threads()
         self.started = self.finished = None  # perf_counter of the compile pool's start and end
         self.stats = {"kernels": len(plan.launches), "prefill_kernels": len(plan.prefill), "threads": self.threads,
-                      "plan_s": round(plan_s, 4), "dry_run_s": plan.dry_run_s, "sweep_s": plan.sweep_s,
+                      "plan_s": round(plan_s, 4), "dry_run_s": plan.dry_run_s,
                       "compiled": 0, "from_disk_cache": 0, "compile_s": 0.0, "prefill_wait_s": 0.0, "wait_s": 0.0,
-                      "errors": 0, "first_error": None, "fakes_removed": plan.fakes_removed}
+                      "errors": 0, "first_error": None}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._prefill_done = threading.Event()
@@ -407,13 +433,8 @@ class KernelWarmup:
             self._prefill_done.set()
 
     def start(self) -> "KernelWarmup":
-        """Create each kernel's per-device JIT state here (main thread), then compile on background threads."""
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._index = index
-        for launch in self.plan.launches:
-            caches = getattr(launch.kernel, "device_caches", None)
-            if caches is not None:
-                caches[index]  # noqa: B018  (defaultdict: builds the binder and the kernel cache now)
+        """Compile on background threads; returns at once."""
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self._thread = threading.Thread(target=self._run, name="dustin-kernel-warmup", daemon=True)
         self._thread.start()
         return self
@@ -424,10 +445,7 @@ class KernelWarmup:
     def _compile_one(self, item: tuple[int, Launch]) -> None:
         i, launch = item
         try:
-            kernel = launch.compile()
-            init = getattr(kernel, "_init_handles", None)
-            if init is not None:  # the launcher and the module, as the first launch would make them
-                init()
+            launch.compile().run  # noqa: B018  (the property builds the launcher and loads the binary, once)
         except Exception as e:  # the real launch compiles it again and raises there if it is broken
             with self._lock:
                 self.stats["errors"] += 1
@@ -449,9 +467,11 @@ class KernelWarmup:
         t0 = self.started = time.perf_counter()
         unwatch = watch_compiles(self._count)
         try:
+            queue = LaunchQueue(self.plan.launches)
             with ThreadPoolExecutor(self.threads, thread_name_prefix="dustin-compile",
                                     initializer=self._bind) as pool:
-                list(pool.map(self._compile_one, enumerate(self.plan.launches)))  # FIFO: the prefill's first
+                for _ in range(self.threads):
+                    pool.submit(queue.drain, self._compile_one)
         except Exception as e:  # pragma: no cover - e.g. a thread that cannot be started
             self.stats["errors"] += 1
             self.stats["first_error"] = self.stats["first_error"] or f"{type(e).__name__}: {e}"

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.kernels.dispatch import is_fake
+
 _BUFFERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
 MIN_SLOTS = 4096
@@ -33,7 +35,8 @@ def zeroed_int32(purpose: str, device: torch.device | str, n: int, minimum: int 
 
     One buffer per (purpose, device), grown on demand. An outgrown buffer is kept alive, not freed: a CUDA graph
     captured earlier may still point at it. During a capture a too-small buffer is not grown (that memory would
-    belong to the graph's pool); the graph gets its own zeroed buffer instead (a memset node replayed with it)."""
+    belong to the graph's pool); the graph gets its own zeroed buffer instead (a memset node replayed with it). A buffer
+    made under a fake tensor mode (the engine warm-up's dry run) is returned, not kept."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -43,10 +46,13 @@ def zeroed_int32(purpose: str, device: torch.device | str, n: int, minimum: int 
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
+    made = torch.zeros(max(n, minimum), dtype=torch.int32, device=device)
+    if is_fake(made):  # the warm-up's dry run: a fake buffer is never kept (a real launch would read address 0)
+        return made
     if buf is not None:
         _OUTGROWN.append(buf)
-    _BUFFERS[key] = torch.zeros(max(n, minimum), dtype=torch.int32, device=device)
-    return _BUFFERS[key]
+    _BUFFERS[key] = made
+    return made
 
 
 def arrival_counters(device: torch.device | str, n: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import H200_NUM_SMS, pdl_options, pdl_start
+from dustin.kernels.launch import H200_NUM_SMS, pdl_options, pdl_start, watched
 
 MAX_ROWS = 32  # decode passes (vanilla, the draft); a verify's B * (Γ + 1) rows take cuBLAS, faster there
 _FLAT = 1 << 30  # "no head structure" for the column index of x (k // _FLAT == 0)
@@ -125,6 +125,7 @@ def _split_sum(acc1, acc2, ws_ptr, cnt_ptr, tile, pid_s, tiles, SPLIT: tl.conste
     return last, acc1, acc2
 
 
+@watched
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, ss_ptr, out_ptr, g_ptr, xg_ptr, sso_ptr, ws_ptr, cnt_ptr,
                    M, N, K, T, NT, sx_b, sx_t, sx_h, sr_m, so_m, eps,
@@ -181,6 +182,7 @@ def _k_range(pid_s, K, SPLIT: tl.constexpr, BK: tl.constexpr):
     return k_lo, tl.minimum(k_lo + k_per, K)
 
 
+@watched
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_t, so_m, eps,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -200,6 +202,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ss_ptr, out_ptr, M, INTER, K, T, NT, sx_b, sx_
     tl.store(out_ptr + rows[None, :] * so_m + n[:, None], y.to(dt), mask=n_ok[:, None] & row_ok[None, :])
 
 
+@watched
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, ss_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ws_ptr, cnt_ptr,
                      M, K, T, NT, sx_b, sx_t, sc_b, sc_t, sp_b, sp_t, s_row, s_head, s_pos, eps,

@@ -17,3 +17,12 @@ def triton_ok(x: torch.Tensor) -> bool:
     the CPU) and D is a power of two >= 16. Otherwise callers take the kernel's PyTorch reference."""
     D = x.shape[-1]
     return D >= 16 and D & (D - 1) == 0 and (x.is_cuda or interpreting())
+
+
+def is_fake(t) -> bool:
+    """Whether t is a fake tensor (metadata, no storage): what the engine warm-up's dry run passes
+    (dustin/engine/warmup.py). Code that keeps tensors beyond a call (per-device buffers, plans) keeps only real ones,
+    and nothing launches on a fake one."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(t, torch.Tensor) and _is_fake(t)

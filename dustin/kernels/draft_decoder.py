@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from dustin.defaults import dustin_home
+from dustin.kernels.dispatch import is_fake
 
 log = logging.getLogger(__name__)
 
@@ -627,12 +628,6 @@ class DraftDecoder:
                 q = captures[layer][:M].view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
                 obs(layer, q, ctx.cache.k[layer], ctx)
         return x.view(B, T, dim)
-
-
-def is_fake(t: torch.Tensor) -> bool:
-    """A FakeTensor (no storage): what the kernel warm-up's dry run passes (dustin/engine/warmup.py)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
 
 
 def why_not(model, sinks: int, window: int) -> str | None:

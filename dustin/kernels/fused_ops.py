@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.dispatch import triton_ok
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import pdl_options, pdl_start, watched
 
 
+@watched
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -56,6 +57,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return total.view_as(x), out.view_as(x)
 
 
+@watched
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, pos_ptr, T, HKV,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_t,
@@ -143,6 +145,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return qo, ko
 
 
+@watched
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, sg_row, su_row, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (row, BLOCK columns): out = silu(g) * u, in fp32, rounded once to out's dtype."""
@@ -181,6 +184,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.view(gate.shape)
 
 
+@watched
 @triton.jit
 def _capture_query_kernel(q_ptr, heads_ptr, pos_ptr, base_ptr, buf_ptr, pbuf_ptr, T, GAMMA,
                           sq_b, sq_h, sq_t, sp_b, sp_t, sb_b, sb_h, sb_g, spb_b,

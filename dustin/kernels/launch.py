@@ -1,4 +1,13 @@
-"""Programmatic Dependent Launch (PDL) for the Triton kernels of a decode / verify step.
+"""How dustin launches its Triton kernels: through one seam it can watch, and with Programmatic Dependent Launch.
+
+The seam: every Triton kernel dustin launches is decorated `@watched` (above `@triton.jit`) and launched as usual,
+`kernel[grid](*args, **kwargs)`. Outside a `watch_launches` block that is Triton's own launch, the same call. Inside
+one, this thread's launches are shown to a callback and run only if asked. The engine's warm-up
+(dustin/engine/warmup.py) plans its compiles from exactly the launches a dry run of the first step makes, and
+Triton has no public way to see them without running them; this seam gives that view from our side, so nothing of
+Triton's is replaced (tests/kernels/test_launch.py checks that every kernel launched under dustin/ is watched).
+
+PDL, for the kernels of a decode / verify step:
 
 Why: a speculative step replays ~1,200 small kernels in one CUDA graph (5-7 us each), most of them ours back to
 back (per draft layer: q/k/v + RoPE, the attention, o_proj, gate/up + SiLU, down_proj). Between two of them the
@@ -34,8 +43,11 @@ process.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Callable
 
 import torch
 import triton
@@ -89,3 +101,54 @@ def num_sms(device: torch.device, cpu: int) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return cpu
+
+
+# ------------------------------------------------------------------------------------------------ the launch seam
+_watch = threading.local()  # .on: (on_launch, execute) while a watch_launches block of this thread is open
+
+
+class Watched:
+    """A Triton kernel (`jit`: Triton's JITFunction, or the interpreter's function) launched through dustin's seam:
+    `kernel[grid](*args, **kwargs)` is Triton's launch unless this thread is in a `watch_launches` block."""
+
+    __slots__ = ("jit",)
+
+    def __init__(self, jit) -> None:
+        self.jit = jit
+
+    @property
+    def __name__(self) -> str:
+        return self.jit.fn.__name__
+
+    def __getitem__(self, grid):
+        on = getattr(_watch, "on", None)
+        if on is None:  # the hot path: Triton's own launcher, one thread-local read added
+            return self.jit[grid]
+        return functools.partial(_watched_launch, self.jit, grid, on)
+
+    def __repr__(self) -> str:
+        return f"watched({self.__name__})"
+
+
+def _watched_launch(jit, grid, on, *args, **kwargs):
+    on_launch, execute = on
+    on_launch(jit, args, kwargs)
+    return jit[grid](*args, **kwargs) if execute else None
+
+
+def watched(jit) -> Watched:
+    """Decorator, above `@triton.jit`: the kernel's launches pass through the seam (module docstring)."""
+    return Watched(jit)
+
+
+@contextlib.contextmanager
+def watch_launches(on_launch: Callable, execute: bool):
+    """Within the block, each launch of a `watched` kernel on this thread first calls `on_launch(jit, args,
+    kwargs)` (jit: Triton's kernel object; args and kwargs as given to the launch), then runs only if `execute`.
+    Other threads' launches are untouched; blocks nest (the inner one applies until it closes)."""
+    outer = getattr(_watch, "on", None)
+    _watch.on = (on_launch, execute)
+    try:
+        yield
+    finally:
+        _watch.on = outer

@@ -29,11 +29,13 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.dispatch import interpreting
+from dustin.kernels.launch import watched
 from dustin.kernels.prefill_plan import PrefillPlan
 
 BLOCK_N = 64  # keys per inner step (also the anchor of the batch-invariant key blocking)
 
 
+@watched
 @triton.jit
 def _prefill_attention_kernel(
         Q, K, V, Out, Rows, QStart, Lens, Pos0, TileChunk, TileBlock,

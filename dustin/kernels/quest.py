@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import num_sms, pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start, watched
 
 PAGE_SIZE = 16
 
@@ -34,6 +34,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
 
+@watched
 @triton.jit
 def _page_minmax_kernel(k_ptr, before_ptr, after_ptr, mn_ptr, mx_ptr, n_pages,
                         sk_b, sk_h, sk_s, sm_b, sm_h, sm_p,
@@ -67,6 +68,7 @@ def _page_minmax_kernel(k_ptr, before_ptr, after_ptr, mn_ptr, mx_ptr, n_pages,
     tl.store(mx_ptr + dst, tl.where(has, mx, 0.0).to(mx_ptr.dtype.element_ty))
 
 
+@watched
 @triton.jit
 def _page_scores_kernel(q_ptr, mn_ptr, mx_ptr, lengths_ptr, out_ptr, n_pages, chunk,
                         sq_b, sq_h, sq_t, sm_b, sm_h, sm_p, so_b, so_h,

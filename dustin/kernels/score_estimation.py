@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import num_sms, pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start, watched
 
 _LOG2E = 1.4426950408889634
 # Heads (and rows: heads x queries) per launch entry at most: 4 slots x (128 keys + 16 rows) x D 128 x 2 B
@@ -132,6 +132,7 @@ def _logits(q, k_ptr, row_kv, b, lyr, j, j_ok, d, sk_l, sk_b, sk_h, sk_s,
     return s
 
 
+@watched
 @triton.jit
 def _score_pass1_kernel(q_ptr, k_ptr, layers_ptr, kvh_ptr, klen_ptr, qpos_ptr, ml_ptr, lg_ptr, qk_scale,
                         sq_b, sq_l, sq_h, sq_t, sk_l, sk_b, sk_h, sk_s, sp_b, sp_t, S_CAP,
@@ -183,6 +184,7 @@ def _lse(ml_ptr, b, l, NL: tl.constexpr, P1: tl.constexpr, P_PAD: tl.constexpr, 
     return tl.where(s_tot > 0, m_max + tl.log2(tl.maximum(s_tot, 1e-30)), float("inf"))
 
 
+@watched
 @triton.jit
 def _score_pass2_kernel(kvh_ptr, klen_ptr, ctx_ptr, qpos_ptr, ml_ptr, lg_ptr, out_ptr,
                         sp_b, sp_t, so_b, S_CAP, S_OUT,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import pdl_options, pdl_start
+from dustin.kernels.launch import pdl_options, pdl_start, watched
 
 _NEG_INF = float("-inf")
 
@@ -75,6 +75,7 @@ def write_sorted_row(draft, target, keep, L, b, scratch_ptr, idx_ptr, counts_ptr
     tl.store(counts_ptr + b, tl.minimum(L, K))
 
 
+@watched
 @triton.jit
 def _mask_scores_kernel(sd_ptr, st_ptr, lengths_ptr, out_ptr, S, sd_stride, st_stride,
                         SINKS: tl.constexpr, WINDOW: tl.constexpr, BOTH: tl.constexpr, BLOCK: tl.constexpr,
@@ -96,6 +97,7 @@ def _mask_scores_kernel(sd_ptr, st_ptr, lengths_ptr, out_ptr, S, sd_stride, st_s
         tl.store(out_ptr + b * S + j, st, mask=j < S)
 
 
+@watched
 @triton.jit
 def _assemble_kernel(ranked_ptr, lengths_ptr, scratch_ptr, idx_ptr, counts_ptr, S,
                      SINKS: tl.constexpr, WINDOW: tl.constexpr, K: tl.constexpr, M: tl.constexpr,

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import num_sms, pdl_options, pdl_start
+from dustin.kernels.launch import num_sms, pdl_options, pdl_start, watched
 
 _LOG2E = 1.4426950408889634
 
@@ -74,6 +74,7 @@ def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr):
     return acc, m_new, l_i
 
 
+@watched
 @triton.jit
 def _sparse_verify_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, idx_ptr, counts_ptr, out_ptr,
@@ -148,6 +149,7 @@ def _sparse_verify_split_kernel(
                             GROUP, T, D, NUM_SPLITS, BLOCK_M)
 
 
+@watched
 @triton.jit
 def _sparse_verify_combine_kernel(
     acc_ptr, ml_ptr, out_ptr,

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from dustin.kernels.arrival import arrival_counters, last_to_arrive, merge_partial
 from dustin.kernels.dispatch import interpreting
-from dustin.kernels.launch import H200_NUM_SMS, num_sms, pdl_options, pdl_start
+from dustin.kernels.launch import H200_NUM_SMS, num_sms, pdl_options, pdl_start, watched
 
 # Programs resident per SM at the default config (D 128: ~96 KB of K/V stages each, so two fit in 228 KB).
 # Measured on the H200: one full wave (B*Hkv*splits <= 2 * SMs) beat 4+ programs per SM by 10-25%, and
@@ -73,6 +73,7 @@ def _row_split_size(n_keys, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
 
 
+@watched
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_split_kernel(
         Q, K, V, Lengths, PartAcc, PartM, PartL, Out, Counters,
@@ -177,6 +178,7 @@ def _merge_splits(PartAcc, PartM, PartL, Out, bh, b, kv_head, num_splits, n_acti
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_valid[:, None])
 
 
+@watched
 @triton.jit(do_not_specialize=["sinks", "window"])
 def _verify_attention_combine_kernel(
         PartAcc, PartM, PartL, Lengths, Out, so_b, so_h, so_t, so_d,

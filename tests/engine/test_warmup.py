@@ -9,6 +9,7 @@ are not in these steps: on a GPU `scripts/gpu_first_step_compile.py` at commit e
 step still compiled)."""
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -69,6 +70,14 @@ def _plan(engine, cfg, slots: int, cap: int):
     return plan_first_step(engine.pair, cfg, slots, cap, prefill_tokens=PAD, prefill_chunk=32)
 
 
+def _module_attributes(models) -> list[dict]:
+    """Every module's attributes and its parameter, buffer and submodule tables, by identity."""
+    tables = ("_parameters", "_buffers", "_modules")
+    return [{k: id(v) for k, v in vars(m).items() if k not in tables} | {t: {k: id(v) for k, v in getattr(m, t).items()}
+                                                                          for t in tables}
+            for model in models for m in model.modules()]
+
+
 @pytest.mark.parametrize("method", ["vanilla", "magicdec", "dustin", "streaming"])
 def test_plan_is_the_first_launches(triton_pair, method):
     """Every launch of a real first prefill forward and first decode step is in the plan (the warm-up leaves
@@ -77,7 +86,10 @@ def test_plan_is_the_first_launches(triton_pair, method):
     sparse verify kernels are all there."""
     slots, cap = 3, 200
     cfg = _cfg(method)
+    models = [triton_pair.pair.target, triton_pair.pair.draft]
+    attributes = _module_attributes(models)
     plan = _plan(triton_pair, cfg, slots, cap)
+    assert _module_attributes(models) == attributes  # nothing is restored afterwards: the dry run sets nothing
     planned = {x.signature for x in plan.launches}
     prefill, first, second = _real_run(triton_pair, cfg, slots, cap)
     assert prefill <= {x.signature for x in plan.prefill} and first <= planned
@@ -103,26 +115,21 @@ def test_a_plan_for_other_sizes_misses_launches(triton_pair):
 
 
 def test_the_dry_run_leaves_models_and_real_sessions_alone(triton_pair):
-    """Planning neither changes the models (parameters, buffers, attributes) nor what a real session then
-    generates; attributes a dry run adds to a module are removed again."""
-    from dustin.engine.warmup import _module_state, _restore_modules
-
-    model = triton_pair.pair.target
-    before = {n: t.clone() for n, t in model.state_dict().items()}
-    keys = set(vars(model.layers[0]))
+    """Planning changes nothing of the models (parameters, buffers, every module's attributes: nothing is
+    restored afterwards, so the dry run must not touch them) nor what a real session then generates."""
+    models = [triton_pair.pair.target, triton_pair.pair.draft]
+    before = [{n: t.clone() for n, t in m.state_dict().items()} for m in models]
+    attributes = _module_attributes(models)
     cfg, params = offline(method="dustin", max_new_tokens=6, stop_at_eos=False, **SPARSE)
     ref = triton_pair.generate([[5, 6, 7] * 12], cfg, params).sequences[0].token_ids
-    _plan(triton_pair, _cfg("dustin"), 3, 200)
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
-    assert set(vars(model.layers[0])) == keys
+    attributes_after_run = _module_attributes(models)
+    _plan(triton_pair, _cfg("dustin"), 3, 200)  # each method's plan: test_plan_is_the_first_launches
+    assert _module_attributes(models) == attributes_after_run
+    for m, b in zip(models, before, strict=True):
+        after = m.state_dict()
+        assert b.keys() == after.keys() and all(torch.equal(b[n], after[n]) for n in b)
+    assert attributes == attributes_after_run  # a real run does not set attributes either
     assert triton_pair.generate([[5, 6, 7] * 12], cfg, params).sequences[0].token_ids == ref
-
-    state = _module_state([model])
-    model.layers[0].lazy = torch.zeros(1)
-    model.layers[0].register_buffer("lazy_buffer", torch.zeros(1))
-    _restore_modules(state)
-    assert not hasattr(model.layers[0], "lazy") and "lazy_buffer" not in model.layers[0]._buffers
 
 
 def _silu_args(n: int = 40, offset: int = 0):
@@ -162,7 +169,7 @@ def test_placeholders_bind_like_the_tensors():
     backend = make_backend(GPUTarget("cuda", 90, 32))
     for offset in (0, 1):  # 1: g starts 4 bytes into its storage
         kernel, args, kw = _silu_args(offset=offset)
-        jit = JITFunction(kernel.fn)
+        jit = JITFunction(kernel.jit.fn)
         binder = create_function_from_signature(jit.signature, jit.params, backend)
         with record_launches(execute=False) as launches:
             kernel[(2, 1)](*args, **kw)
@@ -216,20 +223,30 @@ class _FakeWarmup:
 
 
 @pytest.fixture(scope="module")
-def loop_reference(triton_pair):
-    """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases: the
-    Triton kernels run interpreted on the CPU)."""
+def plain_pair(tmp_path_factory):
+    """The loop test's pair: the loop's order does not depend on the attention backend, so the PyTorch one (the
+    Triton interpreter would multiply the test's time)."""
+    from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+    root = tmp_path_factory.mktemp("loop_pair")
+    target = make_tiny_checkpoint(root / "t", "qwen2", layers=3, heads=4, kv_heads=2, seed=1)
+    return Engine.from_pretrained(str(target), str(make_tiny_draft(target, root / "d", noise=0.1)))
+
+
+@pytest.fixture(scope="module")
+def loop_reference(plain_pair):
+    """The loop test's prompts, settings and the tokens of a run without a warm-up (one run for both cases)."""
     from dustin.engine.core import EngineCore
     from dustin.engine.request import SamplingParams
 
-    prompts = [[random.Random(i).randrange(3, 90) for _ in range(70 + 9 * i)] for i in range(3)]
+    prompts = [[random.Random(i).randrange(3, 90) for _ in range(44 + 9 * i)] for i in range(3)]
     cfg = GenerationConfig(method="dustin", max_slots=3, max_context=200, prefill_chunk=32, prefill_tokens=64, **SPARSE)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    return prompts, cfg, params, EngineCore(triton_pair.pair, cfg).generate(prompts, params)
+    return prompts, cfg, params, EngineCore(plain_pair.pair, cfg).generate(prompts, params)
 
 
 @pytest.mark.parametrize("busy", [2, 1000])
-def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(triton_pair, loop_reference, busy):
+def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(plain_pair, loop_reference, busy):
     """While the warm-up compiles, steps that prefill launch no decode step even when a row is ready to decode;
     the first decode step waits for it, once (the wait counted with the one-time capture time, not as decode
     time), and every request gets the tokens of a run without a warm-up."""
@@ -237,7 +254,7 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
     from dustin.engine.request import Request
 
     prompts, cfg, params, ref = loop_reference
-    llm = EngineCore(triton_pair.pair, cfg)
+    llm = EngineCore(plain_pair.pair, cfg)
     fake = llm.executor.kernel_warmup = _FakeWarmup(busy)
     plans = []
     schedule = llm.schedule
@@ -261,37 +278,103 @@ def test_the_loop_prefills_while_kernels_compile_and_waits_before_decoding(trito
 
 
 class _Cache:
-    """A global cache of the kind the dry run must not leave fake tensors in (cf. per-device buffers made on first
-    use), and a holder it cannot repair."""
+    """Global caches of the kind code run by the dry run must not leave a fake tensor in (cf. per-device buffers
+    made on first use)."""
     by_device: dict = {}
     held: list = []
 
 
-def test_fake_tensors_left_in_global_caches_are_removed(triton_pair, monkeypatch):
-    """A dict entry the dry run filled with a fake tensor is deleted (the code makes a real one on next use) and
-    reported; a fake tensor held anywhere else fails the plan with FakeTensorLeak, the holder named (the engine
-    must not run then: a real launch would read the fake tensor's address, 0)."""
+@pytest.mark.parametrize("holder", ["dict", "list", "module"])
+def test_a_fake_tensor_that_outlives_the_dry_run_fails_the_plan(triton_pair, monkeypatch, holder):
+    """A fake tensor kept beyond the dry run anywhere (a global dict or list, an attribute of a model's module)
+    fails the plan with FakeTensorLeak: the engine must not run then, since a real launch would read the fake
+    tensor's address, 0. A dry run that keeps none plans as usual, and a failed dry run is reported as such."""
     from dustin.engine.warmup import FakeTensorLeak
 
     original = Runner.dry_step
+    module = triton_pair.pair.target.layers[0]
 
-    def caching_step(self):
-        _Cache.by_device.setdefault(str(self.device), torch.zeros(4, device=self.device))
+    def keeping_step(self):
+        t = torch.zeros(4, device=self.device)
+        if holder == "dict":
+            _Cache.by_device.setdefault(str(self.device), t)
+        elif holder == "list":
+            _Cache.held.append(t)
+        else:
+            module.lazy = t
         return original(self)
 
-    monkeypatch.setattr(Runner, "dry_step", caching_step)
-    _Cache.by_device.clear()
-    plan = _plan(triton_pair, _cfg("vanilla"), 3, 200)
-    assert _Cache.by_device == {} and plan.fakes_removed == ["_Cache.by_device['cpu']"]
+    assert _plan(triton_pair, _cfg("vanilla"), 3, 200).step  # without a keeper
+    monkeypatch.setattr(Runner, "dry_step", keeping_step)
+    try:
+        with pytest.raises(FakeTensorLeak, match="fake tensor alive"):
+            _plan(triton_pair, _cfg("vanilla"), 3, 200)
+    finally:
+        _Cache.by_device.clear()
+        _Cache.held.clear()
+        vars(module).pop("lazy", None)
 
-    def holding_step(self):
-        _Cache.held.append(torch.zeros(4, device=self.device))
-        return original(self)
+    def failing_step(self):
+        raise ValueError("no such shape")
 
-    monkeypatch.setattr(Runner, "dry_step", holding_step)
-    with pytest.raises(FakeTensorLeak, match="held by list"):
+    monkeypatch.setattr(Runner, "dry_step", failing_step)
+    with pytest.raises(RuntimeError, match="dry run failed: ValueError: no such shape"):
         _plan(triton_pair, _cfg("vanilla"), 3, 200)
-    _Cache.held.clear()
+
+
+def test_per_device_buffers_keep_no_fake_tensor():
+    """The arrival counters' per-device cache (dustin/kernels/arrival.py) hands the dry run a fake buffer and keeps
+    none: the next real call gets (and keeps) a real, zeroed one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dustin.kernels import arrival
+    from dustin.kernels.dispatch import is_fake
+
+    purpose = "test-per-device-buffers"
+    with FakeTensorMode():
+        fake = arrival.zeroed_int32(purpose, "cpu", 8)
+    assert is_fake(fake) and not any(k[0] == purpose for k in arrival._BUFFERS)
+    real = arrival.zeroed_int32(purpose, "cpu", 8)
+    assert not is_fake(real) and int(real.abs().sum()) == 0 and arrival.zeroed_int32(purpose, "cpu", 4) is real
+    arrival._BUFFERS.pop((purpose, torch.device("cpu")))
+
+
+def test_the_compile_queue_compiles_a_kernels_first_launch_alone():
+    """Compile threads take launches in plan order, the prefill's first, and never start a kernel's second
+    specialization while its first compiles (Triton makes the kernel's per-device state on that first compile);
+    other kernels go on meanwhile, and every launch is compiled once."""
+    from dustin.engine.warmup import LaunchQueue
+
+    class K:  # a kernel object; the queue needs only its identity
+        pass
+
+    a, b = K(), K()
+    plan = [Launch(a, (i,), ()) for i in range(3)] + [Launch(b, (i,), ()) for i in range(3)]
+    queue = LaunchQueue(plan)
+    lock, started, done = threading.Lock(), [], []
+    release_a = threading.Event()
+
+    def compile_one(item):
+        i, _ = item
+        with lock:
+            started.append((i, tuple(done)))  # what had finished when this one started
+        if i == 0:
+            release_a.wait(10)  # a's first compile is slow: a's others wait, b goes on
+        with lock:
+            done.append(i)
+            if {3, 4, 5} <= set(done):
+                release_a.set()
+
+    threads = [threading.Thread(target=queue.drain, args=(compile_one,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(done) == list(range(6)) and release_a.is_set()
+    after = dict(started)
+    assert all(0 in after[i] for i in (1, 2)) and all(3 in after[i] for i in (4, 5))  # a first compiles alone
+    assert done.index(0) > max(done.index(3), done.index(4), done.index(5))  # b did not wait for a
+    assert started[0][0] == 0  # plan order: the first launch is taken first
 
 
 def test_dustin_warmup_needs_a_gpu(capsys):
@@ -304,3 +387,36 @@ def test_dustin_warmup_needs_a_gpu(capsys):
     assert err.count("\n") == 1 and "--device cuda" in err
     assert main(["warmup", "--device", "cpu", "--methods", "quest"]) == 2
     assert "whole-batch" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiles for a CUDA GPU (run with TRITON_INTERPRET=0)")
+def test_on_a_gpu_the_first_steps_compile_nothing_on_the_main_thread(tmp_path):
+    """The GPU claim of the warm-up: a new engine core compiles its plan on background threads without an error,
+    and its first prefill and first decode steps then compile no kernel on the main thread. The pair's shapes
+    (6 heads of 16, 3 layers) are this test's own, so no earlier test of the process compiled its kernels."""
+    from dustin.engine.core import EngineCore
+    from dustin.engine.request import Request, SamplingParams
+    from dustin.engine.warmup import watch_compiles
+    from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
+
+    target = make_tiny_checkpoint(tmp_path / "t", "qwen2", layers=3, dim=96, heads=6, kv_heads=2, seed=3)
+    pair = Engine.from_pretrained(str(target), str(make_tiny_draft(target, tmp_path / "d", noise=0.1)),
+                                  attention="triton", device="cuda").pair
+    main = []
+    unwatch = watch_compiles(lambda thread, name, hit, s: main.append(name) if thread == "MainThread" else None)
+    try:
+        core = EngineCore(pair, GenerationConfig(method="dustin", max_slots=3, max_context=256, **SPARSE))
+        assert core.executor.kernel_warmup is not None
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for i in range(3):
+            core.add_request(Request(f"r{i}", [random.Random(i).randrange(3, 90) for _ in range(60 + 7 * i)], params))
+        decoded = 0
+        while core.has_unfinished() and decoded == 0:
+            decoded += sum(len(o.new_token_ids) for o in core.step() if o.new_token_ids)
+    finally:
+        unwatch()
+    stats = core.executor.warmup_stats
+    assert stats is not None and stats["errors"] == 0, stats
+    assert stats["kernels"] > 5 and decoded > 0
+    assert main == [], f"compiled on the main thread during the first steps: {main}"

@@ -27,7 +27,7 @@ from dustin.engine.worker.batch import BatchState
 from dustin.engine.worker.prefill import Prefill
 from dustin.engine.worker.staging import RowTokens, Staging
 from dustin.engine.worker.step import DeviceStep
-from dustin.kernels import draft_decoder
+from dustin.kernels.dispatch import is_fake
 from dustin.models import draft_kernel
 from dustin.models.transformer import Transformer
 from dustin.selection.base import FullSelection, SelectionPolicy
@@ -70,7 +70,7 @@ class Runner:
             sinks, window = (cfg.draft_sinks, cfg.draft_recent) if cfg.draft_kv == "streaming" else (0, 0)
             # the persistent layer kernel (opt-in); never for the warm-up's fake twin, which leaves the models as
             # they were (dustin/engine/warmup.py), so a real runner's kernel stays attached
-            if not draft_decoder.is_fake(kv.caches["draft"].k):
+            if not is_fake(kv.caches["draft"].k):
                 draft.layer_kernel = None
                 if cfg.options.draft_kernel and device.type == "cuda" and window > 0:
                     # a step's draft forwards; greedy ones also choose their tokens in the launch
