@@ -153,6 +153,9 @@ def compile_all_kernels() -> list[Compiled]:
         sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, num_splits=4, merge=False)  # combine launch
         sparse_verify.sparse_verify_attention(q, k, k, L, torch.zeros(B, 8, 512, dtype=i32),
                                               torch.full((B, 8), 512, dtype=i32))  # per-KV-head lists (Quest)
+        for splits in (1, 4):  # a plan with log-weights (the sampled tail's)
+            sparse_verify.sparse_verify_attention(q, k, k, L, idx, cnt, log_weights=torch.zeros(B, 512),
+                                                  num_splits=splits)
         out = torch.zeros(B, S)
         # S_target, S_draft as measured (1 head; 4 heads on 2 KV heads x Γ), then every head of a layer of the
         # Qwen2.5-Coder pair (1.5B target: 12 heads on 2 KV heads, D 128; 0.5B draft: 14 on 2, D 64, Γ = 4)

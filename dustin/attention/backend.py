@@ -98,13 +98,13 @@ class AttentionBackend:
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
 
     def sparse_verify(self, q, k_cache, v_cache, lengths, plan: SparsePlan, *, max_len: int):
-        """The new tokens' attention over the plan's positions. A plan with log-weights (`SparsePlan.bias`) takes
-        SDPA with a float mask on every device: the Triton kernels do not read weights yet."""
-        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES and plan.bias is None:
+        """The new tokens' attention over the plan's positions, each weighted by its log-weight where the plan has
+        them (`SparsePlan.bias`: the Triton kernel reads them next to the indices; SDPA takes a float mask)."""
+        if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
             from dustin.kernels.sparse_verify import sparse_verify_attention
             if plan.dense is None:
                 return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
-                                               out=token_major(q))
+                                               log_weights=plan.bias, out=token_major(q))
             return self._dense_or_sparse(q, k_cache, v_cache, lengths, plan, max_len)
         S = min(max_len, k_cache.shape[2])
         T = q.shape[2]
@@ -122,7 +122,7 @@ class AttentionBackend:
 
         dense = plan.dense.view(-1, *([1] * (plan.counts.dim() - 1)))
         sparse = sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices,
-                                         torch.where(dense, 0, plan.counts), out=token_major(q))
+                                         torch.where(dense, 0, plan.counts), log_weights=plan.bias, out=token_major(q))
         full = verify_attention(q, k_cache, v_cache, torch.where(plan.dense, lengths, 0), max_len=max_len,
                                 out=token_major(q))
         return torch.where(plan.dense[:, None, None, None], full, sparse)

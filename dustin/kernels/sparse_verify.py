@@ -61,11 +61,14 @@ def _gather(base, pos, ok, d, stride_s):
 
 
 @triton.jit
-def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr):
+def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr, log2_w=None):
     """One online-softmax step over a gathered key block k, v [N, D]; logit_mask (broadcastable to
-    [M, N]) says which logits count."""
+    [M, N]) says which logits count; log2_w [N] (or None), each key's log2-weight, added to its logit."""
     s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), IEEE)
-    s = tl.where(logit_mask, s * qk_scale, float("-inf"))  # log2 domain
+    if log2_w is not None:
+        s = tl.where(logit_mask, s * qk_scale + log2_w[None, :], float("-inf"))  # log2 domain
+    else:
+        s = tl.where(logit_mask, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -77,7 +80,7 @@ def _attend(q, k, v, logit_mask, acc, m_i, l_i, qk_scale, IEEE: tl.constexpr):
 @watched
 @triton.jit
 def _sparse_verify_split_kernel(
-    q_ptr, k_ptr, v_ptr, lengths_ptr, idx_ptr, counts_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, lengths_ptr, idx_ptr, counts_ptr, w_ptr, out_ptr,
     acc_ptr, ml_ptr,  # partials: acc [B*Hkv, NUM_SPLITS, BLOCK_M, D] fp32, ml [B*Hkv, NUM_SPLITS, 2, BLOCK_M]
     cnt_ptr,  # MERGE: int32 arrival counters [B*Hkv], zero between launches (dustin/kernels/arrival.py)
     qk_scale,
@@ -86,10 +89,11 @@ def _sparse_verify_split_kernel(
     sv_b, sv_h, sv_s, sv_d,
     so_b, so_h, so_t, so_d,
     si_b, si_h, sc_b, sc_h,  # si_h / sc_h are 0 for a per-sequence list (broadcast over KV heads)
+    sw_b, sw_h,  # the log-weights' strides (HAS_W), laid out like the indices
     H_KV: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_N: tl.constexpr, IEEE: tl.constexpr,
-    MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    MERGE: tl.constexpr = False, HAS_W: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
     pid_bh = tl.program_id(0)
@@ -117,14 +121,20 @@ def _sparse_verify_split_kernel(
     start = split * CHUNK
     stop = tl.minimum(start + CHUNK, count)
     idx_row = idx_ptr + b * si_b + kvh * si_h
+    w_row = w_ptr + b * sw_b + kvh * sw_h
     # Plain loop: Triton's software pipeliner (num_stages=3) already overlaps the index load and the
     # gathers of later blocks; hand-written index or K/V prefetching measured no faster on an H200.
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + offs_n
         pos = tl.load(idx_row + n, mask=n < stop, other=0).to(tl.int64)
         ok = (n < stop) & (pos < length)  # the reference ignores out-of-range positions; so do we
-        acc, m_i, l_i = _attend(q, _gather(k_base, pos, ok, d, sk_s), _gather(v_base, pos, ok, d, sv_s),
-                                ok[None, :], acc, m_i, l_i, qk_scale, IEEE)
+        if HAS_W:  # natural-log weights, read next to the indices, into the log2 domain
+            log2_w = tl.load(w_row + n, mask=n < stop, other=0.0).to(tl.float32) * 1.4426950408889634
+            acc, m_i, l_i = _attend(q, _gather(k_base, pos, ok, d, sk_s), _gather(v_base, pos, ok, d, sv_s),
+                                    ok[None, :], acc, m_i, l_i, qk_scale, IEEE, log2_w)
+        else:
+            acc, m_i, l_i = _attend(q, _gather(k_base, pos, ok, d, sk_s), _gather(v_base, pos, ok, d, sv_s),
+                                    ok[None, :], acc, m_i, l_i, qk_scale, IEEE)
     if split == NUM_SPLITS - 1:
         # The last split also takes the new tokens: key c (position length + c) is visible to query t
         # iff c <= t. Folding them in here (not a split of their own) saves one partial per program.
@@ -200,11 +210,14 @@ def _default_num_splits(n_programs: int, k_max: int, block_n: int, device: torch
     return max(1, min(sms // max(n_programs, 1), triton.cdiv(k_max, block_n)))
 
 
-def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, scale=None, num_splits=None,
-                            out=None, block_n=None, num_warps=None, num_stages=None, merge=True):
+def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, log_weights=None, scale=None,
+                            num_splits=None, out=None, block_n=None, num_warps=None, num_stages=None, merge=True):
     """Attention of q [B, Hq, T, D] over cached positions indices[b, :counts[b]] (distinct, each < lengths[b])
     plus the new tokens lengths[b] .. lengths[b]+t (causal). Returns out [B, Hq, T, D] in q's dtype.
     Per-KV-head lists: indices [B, Hkv, K] / counts [B, Hkv]; query head h reads list h // (Hq // Hkv).
+    log_weights (float, shaped like indices; `SparsePlan.bias`): position indices[.., i] enters the softmax with
+    weight exp(log_weights[.., i]), its score plus that natural-log weight; the new tokens keep weight 1. None
+    compiles the kernel without the weight's load and add (the bits of a plan without weights).
     block_n / num_warps / num_stages override the launch configuration (for tuning). merge: several splits are
     merged by the last of them to finish, in the same launch (False: by a second, combine launch; the same bits)."""
     B, Hq, T, D = q.shape
@@ -217,6 +230,11 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     group = Hq // Hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    if log_weights is not None:
+        assert log_weights.shape == indices.shape and log_weights.is_floating_point(), \
+            f"log_weights {tuple(log_weights.shape)} must be a float tensor shaped like indices {tuple(indices.shape)}"
+        log_weights = log_weights if log_weights.stride(-1) == 1 else log_weights.contiguous()
+    w = log_weights if log_weights is not None else indices  # unread without weights (HAS_W False)
     k_max = max(indices.shape[-1], 1)
     block_m = max(16, triton.next_power_of_2(group * T))
     # Tuned on an H200 (bf16, D 128, k 512): 128-row gathers with 3 pipeline stages keep the most bytes
@@ -240,12 +258,13 @@ def sparse_verify_attention(q, k_cache, v_cache, lengths, indices, counts, *, sc
     merge = merge and num_splits > 1
     counters = arrival_counters(q.device, B * Hkv) if merge else acc_part
     _sparse_verify_split_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, lengths, indices, counts, out, acc_part, ml_part, counters, scale * _LOG2E,
+        q, k_cache, v_cache, lengths, indices, counts, w, out, acc_part, ml_part, counters, scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         indices.stride(0), indices.stride(1) if per_head else 0, counts.stride(0), counts.stride(1) if per_head else 0,
+        w.stride(0), w.stride(1) if per_head else 0,
         H_KV=Hkv, GROUP=group, T=T, D=D, CHUNK=chunk, NUM_SPLITS=num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, NEW_N=max(16, triton.next_power_of_2(T)), IEEE=ieee, MERGE=merge,
-        num_warps=num_warps, num_stages=num_stages or 3, **pdl,
+        HAS_W=log_weights is not None, num_warps=num_warps, num_stages=num_stages or 3, **pdl,
     )
     if num_splits > 1 and not merge:
         _sparse_verify_combine_kernel[(B * Hkv, block_m // 16)](

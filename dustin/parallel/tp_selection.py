@@ -73,16 +73,21 @@ class TPDustinSelection(DustinSelection):
 
 
 def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:
+    """Rank 0's plan on every rank of `group`: its indices, counts, dense rows and log-weights, all of them (a rank
+    that verified against other positions, or weighted them otherwise, would compute another model's output)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     indices, counts = plan.indices.contiguous(), plan.counts.contiguous()
     dist.broadcast(indices, src, group=group)
     dist.broadcast(counts, src, group=group)
-    dense = None
+    dense = bias = None
     if plan.dense is not None:  # gloo broadcasts no bool tensors: as uint8
         flags = plan.dense.to(torch.uint8)
         dist.broadcast(flags, src, group=group)
         dense = flags.bool()
-    return SparsePlan(indices, counts, dense)
+    if plan.bias is not None:  # a sampled tail's log-weights: every rank must weight the same positions alike
+        bias = plan.bias.contiguous()
+        dist.broadcast(bias, src, group=group)
+    return SparsePlan(indices, counts, dense, bias)
 
 
 def tp_policy(name: str, cfg, rank: int, group=None):

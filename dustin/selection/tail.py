@@ -34,8 +34,9 @@ docs/accuracy.md): `oracle-layer-tail*` take S from the ladder's rung (b), the e
 own verify queries (analysis only: each layer materializes its heads' attention over the whole cache);
 `oracle-dustin-tail*` take dustin's own selection at |S| positions. The positions each row reads per layer and KV
 head (|S| + the m drawn, or fewer for a short row) are counted and reported like `--budget auto`'s k
-(`budget_stats`), so the adaptive rows report the m they used. On the CPU (and on a GPU, until the Triton kernels
-read the weights) the verify takes SDPA with a float mask (attention/backend.py `weighted_mask`).
+(`budget_stats`), so the adaptive rows report the m they used. The Triton sparse verify kernel reads each position's
+weight next to its index (kernels/sparse_verify.py); SDPA (the CPU default) takes a float mask instead
+(attention/backend.py `weighted_mask`). Under tensor parallelism, `broadcast_plan` hands every rank the weights too.
 """
 from __future__ import annotations
 
