@@ -11,6 +11,9 @@
 #   ruler128  the same at 128k, batches of 10
 #   ladder16  the oracle ladder: RULER's 13 tasks at 16k, SAMPLES (50) each, rows LADDER16
 #   ladder32  the same at 32k for LADDER32
+#   tail16    the sampled-tail rungs beside the ladder: RULER's 13 tasks at 16k, SAMPLES (50) each, rows TAIL16
+#             (top-k against top-k plus a reweighted tail at 1,024 and 2,048 positions read, then 512); resumable
+#   tail32    the same at 32k, SAMPLES (20) each, rows TAIL32 (set it to the best two of tail16 and their controls)
 #   diverge   the first divergence from vanilla's greedy text: 16 stdlib modules as code prompts (CODE16) of
 #             DCONTEXTS tokens (16384), 256 tokens, DMETHODS at DBUDGETS (512)
 #   dense16   RULER 16k, SAMPLES (50) each, rows DENSE16: the auto rows with --budget-dense, --budget-max BMAXD (1024)
@@ -56,6 +59,9 @@ L512=oracle-layer@512,oracle-kv@512,oracle-head@512,oracle-layer-d1@512,oracle-k
 L512=$L512,oracle-layer-d2@512,oracle-kv-d2@512,oracle-head-d2@512
 LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,$L512,oracle-head-d1@256,oracle-head-d1@1024,oracle-kv-d1@1024}
 LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
+# the sampled-tail rungs (docs/accuracy.md): (e) oracle-layer-tail, (f) oracle-dustin-tail, (g) its adaptive m, (h) w = 1
+TAIL16=${TAIL16:-vanilla,dustin@1024,oracle-dustin-tail@1024,oracle-layer-tail@1024,oracle-dustin-tail-w1@1024,dustin@2048,oracle-dustin-tail@2048,oracle-dustin-tail-auto@2048,oracle-layer-tail@2048,dustin@512,oracle-dustin-tail@512,oracle-layer-tail@512}
+TAIL32=${TAIL32:-vanilla,dustin@2048,oracle-dustin-tail@2048}
 DENSE16=${DENSE16:-vanilla,dustin@512,dustin@auto:0.9,dustin@auto:0.95}
 # 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
 CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}
@@ -89,6 +95,10 @@ for j in "$@"; do
                --batch-size 65 --rows "$LADDER16" --json-out $A/ruler_16k_ladder.json || break ;;
     ladder32) job ladder32 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 32768 \
                --batch-size 33 --rows "$LADDER32" --json-out $A/ruler_32k_ladder.json || break ;;
+    tail16) job tail16 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-50} --contexts 16384 \
+              --batch-size 65 --rows "$TAIL16" --json-out $A/ruler_16k_tail.json || break ;;
+    tail32) job tail32 python3 -m dustin eval tasks $common --tasks ruler --samples ${SAMPLES:-20} --contexts 32768 \
+              --batch-size 33 --rows "$TAIL32" --json-out $A/ruler_32k_tail.json || break ;;
     diverge) for c in ${DCONTEXTS:-16384}; do
                job diverge$c python3 -m dustin eval fidelity --device cuda --gamma 4 --sources "$CODE16" --context $c \
                  --max-new-tokens 256 --methods "$DMETHODS" --budgets ${DBUDGETS:-512} --with-vanilla --no-arr \
