@@ -18,9 +18,9 @@ import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
-from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
+from dustin.selection.adaptive import BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
-from dustin.selection.config import SparseConfig
+from dustin.selection.config import AutoBudget, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 from dustin.selection.oracle import oracle_set, window_attention
 
