@@ -23,8 +23,8 @@ from dustin.engine.executor import Executor, GangPrefill, TensorParallelExecutor
 from dustin.engine.gamma import GammaRule, StepCosts
 from dustin.engine.kv_manager import KVManager, cache_capacity, max_tokens_room
 from dustin.engine.pair import ModelPair, check_prompts
-from dustin.engine.request import Request, RequestOutput, SamplingParams
-from dustin.engine.sampling import GREEDY, SamplingRule
+from dustin.engine.request import Request, RequestOutput, SamplingParams, SamplingRule
+from dustin.engine.sampling import GREEDY
 from dustin.engine.scheduler import EngineStats, Scheduler, Sequence, StepPlan, check_admission
 from dustin.engine.worker.costs import measure_step_costs
 from dustin.engine.worker.runner import Runner
