@@ -83,7 +83,7 @@ class AttentionBackend:
     def prefill_packed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
         """Prompt chunks of several rows (q [Hq, N, D], packed), each causal over its row's cached prefix: our
         Triton kernel (dustin/kernels/prefill_attention.py) on the GPU, SDPA per chunk elsewhere."""
-        from dustin.kernels import prefill_attention as pa
+        from dustin.kernels import prefill_attention as pa  # lazy: Triton
 
         if self.name == "triton" and (q.is_cuda or interpreting()):
             return pa.prefill_attention(q, k_cache, v_cache, plan)
@@ -92,7 +92,7 @@ class AttentionBackend:
     def verify(self, q, k_cache, v_cache, lengths, *, sinks=0, window=0, max_len: int):
         """q [B, Hq, T, D] -> [B, Hq, T, D]; the Triton kernels write it token-major (see `token_major`)."""
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
-            from dustin.kernels.verify_attention import verify_attention
+            from dustin.kernels.verify_attention import verify_attention  # lazy: Triton
             return verify_attention(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len,
                                     out=token_major(q))
         return verify_attention_sdpa(q, k_cache, v_cache, lengths, sinks=sinks, window=window, max_len=max_len)
@@ -101,7 +101,7 @@ class AttentionBackend:
         """The new tokens' attention over the plan's positions, each weighted by its log-weight where the plan has
         them (`SparsePlan.bias`: the Triton kernel reads them next to the indices; SDPA takes a float mask)."""
         if self.name == "triton" and q.shape[2] <= MAX_TRITON_QUERIES:
-            from dustin.kernels.sparse_verify import sparse_verify_attention
+            from dustin.kernels.sparse_verify import sparse_verify_attention  # lazy: Triton
             if plan.dense is None:
                 return sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices, plan.counts,
                                                log_weights=plan.bias, out=token_major(q))
@@ -117,8 +117,8 @@ class AttentionBackend:
         sparse kernel a dense row's new tokens only, its count 0; the dense kernel a sparse row's first T positions
         only, its length 0: both return at once past a row's range), then each row's own output. Fixed shapes and no
         host sync, so a step with it is still one CUDA graph."""
-        from dustin.kernels.sparse_verify import sparse_verify_attention
-        from dustin.kernels.verify_attention import verify_attention
+        from dustin.kernels.sparse_verify import sparse_verify_attention  # lazy: Triton
+        from dustin.kernels.verify_attention import verify_attention  # lazy: Triton
 
         dense = plan.dense.view(-1, *([1] * (plan.counts.dim() - 1)))
         sparse = sparse_verify_attention(q, k_cache, v_cache, lengths, plan.indices,

@@ -74,7 +74,7 @@ class LookaheadCapture:
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, ctx: "ForwardContext") -> None:
         if ctx.prompt or layer not in self.heads:
             return  # a prefill has no lookahead
-        from dustin.kernels import fused_ops
+        from dustin.kernels import fused_ops  # lazy: Triton
 
         fused_ops.capture_query_any(q, self.heads[layer], ctx.positions, self.base, self.queries[layer],
                                     self.positions)

@@ -13,8 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dustin.attention.backend import AttentionBackend
+from dustin.attention.context import ForwardContext
+from dustin.cache.kv_cache import KVCache
+from dustin.engine.cuda_graphs import GraphedForward
 from dustin.errors import InputError
 from dustin.kernels.launch import watched
+from dustin.models.args import named_config
+from dustin.models.loader import random_model
+from dustin.parallel.tp import current_parallel, init_distributed, is_main_process
 
 
 def add_arguments(p) -> None:
@@ -100,14 +107,6 @@ def _time(fn, iters: int) -> float:
 
 
 def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs: bool, iters: int, bw: float):
-    from dustin.attention.backend import AttentionBackend
-    from dustin.attention.context import ForwardContext
-    from dustin.cache.kv_cache import KVCache
-    from dustin.engine.cuda_graphs import GraphedForward
-    from dustin.models.args import named_config
-    from dustin.models.loader import random_model
-    from dustin.parallel.tp import current_parallel
-
     model = random_model(named_config(name), "cuda", torch.bfloat16, backend=AttentionBackend(attention),
                          shard=current_parallel())  # under torchrun: this rank's tensor-parallel shard
     args = model.args  # per-rank shape: the KV heads and weights this GPU reads
@@ -155,8 +154,6 @@ def bench_model(name: str, contexts, batches, gamma: int, attention: str, graphs
 
 
 def run(args) -> int:
-    from dustin.parallel.tp import init_distributed, is_main_process
-
     if not torch.cuda.is_available():
         raise InputError("dustin bench decode needs a CUDA GPU")
     _, world = init_distributed()  # torchrun: tensor-parallel target, bytes and limits per GPU; rank 0 reports

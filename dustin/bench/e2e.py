@@ -46,8 +46,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dustin.bench.plots import e2e_real, e2e_throughput
+from dustin.bench.serve import make_prompts
+from dustin.defaults import GAMMA_AUTO_MAX
+from dustin.engine.config import METHODS as ENGINE_METHODS
+from dustin.engine.config import ExecutionOptions, GenerationConfig
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
-from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args
+from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args, budget_settings
+from dustin.models.args import named_config, pair_context, with_rope_scaling
+from dustin.models.fetch import resolve_model_path
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +109,6 @@ def _shape(name: str):
     """A named config, or the config.json of a model folder (its shape only: the weights stay random)."""
     from pathlib import Path
 
-    from dustin.models.args import named_config
     from dustin.models.loader import read_args
 
     return read_args(Path(name)) if os.path.isdir(name) else named_config(name)
@@ -110,8 +116,6 @@ def _shape(name: str):
 
 def _pairs(spec: str, rope_scaling: str | None = None):
     """(target name, draft name, target args, draft args) per pair; --rope-scaling applies to both shapes."""
-    from dustin.models.args import with_rope_scaling
-
     out = []
     for item in spec.split(","):
         if item.count(":") != 1:
@@ -145,17 +149,12 @@ def build_engine(t_args, d_args, device, attention: str = "auto", dtype: str = "
 def _params(a, steps: int):
     """Each sequence's sampling in a benchmark session: greedy, room for `steps` steps, EOS ignored (every sequence
     decodes every step)."""
-    from dustin.engine.request import SamplingParams
-
     return SamplingParams(max_tokens=steps * (gamma_max(a) + 1) + 1, temperature=0, ignore_eos=True)
 
 
 def _config(method: str, a, accept_prob: float | None = None):
     """The GenerationConfig of one benchmark session."""
-    from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
-    from dustin.flags import budget_settings
-
-    sparse = METHODS[method].policy != "full"
+    sparse = ENGINE_METHODS[method].policy != "full"
     return GenerationConfig(method=method, gamma=a.gamma, draft_window=a.draft_window,
                             options=ExecutionOptions(cuda_graphs=not a.no_graphs,
                                                      step_graph=not getattr(a, "no_step_graph", False),
@@ -169,8 +168,6 @@ def _config(method: str, a, accept_prob: float | None = None):
 
 def gamma_max(a) -> int:
     """The largest Γ a step may take: --gamma, or under --gamma auto the largest any sequence picks."""
-    from dustin.defaults import GAMMA_AUTO_MAX
-
     return GAMMA_AUTO_MAX if a.gamma == "auto" else a.gamma
 
 
@@ -288,8 +285,6 @@ def _time_method(engine, core, cfg, method: str, batch: int, context: int, a, pr
 def real_prompts(tokenizer, kind: str, n_tokens: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` prompts of exactly `n_tokens` token ids from real `kind` texts (code or prose, see the module
     docstring): the same texts as `bench serve`'s; sequence i is the same for every batch size."""
-    from dustin.bench.serve import make_prompts
-
     ids = make_prompts(tokenizer, PROMPT_KINDS[kind], (n_tokens, n_tokens), batch, seed, len(tokenizer))
     short = min(len(x) for x in ids)
     if short < n_tokens:
@@ -344,8 +339,6 @@ def _plan(a) -> dict:
     """Every flag checked (one InputError line each) before any model is built or loaded."""
     import torch
 
-    from dustin.engine.config import METHODS as ENGINE_METHODS
-
     plan = {"contexts": _ints(a.contexts, "--contexts"), "batches": _ints(a.batches, "--batches")}
     if a.warmup < 0 or a.steps < 1:
         raise InputError(f"--warmup must be >= 0 and --steps >= 1, got {a.warmup} and {a.steps}")
@@ -389,8 +382,6 @@ def _plan(a) -> dict:
 def _real_models(a, speculative: bool, contexts: list[int]) -> dict:
     """The pair's names and the prompt length that leaves room for the decoded tokens, from config.json alone
     (no weights read): a missing model or a context past the model's is one line before the slow load."""
-    from dustin.models.args import pair_context
-    from dustin.models.fetch import resolve_model_path
     from dustin.models.loader import read_args
 
     t_path = resolve_model_path(a.target, "target")

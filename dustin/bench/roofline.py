@@ -28,6 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from dustin.defaults import DRAFT_WINDOW
+from dustin.engine.config import METHODS
+from dustin.kernels.quest import PAGE_SIZE
+from dustin.selection.config import DUSTIN_POLICIES
+from dustin.selection.layerwise import QUEST_DENSE_LAYERS
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -64,9 +68,6 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
     """Bytes one step of `method` must read (see the module docstring). target/draft: the models (the rank's
     target shard under tensor parallelism); sparse_cfg: the SparseConfig of a sparse method (k, score heads);
     target_args: the target's global shape, which the score heads' indices refer to (default target.args)."""
-    from dustin.engine.config import METHODS
-    from dustin.selection.config import DUSTIN_POLICIES
-
     spec = METHODS[method]
     elem = target.embed_tokens.weight.element_size()
     t_kv = target.args.kv_bytes_per_token(elem)
@@ -78,9 +79,6 @@ def step_bytes(method: str, target, draft, batch: int, context: int, gamma: int,
     est = 0
     per_layer = t_kv // target.args.n_layers
     if spec.policy == "quest":  # the dense first layers read everything; the others' pages are scored
-        from dustin.kernels.quest import PAGE_SIZE
-        from dustin.selection.layerwise import QUEST_DENSE_LAYERS
-
         dense = min(QUEST_DENSE_LAYERS, target.args.n_layers)
         tgt += batch * dense * per_layer * (context - t_rows)
         est += batch * (target.args.n_layers - dense) * per_layer * -(-context // PAGE_SIZE)

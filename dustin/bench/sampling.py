@@ -23,16 +23,18 @@ import json
 import statistics
 import time
 
+from dustin.bench.e2e import build_engine
 from dustin.defaults import DEFAULT_METHOD
+from dustin.engine.config import METHODS, GenerationConfig, methods_help
+from dustin.engine.request import SamplingParams, SamplingRule
 from dustin.errors import InputError
 from dustin.flags import add_model_args
+from dustin.models.args import NAMED_CONFIGS, named_config, with_rope_scaling
 
 MODES = ("greedy", "sampled", "rows")
 
 
 def add_arguments(p) -> None:
-    from dustin.engine.config import METHODS, methods_help
-
     add_model_args(p)
     p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS), help=methods_help(DEFAULT_METHOD))
     p.add_argument("--gamma", type=int, default=4)
@@ -69,9 +71,6 @@ def make_session(engine, prompts: list[list[int]], mode: str, args):
     each `step()` is one engine step (its first also fills the caches: a warm-up step)."""
     from dataclasses import replace
 
-    from dustin.engine.config import GenerationConfig
-    from dustin.engine.request import SamplingParams
-
     temperature = 0.0 if mode == "greedy" else args.temperature
     rounds = args.warmup + args.steps + 2
     cfg = GenerationConfig(method=args.method, gamma=args.gamma)
@@ -105,7 +104,7 @@ class SamplerStep:
     def __init__(self, mode: str, args, device, dtype) -> None:
         import torch
 
-        from dustin.engine.sampling import RowSampling, SamplingRule
+        from dustin.engine.sampling import RowSampling
 
         rule = SamplingRule(0.0 if mode == "greedy" else args.temperature, args.top_k, args.top_p)
         self.sampler = RowSampling(args.batch, rule, torch.Generator(device=device).manual_seed(0))
@@ -144,7 +143,6 @@ def run(args) -> int:
     import torch
 
     from dustin.engine.engine import Engine
-    from dustin.models.args import NAMED_CONFIGS
     from dustin.parallel.tp import init_distributed
 
     modes = _check(args)
@@ -162,9 +160,6 @@ def run(args) -> int:
                          "bench e2e under torchrun")
     named = [spec in NAMED_CONFIGS for spec in (args.target, args.draft)]
     if all(named):
-        from dustin.bench.e2e import build_engine
-        from dustin.models.args import named_config, with_rope_scaling
-
         t_args, d_args = (with_rope_scaling(named_config(spec), args.rope_scaling)
                           for spec in (args.target, args.draft))
         engine = build_engine(t_args, d_args, args.device, args.attention, args.dtype)

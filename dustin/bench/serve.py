@@ -36,6 +36,9 @@ import random
 import time
 from pathlib import Path
 
+from dustin.data.corpora import long_texts
+from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
+from dustin.engine.request import SamplingParams
 from dustin.errors import DustinError, InputError
 from dustin.flags import (
     add_draft_kernel_arg,
@@ -104,8 +107,6 @@ def _scenarios(args) -> list[dict]:
 
 
 def _serve_config(args, method: str, max_waiting: int):
-    from dustin.engine.config import ExecutionOptions, GenerationConfig
-
     return GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
                             sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
                             prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
@@ -128,8 +129,6 @@ def make_prompts(tokenizer, kind: str, lengths: tuple[int, int], n: int, seed: i
         return [[rng.randrange(3, vocab) for _ in range(s)] for s in sizes]
     if tokenizer is None:
         raise InputError("--prompts code/essays need the target's tokenizer; use --prompts random")
-    from dustin.data.corpora import long_texts
-
     texts = long_texts(kind, "heldout", lengths[1] + 64, tokenizer, n, seed)
     return [tokenizer.encode(t, add_special_tokens=False)[:s] for t, s in zip(texts, sizes, strict=False)]
 
@@ -234,10 +233,8 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig
     from dustin.engine.core import EngineCore
     from dustin.engine.engine import Engine
-    from dustin.engine.request import SamplingParams
     from dustin.serve.local import LocalServer
 
     p = _plan(args)

@@ -6,9 +6,14 @@ greedily; the table shows τ, speed and whether the output equals vanilla's toke
 """
 from __future__ import annotations
 
+from dustin.engine.config import GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.offline.prefill import PrefillCache
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
 from dustin.eval.inputs import common_prefix, long_code_prompt
 from dustin.flags import budget_settings
+from dustin.parallel.tp import is_main_process
 
 DEMO_METHODS = ("vanilla", "classic", "magicdec", "dustin")
 
@@ -17,14 +22,9 @@ def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dustin.engine.config import GenerationConfig
-    from dustin.engine.engine import Engine
-    from dustin.engine.request import SamplingParams
-
     engine = Engine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                     attention=args.attention,
                                     rope_scaling=args.rope_scaling)
-    from dustin.parallel.tp import is_main_process
     console = Console(quiet=not is_main_process())  # under torchrun only rank 0 reports
     if engine.pair.tokenizer is None:
         raise InputError("the demo needs a target folder with a tokenizer")
@@ -33,8 +33,6 @@ def run_demo(args) -> int:
     console.print(f"[bold]Prompt[/bold]: the first {len(ids)} tokens of {name}, ending with:")
     console.print(prompt[-300:], style="dim", markup=False, highlight=False)
     results = {}
-    from dustin.engine.offline.prefill import PrefillCache
-
     shared = PrefillCache()
     # classic first: its prefill (target + draft) is then reused by the other methods, so the long prompt is
     # prefilled once; each method's decode is timed on its own.

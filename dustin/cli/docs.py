@@ -20,6 +20,16 @@ import json
 import sys
 from pathlib import Path
 
+from dustin.cli.main import build_parser
+from dustin.defaults import GAMMA
+from dustin.engine.config import FULL_METHODS, METHODS
+from dustin.engine.kv_manager import cache_capacity
+from dustin.eval.stats import paired_difference_interval
+from dustin.models.args import named_config
+from dustin.parallel.tp_selection import TP_POLICIES
+from dustin.selection.config import DUSTIN_POLICIES
+from dustin.selection.registry import policy_class
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 CLI_MD = ROOT / "docs" / "cli.md"
@@ -102,8 +112,6 @@ def _command_section(path: list[str], parser: argparse.ArgumentParser, help_line
 
 def cli_markdown() -> str:
     """docs/cli.md: every command and subcommand with its flags, defaults and help, read from the parsers."""
-    from dustin.cli.main import build_parser
-
     root = build_parser()  # without argv: every subcommand gets its flags
     lines = ["# Command-line reference", "",
              "Generated from the command line's own parsers by `python3 -m dustin.cli.docs` (tests/cli/test_docs.py "
@@ -129,8 +137,6 @@ def cli_markdown() -> str:
 
 def serve_flags_markdown() -> str:
     """docs/serving.md's flag table: `dustin serve`'s flags by group, as docs/cli.md lists them."""
-    from dustin.cli.main import build_parser
-
     serve = subparsers(build_parser())["serve"]
     return "\n".join(_command_section(["dustin", "serve"], serve, "")[2:]).rstrip()
 
@@ -170,11 +176,6 @@ def method_note(method: str) -> tuple[str, str]:
 def methods_markdown() -> str:
     """docs/choosing.md's table: every method, lossless or lossy, what it verifies against, what it is for, whether
     `dustin serve` mixes its requests into a running batch and whether it runs under tensor parallelism."""
-    from dustin.engine.config import FULL_METHODS, METHODS
-    from dustin.parallel.tp_selection import TP_POLICIES
-    from dustin.selection.config import DUSTIN_POLICIES
-    from dustin.selection.registry import policy_class
-
     out = ["| `--method` | output | verifies against | for | `dustin serve` | tensor parallel |",
            "|---|---|---|---|---|---|"]
     for m, spec in METHODS.items():
@@ -208,10 +209,6 @@ def memory_rows() -> list[dict]:
     per GPU (the target's KV heads split over the ranks, the draft's whole) and, per card and context, the slots whose
     caches (context + 3Γ + 4 positions each, as `dustin serve` allocates them) fit beside the weights in MEMORY_SHARE
     of the card; `yarn`: the context is past the pair's own (Qwen2.5: 128k with --rope-scaling yarn:4)."""
-    from dustin.defaults import GAMMA
-    from dustin.engine.kv_manager import cache_capacity
-    from dustin.models.args import named_config
-
     rows = []
     for label, t, d, tp in MEMORY_PAIRS:
         ta, da = named_config(t), named_config(d)
@@ -277,8 +274,6 @@ def _paired_delta(rel_a: str, rel_b: str, row_a: tuple, row_b: tuple,
     """Paired difference (a - b) of two rows' average over tasks, on the same prompts (those of `samples`, (task,
     index) pairs, when given), with its 95% interval (dustin.eval.stats, seed 0, as `dustin eval tasks` computes
     it)."""
-    from dustin.eval.stats import paired_difference_interval
-
     a, b = _scores(rel_a, *row_a), _scores(rel_b, *row_b)
     pairs = []
     for task in sorted(a):

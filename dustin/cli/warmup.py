@@ -13,6 +13,7 @@ persistent layer kernel (`ExecutionOptions(draft_kernel=True)`) with nvcc into $
 """
 from __future__ import annotations
 
+from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
 from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list, method_list
 
@@ -33,7 +34,6 @@ def run(args) -> int:
 
     import torch
 
-    from dustin.engine.config import METHODS, GenerationConfig
     from dustin.engine.core import DEFAULT_PREFILL_TOKENS_GPU
     from dustin.engine.engine import Engine
     from dustin.engine.kv_manager import cache_capacity

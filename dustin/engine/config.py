@@ -14,7 +14,7 @@ from dustin.defaults import (
     GAMMA_AUTO_MAX,
 )
 from dustin.errors import InputError
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS
+from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS, AutoBudget
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,10 @@ class GenerationConfig:
                              f"({self.draft_window})")
 
     @property
-    def auto_budget(self):
-        """The `--budget auto` rule (AutoBudget), or None for a fixed k."""
+    def auto_budget(self) -> AutoBudget | None:
+        """The `--budget auto` rule's settings, or None for a fixed k."""
         if self.budget != "auto":
             return None
-        from dustin.selection.adaptive import AutoBudget
-
         return AutoBudget(self.budget_p, self.budget_min, self.budget_max, self.budget_dense)
 
     @property

@@ -15,6 +15,7 @@ data: under tensor parallelism rank 0 schedules and broadcasts it and every rank
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,13 +24,15 @@ from dustin.engine.executor import Executor, GangPrefill, TensorParallelExecutor
 from dustin.engine.gamma import GammaRule, StepCosts
 from dustin.engine.kv_manager import KVManager, cache_capacity, max_tokens_room
 from dustin.engine.pair import ModelPair, check_prompts
-from dustin.engine.request import Request, RequestOutput, SamplingParams
-from dustin.engine.sampling import GREEDY, SamplingRule
+from dustin.engine.request import Request, RequestOutput, SamplingParams, SamplingRule
+from dustin.engine.sampling import GREEDY
 from dustin.engine.scheduler import EngineStats, Scheduler, Sequence, StepPlan, check_admission
+from dustin.engine.warmup import start_kernel_warmup
 from dustin.engine.worker.costs import measure_step_costs
 from dustin.engine.worker.runner import Runner
 from dustin.engine.worker.staging import RowTokens
 from dustin.errors import InputError, OutOfMemoryError
+from dustin.models.fetch import resolve_model_path
 
 # prompt tokens per prefill forward on a GPU (the padded size of every prefill step); docs/serving.md has the
 # H200 measurement it comes from
@@ -100,7 +103,6 @@ class EngineCore:
         else:  # the first prefill's and decode step's kernels, compiling in the background (GPU; None when off)
             warmup = None
             if kernel_warmup and not gang:
-                from dustin.engine.warmup import start_kernel_warmup
                 warmup = start_kernel_warmup(pair, config, self.max_slots, capacity, self.prefill_tokens,
                                              config.prefill_chunk, shared=shared)
             self.executor = Executor(runner, self.prefill_tokens, gang_prefill, warmup)
@@ -109,10 +111,6 @@ class EngineCore:
     def from_pretrained(cls, target: str = "default", draft: str | None = "default", *, device: str = "cpu",
                         dtype: str | None = None, attention: str = "auto",
                         config: GenerationConfig | None = None, rope_scaling: str | None = None) -> "EngineCore":
-        from pathlib import Path
-
-        from dustin.models.fetch import resolve_model_path
-
         config = config or GenerationConfig()
         pair = ModelPair.from_pretrained(target, draft if config.spec.speculative else None, device=device,
                                          dtype=dtype, attention=attention, rope_scaling=rope_scaling)

@@ -8,13 +8,31 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dustin.engine.sampling import SamplingRule
 from dustin.errors import InputError
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's cap on top_logprobs)
 # a SamplingParams field -> the command-line flag that sets it (`SamplingParams.from_flags`)
 _FLAGS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
           "ignore_eos": "ignore_eos"}
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """How a row draws its tokens, in the device's ranges (`SamplingParams.sampling`); dustin/engine/sampling.py
+    applies it. Plain data, so that a request's settings are checked without torch."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p cut the distribution (a greedy rule's are never applied)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 @dataclass(frozen=True)

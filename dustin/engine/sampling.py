@@ -16,30 +16,13 @@ adds a few passes over the vocabulary per distribution to a greedy one, and no s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from dustin.engine.request import SamplingRule
 from dustin.rng import counter_uniform, i64
 
 _FIRST_K = 256  # the CPU looks for the top-p cut among this many largest logits first (x4 while it may be past)
 _BLOCK = 1024  # entries per block of `inverse_cdf`'s two-level search
-
-
-@dataclass(frozen=True)
-class SamplingRule:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def filters(self) -> bool:
-        """Whether top-k or top-p cut the distribution (a greedy rule's are never applied)."""
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 GREEDY = SamplingRule()  # the rule of idle rows, and the server's shared rule (`BatchState`)

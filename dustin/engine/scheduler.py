@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from dustin.engine.gamma import GammaRule, RowGamma
 from dustin.engine.kv_manager import SlotTable
 from dustin.engine.logprobs import to_logprob
-from dustin.engine.request import Request, RequestOutput, SamplingParams
-from dustin.engine.sampling import SamplingRule
+from dustin.engine.request import Request, RequestOutput, SamplingParams, SamplingRule
 from dustin.engine.worker.staging import RowTokens
 from dustin.errors import DustinError, InputError
 

@@ -62,6 +62,10 @@ from typing import Any
 
 import torch
 
+from dustin.engine.kv_manager import KVManager
+from dustin.engine.sampling import GREEDY
+from dustin.engine.timing import NullTimer
+from dustin.engine.worker.runner import Runner
 from dustin.kernels.dispatch import interpreting, is_fake
 
 _SPEC_INT32 = (-(2 ** 31), 2 ** 31 - 1)
@@ -218,7 +222,7 @@ def record_launches(execute: bool = False):
     """Within the block, this thread's Triton kernel launches are recorded (`Launch`, one per distinct
     specialization, in order) and, unless `execute`, not run. Yields the list. Other threads' launches are not
     affected (dustin/kernels/launch.py `watch_launches`)."""
-    from dustin.kernels.launch import watch_launches
+    from dustin.kernels.launch import watch_launches  # lazy: Triton
 
     rec = _Recorder(execute)
     with watch_launches(rec.add, execute):
@@ -291,10 +295,6 @@ def _dry_run(pair, cfg, slots: int, capacity: int, prefill_tokens: int, prefill_
              mode_ref: FakeTensorModeRef) -> tuple[list[Launch], list[Launch]]:
     """`plan_first_step`'s twin and its recorded launches (prefill's, then the step's others). Everything fake it
     makes is local to this call."""
-    from dustin.engine.kv_manager import KVManager
-    from dustin.engine.sampling import GREEDY
-    from dustin.engine.timing import NullTimer
-    from dustin.engine.worker.runner import Runner
 
     draft = pair.draft if cfg.spec.speculative else None
     policy = pair.make_policy(cfg)  # fresh, outside the fake mode (the config's fingerprint reads real weights)

@@ -18,6 +18,9 @@ import torch
 
 from dustin.attention.context import ForwardContext, SparsePlan
 from dustin.cache.kv_cache import KVCache
+from dustin.data.corpora import long_texts
+from dustin.engine.config import GenerationConfig
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
 from dustin.flags import add_model_args
 from dustin.scoring import causal_probs
@@ -50,9 +53,7 @@ class _MeanAttention:
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens of `model` with the full cache, on the engine core (the model verifying alone)."""
-    from dustin.engine.config import GenerationConfig
     from dustin.engine.engine import Engine
-    from dustin.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     out = Engine.from_models(model).generate([prompt], GenerationConfig(method="vanilla"), params)
@@ -104,7 +105,6 @@ def study(model, prompt: list[int], budget: int, subsets: int, new_tokens: int, 
 def run(args) -> int:
     from rich.console import Console
 
-    from dustin.data.corpora import long_texts
     from dustin.engine.engine import Engine
 
     if args.subsets < 3 or args.new_tokens < 1 or args.context < 64:

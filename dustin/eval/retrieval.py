@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from dustin.data.corpora import long_texts
 from dustin.engine.config import METHODS
 from dustin.errors import InputError
 from dustin.eval.needles import HELDOUT_NEEDLES, PROFILE_NEEDLES, make_needle_prompt, rouge1_recall
@@ -61,8 +62,6 @@ def plan(args) -> dict:
 def build_prompts(tokenizer, kind: str, n_tokens: int, depths: int, needles, seed: int) -> list:
     """`depths` prompts of one kind; the asked needles cycle over the set, and in multikey prompts the other
     three needles sit a quarter, half and three quarters of the document away (wrapping around)."""
-    from dustin.data.corpora import long_texts
-
     spots = [i / (depths - 1) for i in range(depths)] if depths > 1 else [0.5]
     # 10% more text than needed, so the haystack can end at a sentence boundary close to the length asked
     hays = long_texts("essays", "heldout", n_tokens * 11 // 10, tokenizer, depths, seed * 1_000_003 + n_tokens)

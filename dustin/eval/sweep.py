@@ -9,8 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from dustin.engine.config import DUSTIN_METHODS, FULL_METHODS, GenerationConfig
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
-from dustin.flags import auto_p, check_sparse_config
+from dustin.flags import auto_p, budget_list, check_sparse_config, method_list
 
 LOSSLESS = FULL_METHODS  # same output as vanilla (greedy): run once, not per budget
 HYBRID_FAMILY = DUSTIN_METHODS  # the methods that can size k themselves (auto:P)
@@ -24,8 +25,6 @@ def add_rows_arg(p) -> None:
 
 def parse_rows(text: str) -> list[tuple[str, int | str | None]]:
     """--rows: `method` for a lossless method, `method@k` or `method@auto:P` for a sparse one."""
-    from dustin.flags import budget_list, method_list
-
     rows: list[tuple[str, int | str | None]] = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
@@ -72,8 +71,6 @@ def sweep_rows(methods: list[str], budgets: list[int | str], args, max_new_token
 def row_params(max_new_tokens: int):
     """Every row's sampling: greedy (rows compare token for token), `max_new_tokens` each (a bad count's message
     names --max-new-tokens)."""
-    from dustin.engine.request import SamplingParams  # imports torch: not at the flags' parse
-
     return SamplingParams.from_flags(SimpleNamespace(max_new_tokens=max_new_tokens), temperature=0)
 
 

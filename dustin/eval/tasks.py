@@ -40,6 +40,7 @@ from dustin.flags import (
     int_list,
     method_list,
 )
+from dustin.tasks.catalog import build_samples, get_tasks
 
 if TYPE_CHECKING:
     from dustin.engine.offline.prefill import PrefillCache
@@ -68,8 +69,6 @@ def add_arguments(p) -> None:
 def plan(args) -> dict:
     """Every flag checked before any model loads."""
     import os
-
-    from dustin.tasks.catalog import get_tasks
 
     if args.longbench_dir:
         os.environ["DUSTIN_LONGBENCH_DIR"] = str(args.longbench_dir)
@@ -120,7 +119,6 @@ def run(args) -> int:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         from dustin.engine.kv_manager import cache_capacity, positions_needed
         from dustin.engine.offline.prefill import PrefillCache
-        from dustin.tasks.catalog import build_samples
 
         shared = PrefillCache()  # each batch of samples is prefilled once for every method
         with Progress(*columns, console=console) as progress:

@@ -34,14 +34,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops and x.is_cuda:
-            from dustin.kernels.fused_ops import add_rms_norm
+            from dustin.kernels.fused_ops import add_rms_norm  # lazy: Triton
             return add_rms_norm(x.contiguous(), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, norm(residual + x)): the residual stream and the next sublayer's input."""
         if self.fused_ops and x.is_cuda:
-            from dustin.kernels.fused_ops import add_rms_norm
+            from dustin.kernels.fused_ops import add_rms_norm  # lazy: Triton
             return add_rms_norm(x.contiguous(), self.weight, self.eps, residual=residual)
         total = residual + x
         return total, rms_norm(total, self.weight, self.eps)
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         if ctx.rows is not None:
             k_cache, v_cache = k_cache[ctx.rows], v_cache[ctx.rows]
         if self.fused_ops and q.is_cuda:  # RoPE and the cache write in one launch (k itself only for a prefill)
-            from dustin.kernels.fused_ops import rope_qk
+            from dustin.kernels.fused_ops import rope_qk  # lazy: Triton
             q, k = rope_qk(q, k, cos, sin, v=v, k_cache=k_cache, v_cache=v_cache, positions=ctx.positions,
                            k_out=ctx.fresh)
         else:
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         and positions, then each chunk attends over its row's cache up to itself. Returns [1, N, Hq * D]."""
         plan, a = ctx.packed, self.args
         if self.fused_ops and q.is_cuda:
-            from dustin.kernels.fused_ops import rope_qk
+            from dustin.kernels.fused_ops import rope_qk  # lazy: Triton
             q, k = rope_qk(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -194,7 +194,7 @@ class MLP(nn.Module):
         else:  # halves of the one output (views); its width is the rank's intermediate size x 2 under TP
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.fused_ops and gate.is_cuda:
-            from dustin.kernels.fused_ops import silu_mul
+            from dustin.kernels.fused_ops import silu_mul  # lazy: Triton
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
@@ -226,7 +226,7 @@ class DecoderLayer(nn.Module):
         residual; gate/up + SiLU·up; down_proj + residual. Each residual add also prepares the next norm's input
         (`next_norm`: the next layer's input norm; None after the last layer). The same math as `forward` (fp32: within
         rounding; see the kernels' module doc for bf16)."""
-        from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope
+        from dustin.kernels.decode_linear import decode_linear, gate_up_silu, qkv_rope  # lazy: Triton
         attn, mlp, a = self.self_attn, self.mlp, self.self_attn.args
         k_cache, v_cache = ctx.cache.k[attn.layer], ctx.cache.v[attn.layer]
         ln2 = self.post_attention_layernorm
@@ -319,7 +319,7 @@ class Transformer(nn.Module):
         if self.layer_kernel is not None and self.layer_kernel.takes(h, ctx):
             h = self.layer_kernel.forward(h, cos, sin, ctx)
         else:
-            from dustin.kernels.decode_linear import row_norm
+            from dustin.kernels.decode_linear import row_norm  # lazy: Triton
             ln = self.layers[0].input_layernorm
             normed = row_norm(h, ln.weight, ln.eps)
             nexts = [layer.input_layernorm for layer in self.layers[1:]] + [None]
@@ -337,10 +337,10 @@ class Transformer(nn.Module):
         """Decode and verify forwards on a GPU: new tokens appended to every row's cache (no prefill, no packed
         chunks), fused projections, no tensor parallelism (its all-reduce sits between o_proj / down_proj and the
         residual add), and either the persistent layer kernel takes them or they have few rows."""
-        from dustin.kernels.decode_linear import MAX_ROWS
         if not (h.is_cuda and not ctx.fresh and ctx.packed is None and ctx.rows is None and self.projections_fused
                 and self.unsharded):
             return False
+        from dustin.kernels.decode_linear import MAX_ROWS  # lazy: Triton
         if self.layer_kernel is not None and self.layer_kernel.takes(h, ctx):
             return True
         return self.decode_kernels and h.shape[0] * h.shape[1] <= MAX_ROWS

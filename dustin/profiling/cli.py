@@ -12,8 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from dustin.data.corpora import KINDS, essays, long_texts
 from dustin.errors import InputError
+from dustin.eval.needles import PROFILE_NEEDLES
 from dustin.flags import add_model_args, add_speculation_args, int_list
+from dustin.profiling.plots import srh_heatmap
 
 STAGES = ("srh", "trace", "search", "all")
 
@@ -64,7 +67,6 @@ def _validate(args) -> None:
         raise InputError(f"--roles must name target and/or draft once each, got {args.roles!r}")
     int_list("--trace-contexts", args.trace_contexts)
     int_list("--search-m", args.search_m)
-    from dustin.data.corpora import KINDS
     bad = [k for k in args.trace_kinds.split(",") if k not in KINDS]
     if bad:
         raise InputError(f"--trace-kinds: unknown {bad}; choose from {', '.join(KINDS)}")
@@ -106,9 +108,6 @@ def run(args) -> int:
 
 
 def _srh(engine, args, out: Path, progress) -> None:
-    from dustin.data.corpora import essays
-    from dustin.eval.needles import PROFILE_NEEDLES
-    from dustin.profiling.plots import srh_heatmap
     from dustin.profiling.srh import default_contexts, run_srh, shuffled_haystacks
 
     if args.needles > len(PROFILE_NEEDLES):
@@ -126,7 +125,6 @@ def _srh(engine, args, out: Path, progress) -> None:
 
 
 def _trace(engine, args, out: Path, progress) -> None:
-    from dustin.data.corpora import long_texts
     from dustin.profiling.srh import load_srh
     from dustin.profiling.trace import run_trace
 

@@ -6,18 +6,17 @@ import json
 import time
 from pathlib import Path
 
+from dustin.models.fetch import resolve_model_path
+from dustin.profiling.plots import fig_draft_lookahead, fig_layerwise, fig_target_history
 from dustin.profiling.search import ARRObjective, evaluate, search
+from dustin.profiling.srh import load_srh
+from dustin.profiling.trace import DELTAS, load_traces
+from dustin.selection.config import ScoreHeads, SparseConfig
 
 FIG_BUDGETS = (64, 128, 256, 384, 512, 768, 1024)
 
 
 def run_search(engine, args, out: Path, costs: dict, progress, console) -> dict:
-    from dustin.models.fetch import resolve_model_path
-    from dustin.profiling.plots import fig_draft_lookahead, fig_layerwise, fig_target_history
-    from dustin.profiling.srh import load_srh
-    from dustin.profiling.trace import DELTAS, load_traces
-    from dustin.selection.config import ScoreHeads, SparseConfig
-
     device = engine.pair.device
     t0 = time.perf_counter()
     val = ARRObjective(load_traces(sorted((out / "trace" / "profile").glob("*.safetensors")), device))

@@ -18,8 +18,8 @@ import time
 import torch
 
 from dustin.eval.arr import recovery
-from dustin.kernels.selection import select_dustin
-from dustin.selection.oracle import topk_set
+from dustin.kernels.selection import select_dustin, select_streaming
+from dustin.selection.oracle import oracle_set, topk_set
 
 SEARCH_M = (128, 192, 256)
 # Phase 2 stops when the best draft layer adds less ARR than this. Each added layer costs one read of that layer's
@@ -171,14 +171,10 @@ def evaluate(obj: ARRObjective, t_layers, d_layers, m_share: float, budgets=(128
 
 
 def _arr_oracle_method(obj, oracle, k) -> float:
-    from dustin.selection.oracle import oracle_set
-
     idx, counts = oracle_set(oracle, obj.L, k, obj.sinks, obj.window)
     return float(recovery(oracle, idx, counts).mean())
 
 
 def _arr_streaming(obj, k, oracle) -> float:
-    from dustin.kernels.selection import select_streaming
-
     idx, counts = select_streaming(obj.L, k, obj.sinks)
     return float(recovery(oracle, idx, counts).mean())

@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
+from dustin.engine.config import ExecutionOptions, GenerationConfig
+from dustin.engine.engine import Engine
+from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
+from dustin.eval.needles import make_needle_prompt, rouge1_recall
 from dustin.profiling.observe import SpanMass
 from dustin.selection.base import SelectionPolicy, StepState
 
@@ -78,10 +82,6 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
     """Greedy decoding of a batch of `NeedlePrompt`s by `model` (the pair's target or draft) on the engine core,
     with every head's mass on the asked needle recorded (`NeedleMassProbe`). Returns (mass [B, L, H] summed over the
     steps that generated a needle token, hits [B], generated ids)."""
-    from dustin.engine.config import ExecutionOptions, GenerationConfig
-    from dustin.engine.engine import Engine
-    from dustin.engine.request import SamplingParams
-
     a, dev = model.args, model.embed_tokens.weight.device
     spans = torch.tensor([p.spans[p.asked] for p in prompts], device=dev)
     needle = torch.zeros(len(prompts), engine.pair.vocab_limit, dtype=torch.bool, device=dev)
@@ -99,8 +99,6 @@ def run_needle_batch(engine, model, prompts, max_new_tokens: int):
 def run_srh(engine, role: str, out_dir: Path, contexts: list[int], depths: int, needles, haystacks: list[str],
             max_new_tokens: int = 50, batch_tokens: int = 1 << 18, progress=None) -> dict:
     """Run (or resume) the trials of one model of the pair and write srh_<role>.json; returns its content."""
-    from dustin.eval.needles import make_needle_prompt, rouge1_recall
-
     model = engine.pair.target if role == "target" else engine.pair.draft
     if model is None:
         raise InputError(f"SRH profiling of the {role} needs a {role} model")

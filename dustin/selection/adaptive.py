@@ -20,31 +20,13 @@ into a device histogram that is read once at the end of a run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P
-from dustin.errors import InputError
 from dustin.kernels.selection import rows_contain
+from dustin.selection.config import AutoBudget
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class AutoBudget:
-    """The rule's settings: target mass p and the range of k."""
-
-    p: float = AUTO_P
-    k_min: int = AUTO_MIN
-    k_max: int = AUTO_MAX
-    dense: bool = False  # rows that k_max positions cannot serve verify against the whole cache
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.p <= 1.0:
-            raise InputError(f"--budget-p must be in (0, 1], got {self.p}")
-        if not 21 <= self.k_min <= self.k_max:
-            raise InputError(f"--budget auto needs 21 <= --budget-min ({self.k_min}) <= --budget-max ({self.k_max})")
 
 
 def _normalised(scores: torch.Tensor, pickable: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from dustin.defaults import AUTO_MAX, AUTO_MIN, AUTO_P
 from dustin.errors import InputError
 from dustin.models.args import ModelArgs
 
@@ -98,6 +99,23 @@ def default_config(target: ModelArgs, draft: ModelArgs | None) -> SparseConfig:
         layers = sorted({draft.n_layers // 4, draft.n_layers // 2, (3 * draft.n_layers) // 4})
         drf = tuple(ScoreHeads(layer, (0, draft.n_heads // 2)) for layer in layers)
     return SparseConfig(target=tgt, draft=drf, source="built-in default")
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """`--budget auto`'s settings (the rule is dustin/selection/adaptive.py): target mass p and the range of k.
+    Plain data, so the engine's config checks it while the flags are parsed, without torch."""
+
+    p: float = AUTO_P
+    k_min: int = AUTO_MIN
+    k_max: int = AUTO_MAX
+    dense: bool = False  # rows that k_max positions cannot serve verify against the whole cache
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise InputError(f"--budget-p must be in (0, 1], got {self.p}")
+        if not 21 <= self.k_min <= self.k_max:
+            raise InputError(f"--budget auto needs 21 <= --budget-min ({self.k_min}) <= --budget-max ({self.k_max})")
 
 
 # Dustin's hybrid selection (selection/policies.py DustinSelection): both estimators, the target's only, the

@@ -30,7 +30,7 @@ def accumulate_scores(q_sel, k_cache, kv_heads, key_lengths, query_positions, ou
                       accumulate: bool = True) -> None:
     """out[b, j] (+)= softmax mass of q_sel on position j < ctx_lengths[b] (Triton on GPU, PyTorch on CPU)."""
     if triton_ok(q_sel):
-        from dustin.kernels.score_estimation import attention_scores as fn  # imports Triton: only where it runs
+        from dustin.kernels.score_estimation import attention_scores as fn  # lazy: Triton
     else:
         fn = attention_scores_reference
     fn(q_sel.contiguous(), k_cache, kv_heads, key_lengths, query_positions, out, ctx_lengths=ctx_lengths,
@@ -140,7 +140,7 @@ class DraftLookaheadScores:
         full = None if per_layer or not triton_ok(self._q_all) else \
             self._sets.full_cache(k_caches, k_all, self._q_buf)
         if full is not None:
-            from dustin.kernels.score_estimation import attention_scores_multi
+            from dustin.kernels.score_estimation import attention_scores_multi  # lazy: Triton
 
             # key_lengths None: the last lookahead query bounds the keys (j <= its position)
             attention_scores_multi(self._q_all, full, self._sets.layers_t, self._sets.kv_all, None, pos,
@@ -204,7 +204,7 @@ class TargetHistoricalScores:
         first = next(iter(self._last_q.values()))
         full = self._sets.full_cache(k_caches, k_all, self._last_q) if triton_ok(first) else None
         if full is not None:
-            from dustin.kernels.score_estimation import attention_scores_multi
+            from dustin.kernels.score_estimation import attention_scores_multi  # lazy: Triton
 
             qs = [self._sets.padded(layer, self._last_q[layer]) for layer in self._sets.order]
             q = qs[0][:, None] if len(qs) == 1 else torch.stack(qs, dim=1)  # [B, NL, Hs, 1, D]

@@ -33,7 +33,7 @@ class QuestSelection(SelectionPolicy):
         self.pages = None  # built again from the new gang's prompts at its first step
 
     def plan(self, state: StepState):
-        from dustin.kernels.quest import QuestPages
+        from dustin.kernels.quest import QuestPages  # lazy: Triton
 
         cache = state.target_cache
         if self.pages is None:  # first step: page statistics of the prompts
@@ -82,7 +82,7 @@ class SpecAttnSelection(SelectionPolicy):
         self.scores.begin_step(state.target_cache.lengths, state.row_gamma)
 
     def plan(self, state: StepState):
-        from dustin.kernels.selection import select_dustin
+        from dustin.kernels.selection import select_dustin  # lazy: Triton
 
         L = state.target_cache.lengths
         state.timer.start("estimate")

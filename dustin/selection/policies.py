@@ -18,16 +18,15 @@ import torch
 
 from dustin.attention.context import SparsePlan
 from dustin.errors import InputError
-from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
+from dustin.kernels.selection import select_dustin, select_streaming
+from dustin.selection.adaptive import BudgetHistogram, adaptive_budgets, select_ragged
 from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
-from dustin.selection.config import SparseConfig
+from dustin.selection.config import AutoBudget, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 from dustin.selection.oracle import oracle_set, window_attention
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
-    from dustin.kernels.selection import select_dustin
-
     idx, counts = select_dustin(s_target, s_draft, lengths, k=cfg.budget, m=m, sinks=cfg.sinks, window=cfg.window)
     return SparsePlan(idx, counts)
 
@@ -41,8 +40,6 @@ class StreamingSelection(SelectionPolicy):
         self.cfg = cfg
 
     def plan(self, state: StepState) -> SparsePlan:
-        from dustin.kernels.selection import select_streaming
-
         idx, counts = select_streaming(state.target_cache.lengths, self.cfg.budget, self.cfg.sinks)
         return SparsePlan(idx, counts)
 

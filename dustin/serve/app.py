@@ -30,8 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dustin import __version__
+from dustin.engine.config import LOSSY_METHODS
+from dustin.engine.pair import encode_chat, encode_prompt
 from dustin.engine.request import Logprob, RequestOutput, SamplingParams
 from dustin.engine.request import Request as EngineRequest
+from dustin.engine.scheduler import QueueFullError
 from dustin.errors import InputError
 from dustin.serve.async_engine import AsyncEngineCore, EngineDeadError, RequestStream
 from dustin.serve.detokenize import IncrementalDetokenizer, TokenText, text_decoder
@@ -399,7 +403,6 @@ class _Server:
         out = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
-                from dustin.engine.pair import encode_prompt
                 ids = encode_prompt(self.tokenizer("a text prompt needs one"), prompt)
                 if not ids:
                     raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
@@ -416,7 +419,6 @@ class _Server:
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
-        from dustin.engine.pair import encode_chat
         dicts = [m.template_dict() for m in messages]
         try:
             if add_generation_prompt and not continue_final_message and not add_special_tokens:
@@ -445,8 +447,6 @@ class _Server:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
     async def start(self, groups: list[list[EngineRequest]]) -> RequestStream:
-        from dustin.engine.scheduler import QueueFullError
-
         try:
             return await self.engine.generate_groups(groups)
         except QueueFullError as e:
@@ -607,8 +607,6 @@ def _num(v: Any) -> str:
 def create_app(async_engine: AsyncEngineCore, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` (whose thread the caller starts and shuts down)."""
     server = _Server(async_engine, served_model_name or async_engine.model_name)
-    from dustin import __version__
-
     app = FastAPI(title="dustin serve", description="OpenAI-compatible speculative-decoding server", docs_url=None,
                   redoc_url=None, version=__version__)
     app.state.server = server
@@ -677,8 +675,6 @@ def create_app(async_engine: AsyncEngineCore, served_model_name: str | None = No
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> JSONResponse:
-        from dustin.engine.config import LOSSY_METHODS
-
         method = async_engine.method
         card = ModelCard(id=server.model, created=server.created, max_model_len=async_engine.max_context,
                          method=method, lossy=None if method is None else method in LOSSY_METHODS)

@@ -17,13 +17,19 @@ import socket
 import threading
 
 from dustin.defaults import DEFAULT_METHOD
-from dustin.errors import InputError
-from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args, budget_settings
+from dustin.engine.config import METHODS, ExecutionOptions, GenerationConfig, method_output, methods_help
+from dustin.errors import DustinError, InputError
+from dustin.flags import (
+    add_draft_kernel_arg,
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    budget_settings,
+    check_sparse_config,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dustin.engine.config import METHODS, methods_help
-
     add_model_args(p)
     g = p.add_argument_group("decoding")
     g.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
@@ -82,7 +88,6 @@ def _launch(method: str) -> tuple[int, int]:
         verb = "is" if len(missing) == 1 else "are"
         raise InputError(f"WORLD_SIZE is {world} but {', '.join(missing)} {verb} not set: launch tensor-parallel "
                          f"serving with torchrun --nproc-per-node N -m dustin serve ...")
-    from dustin.engine.config import METHODS
     from dustin.parallel.tp_selection import TP_POLICIES
 
     if METHODS[method].policy not in TP_POLICIES:
@@ -92,7 +97,6 @@ def _launch(method: str) -> tuple[int, int]:
 
 
 def build_engine(args):
-    from dustin.engine.config import ExecutionOptions, GenerationConfig
     from dustin.engine.core import EngineCore
 
     # every setting is checked here, before the model load
@@ -111,7 +115,6 @@ def run(args) -> int:
     if rank == 0:
         _check_port(args.host, args.port)
     if args.config is not None and args.config != "builtin":
-        from dustin.flags import check_sparse_config
         check_sparse_config(args.config, [args.budget_max if args.budget == "auto" else args.budget]
                             if args.budget is not None else [])
     engine = build_engine(args)  # under torchrun: joins the process group and loads this rank's shard
@@ -134,7 +137,6 @@ def _follow(engine) -> int:
 def _serve(args, engine, world: int) -> int:
     import uvicorn
 
-    from dustin.errors import DustinError
     from dustin.serve.app import create_app
     from dustin.serve.async_engine import AsyncEngineCore
 
@@ -167,8 +169,6 @@ def _serve(args, engine, world: int) -> int:
 
 def start_line(host: str, port: int, name: str, method: str, context: int, slots, world: int = 1) -> str:
     """The one line `dustin serve` prints once it serves: where, what, and whether its output is the target's."""
-    from dustin.engine.config import method_output
-
     host = f"[{host}]" if ":" in host else host
     tp = f", tensor parallel over {world} ranks" if world > 1 else ""
     return (f"dustin serve: http://{host}:{port} (model {name}, method {method}, {context} context x {slots} slots"

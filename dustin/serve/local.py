@@ -8,14 +8,13 @@ import threading
 import time
 
 from dustin.errors import DustinError
+from dustin.serve.app import create_app
+from dustin.serve.async_engine import AsyncEngineCore
 
 
 class LocalServer:
     def __init__(self, engine, name: str, start_timeout_s: float = 30.0) -> None:
         import uvicorn
-
-        from dustin.serve.app import create_app
-        from dustin.serve.async_engine import AsyncEngineCore
 
         self.async_engine = AsyncEngineCore(engine)
         app = create_app(self.async_engine, name)

@@ -16,8 +16,10 @@ import random
 import re
 from pathlib import Path
 
+from dustin.data.corpora import python_sources
 from dustin.errors import InputError
 from dustin.tasks.base import Sample, register
+from dustin.tasks.metrics import exact_match, first_code_line, fuzz_ratio
 
 TEMPLATE_HEAD = "Please complete the code given below. \n"
 TEMPLATE_TAIL = "Next line of code:\n"
@@ -52,8 +54,6 @@ class CodeCompletion:
         """Nothing to check: the sources are this Python's standard library and installed packages."""
 
     def samples(self, tokenizer, context: int, n: int, seed: int) -> list[Sample]:
-        from dustin.data.corpora import python_sources
-
         files = python_sources("heldout")
         if not files:
             raise InputError("no long Python files found for code completion")
@@ -83,8 +83,6 @@ class CodeCompletion:
     def metrics(self, prediction: str, references: list[str]) -> dict[str, float]:
         """LongBench's code similarity on the prediction's first code line (its pick), stripped like our
         references (indentation is not scored), and exact match of that line."""
-        from dustin.tasks.metrics import exact_match, first_code_line, fuzz_ratio
-
         line = first_code_line(prediction).strip()
         return {"edit_sim": max(fuzz_ratio(line, r) for r in references), "exact_match": exact_match(line, references)}
 

@@ -553,12 +553,12 @@ def chat(live, monkeypatch):
     """/v1/chat/completions answering on the tiny pair for this test: its tokenizer gets a chat template, and the
     template's encoding (which the tiny tokenizer cannot do from text) is each message's words "wN" as ids N + 3,
     in turn."""
-    from dustin.engine import pair as engine_module
+    from dustin.serve import app as app_module
 
     def encode_chat(tokenizer, messages):
         return [int(w[1:]) + 3 for m in messages for w in m["content"].split()]
     monkeypatch.setattr(live.async_engine.tokenizer, "chat_template", "{{ messages }}")
-    monkeypatch.setattr(engine_module, "encode_chat", encode_chat)
+    monkeypatch.setattr(app_module, "encode_chat", encode_chat)
     return live
 
 

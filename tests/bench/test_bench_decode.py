@@ -49,8 +49,8 @@ def on_cpu(monkeypatch):
 
     shim = Shim(full=cpu(torch.full), randint=cpu(torch.randint), arange=cpu(torch.arange), cuda=fake_cuda)
     monkeypatch.setattr(decode, "torch", shim)
-    monkeypatch.setattr(loader, "random_model", cpu(loader.random_model))
-    monkeypatch.setattr(kv_cache, "KVCache", cpu(kv_cache.KVCache))
+    monkeypatch.setattr(decode, "random_model", cpu(loader.random_model))
+    monkeypatch.setattr(decode, "KVCache", cpu(kv_cache.KVCache))
     monkeypatch.setitem(NAMED_CONFIGS, "tiny-bench", TINY)
     calls = []
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dustin.engine.sampling import RowSampling, SamplingRule, probabilities
+from dustin.engine.request import SamplingRule
+from dustin.engine.sampling import RowSampling, probabilities
 from dustin.rng import counter_uniform
 from tests.engine.test_sampling import chi2_test
 

@@ -10,7 +10,8 @@ from dustin.attention.context import ForwardContext
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.engine import Engine
-from dustin.engine.sampling import SamplingRule, accept_speculative, probabilities
+from dustin.engine.request import SamplingRule
+from dustin.engine.sampling import accept_speculative, probabilities
 from dustin.models.loader import load_model
 from tests.offline import offline
 

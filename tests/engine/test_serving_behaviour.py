@@ -21,8 +21,8 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.core import EngineCore
 from dustin.engine.engine import Engine
 from dustin.engine.kv_manager import SlotTable
-from dustin.engine.request import Request, SamplingParams
-from dustin.engine.sampling import SamplingRule, probabilities
+from dustin.engine.request import Request, SamplingParams, SamplingRule
+from dustin.engine.sampling import probabilities
 from dustin.engine.scheduler import Scheduler
 from dustin.engine.scheduler import Sequence as _Sequence
 from tests.offline import offline

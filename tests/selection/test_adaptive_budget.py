@@ -7,7 +7,8 @@ import torch
 
 from dustin.errors import InputError
 from dustin.kernels.selection import rows_contain, select_dustin_reference
-from dustin.selection.adaptive import AutoBudget, BudgetHistogram, adaptive_budgets, select_ragged
+from dustin.selection.adaptive import BudgetHistogram, adaptive_budgets, select_ragged
+from dustin.selection.config import AutoBudget
 from tests.offline import offline
 
 

@@ -20,8 +20,8 @@ from dustin.engine.core import EngineCore
 from dustin.engine.kv_manager import cache_capacity
 from dustin.engine.offline.prefill import NoisePrefill, PrefillCache, SharedPrefill, prefill_key
 from dustin.engine.pair import ModelPair
-from dustin.engine.request import SamplingParams
-from dustin.engine.sampling import GREEDY, SamplingRule
+from dustin.engine.request import SamplingParams, SamplingRule
+from dustin.engine.sampling import GREEDY
 from dustin.engine.scheduler import check_admission
 from dustin.errors import OutOfMemoryError
 from dustin.selection.base import SelectionPolicy

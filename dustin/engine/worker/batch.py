@@ -19,7 +19,8 @@ import torch
 from dustin.cache.kv_cache import KVCache
 from dustin.engine.config import GenerationConfig
 from dustin.engine.kv_manager import cache_capacity
-from dustin.engine.sampling import GREEDY, RowSampling, SamplingRule
+from dustin.engine.request import SamplingRule
+from dustin.engine.sampling import GREEDY, RowSampling
 from dustin.engine.timing import PhaseTimer
 from dustin.models.transformer import Transformer
 

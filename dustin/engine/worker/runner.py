@@ -20,8 +20,8 @@ from dustin.engine.config import GenerationConfig
 from dustin.engine.draft_step import EagerDraftStep
 from dustin.engine.kv_manager import KVManager
 from dustin.engine.model_runner import ModelRunner
-from dustin.engine.request import Logprob
-from dustin.engine.sampling import GREEDY, SamplingRule
+from dustin.engine.request import Logprob, SamplingRule
+from dustin.engine.sampling import GREEDY
 from dustin.engine.timing import PhaseTimer
 from dustin.engine.worker.batch import BatchState
 from dustin.engine.worker.prefill import Prefill
