@@ -234,6 +234,18 @@ def without_interpreter(mp: pytest.MonkeyPatch) -> None:
     mp.delenv("TRITON_INTERPRET", raising=False)
 
 
+@pytest.fixture(scope="module")
+def cpu_paths():
+    """TRITON_INTERPRET unset for a whole test module (`without_interpreter`): the engine selects with the CPU's
+    PyTorch code (dustin's selection, Quest's pages), as on a user's CPU, instead of Triton kernels run by the
+    interpreter. For engine tests whose property does not depend on which of the two selects (tests/kernels hold
+    the kernels and the PyTorch code to the same reference): the interpreted selection kernel (one program per
+    sequence and step, a tl.sort) cost ~0.3 s a row and a step, most of those tests' time."""
+    with pytest.MonkeyPatch.context() as mp:
+        without_interpreter(mp)
+        yield
+
+
 def _real_pair_group(item) -> int:
     names = set(getattr(item, "fixturenames", ()))
     if "real_pair_fp32" in names:

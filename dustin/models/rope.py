@@ -74,7 +74,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = rope_inv_freq(args)
+        # on the CPU even where a model is built on the meta device (`load_model`, which computes the buffers anew
+        # once loaded): meta tensors take PyTorch's Python references, whose first use imports torch._dynamo (~2 s)
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

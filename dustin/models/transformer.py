@@ -252,7 +252,12 @@ class Transformer(nn.Module):
         # GPU decode / verify forwards of <= decode_linear.MAX_ROWS rows take DecoderLayer.decode_forward (3
         # fused kernels + attention per layer) once the projections are fused; False keeps `forward` (A/B)
         self.decode_kernels = True
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        # nn.Embedding's own init (normal_) on the meta device, where `load_model` builds, imports torch._dynamo
+        # (~2 s of every process that loads a model: the CLI, each tensor-parallel rank); the same init elsewhere
+        weight = torch.empty(args.vocab_size, args.dim)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = Linear(args.dim, args.vocab_size, bias=False)

@@ -143,6 +143,8 @@ class RowParallelLinear(nn.Module):
 
 
 def _rows(t: torch.Tensor, ranges) -> torch.Tensor:
+    if t.is_meta:  # only the shape (torch.cat of meta tensors imports torch._dynamo: ~2 s of every rank's start)
+        return t.new_empty((sum(size for _, size in ranges), *t.shape[1:]))
     # cat copies (even one range): free the full tensor, keep a contiguous shard
     return torch.cat([t.narrow(0, start, size) for start, size in ranges])
 

@@ -18,6 +18,8 @@ from dustin.errors import InputError
 from tests.offline import offline
 
 SPARSE = dict(budget=24, draft_window=32)
+# the engine selects with the CPU's PyTorch code (tests/conftest.py), but for one served sparse method below
+pytestmark = pytest.mark.usefixtures("cpu_paths")
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +39,15 @@ def _offline(engine, prompts, method, max_new, **kw):
 
 
 @pytest.mark.parametrize("method", ["vanilla", "classic", "magicdec", "dustin", "dustin-t", "streaming"])
-def test_continuous_batching_equals_offline_generation(engine, method):
+def test_continuous_batching_equals_offline_generation(engine, method, monkeypatch):
     """10 requests of 5-120 tokens through 3 slots, prompts prefilled in chunks of 40 between decode steps:
-    each request's greedy tokens equal its own offline generation, token for token."""
+    each request's greedy tokens equal its own offline generation, token for token. Served dustin selects with its
+    Triton kernels (the CPU interpreter), as on a GPU, and its offline reference with the CPU's PyTorch code."""
     kw = SPARSE if method in ("dustin", "dustin-t", "streaming") else {"draft_window": 32}
     prompts = _prompts(10)
     ref = _offline(engine, prompts, method, 12, **kw)
+    if method == "dustin":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     llm = EngineCore(engine.pair, GenerationConfig(method=method, max_slots=3, max_context=256, prefill_chunk=40, **kw))
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out == ref

@@ -15,6 +15,8 @@ from dustin.engine.gamma import GammaRule, RowGamma, StepCosts, expected_tokens
 from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
 
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # dustin selects with the CPU's PyTorch code (tests/conftest.py)
+
 SPARSE = dict(budget=24, draft_window=32)
 G = 6  # GAMMA_AUTO_MAX
 # a step costs 1 + 0.3 Γ (a cheap draft): at the prior's acceptance Γ = 1 pays; rows whose drafts are rejected

@@ -10,6 +10,8 @@ from dustin.errors import InputError
 from dustin.models.loader import load_model
 from tests.offline import offline
 
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # selection on the CPU's PyTorch code (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engines(tiny_pair):

@@ -17,6 +17,7 @@ from dustin.engine.request import Request, SamplingParams
 from tests.tiny_models import hf_model
 
 SPARSE = dict(budget=24, draft_window=32)
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # selection on the CPU's PyTorch code (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

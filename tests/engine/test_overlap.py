@@ -13,6 +13,8 @@ from dustin.engine.engine import Engine
 from dustin.models.loader import load_model
 from tests.offline import offline
 
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # selection on the CPU's PyTorch code (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):

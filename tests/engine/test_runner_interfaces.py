@@ -13,6 +13,8 @@ from dustin.engine.engine import Engine
 from dustin.selection.base import SelectionPolicy
 from tests.offline import offline
 
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # selection on the CPU's PyTorch code (tests/conftest.py)
+
 
 class PerKVHead(SelectionPolicy):
     """Another policy's shared set, handed to the runner once per KV head ([B, Hkv, K] / [B, Hkv])."""

@@ -28,6 +28,7 @@ from dustin.engine.scheduler import Sequence as _Sequence
 from tests.offline import offline
 
 SPARSE = dict(budget=24, draft_window=32)
+pytestmark = pytest.mark.usefixtures("cpu_paths")  # selection on the CPU's PyTorch code (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,11 @@ START_TIMEOUT_S = 60
 EXIT_TIMEOUT_S = 30
 WORKER_TIMEOUT_S = 120
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed (torchrun) is not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed (torchrun) is not available"),
+              # TRITON_INTERPRET unset (tests/conftest.py): the ranks, which inherit it, and the reference select
+              # with the CPU's PyTorch code, as on a user's CPU (the interpreted selection kernel was most of their
+              # time; test_engine_core serves on it)
+              pytest.mark.usefixtures("cpu_paths")]
 
 
 def _prompts():
@@ -53,9 +57,9 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_pair):
-    """Engine.generate of each prompt alone. (The ranks inherit TRITON_INTERPRET, so they take the same selection
-    path; unsetting it here would also leave Triton kernels first imported now uninterpreted for later tests.)"""
+def reference(tiny_pair, cpu_paths):
+    """Engine.generate of each prompt alone, on the selection path of the ranks (cpu_paths: TRITON_INTERPRET unset
+    for them and here)."""
     engine = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="fp32")
     out = []
     for p, n in zip(_prompts(), LIMITS, strict=False):
@@ -144,7 +148,7 @@ class TorchrunServer:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_pair):
+def server(tiny_pair, cpu_paths):
     srv = TorchrunServer(tiny_pair)
     yield srv
     if srv.proc.poll() is None:
