@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -321,22 +322,42 @@ def test_unsupported_shapes_say_why(shape):
     assert dd.unsupported(shape)
 
 
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Every CUDA build the tests below check, each compiled once (an nvcc call took 8 s here, 12-20 s on a busy
+    core) into one cache directory: `build_all(QWEN_05B)` first, into the empty directory, then the Llama and the
+    profiling (timeline) builds through `dd.build`. build_all's two builds are the compile test's QWEN_05B ones: the
+    same `compile_flags`, the same nvcc call, the same library. Returns the cache's home, build_all's answer and
+    its files' mtimes right after it, and (shape, rows, timeline) -> the library's path, or why there is none."""
+    assert dd.find_nvcc() is not None, "DUSTIN_REQUIRE_NVCC=1 but no nvcc (set CUDA_HOME)"
+    home = tmp_path_factory.mktemp("dustin_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DUSTIN_HOME", str(home))
+        first = dd.build_all(QWEN_05B)
+        stamps = {p: Path(p).stat().st_mtime_ns for p in first.values() if p.endswith(".so")}
+        libs = {(QWEN_05B, rows, False): path for rows, path in first.items()}
+        for shape, rows, timeline in [(LLAMA_1B, 32, False), (QWEN_05B, 32, True)]:
+            try:
+                libs[shape, rows, timeline] = str(dd.build(shape, dd.tiling(shape, rows), timeline))
+            except dd.BuildError as e:
+                libs[shape, rows, timeline] = f"build failed: {e}"
+    return SimpleNamespace(home=home, first=first, stamps=stamps, libs=libs)
+
+
 @needs_nvcc
+@pytest.mark.xdist_group("draft_decoder_builds")  # one worker compiles `builds` for all of them
 @pytest.mark.parametrize("shape,rows,timeline", [(QWEN_05B, 32, False), (QWEN_05B, 64, False), (LLAMA_1B, 32, False),
                                                  (QWEN_05B, 32, True)])
-def test_kernel_compiles_for_sm90_and_exports_what_the_host_binds(shape, rows, timeline, tmp_path):
+def test_kernel_compiles_for_sm90_and_exports_what_the_host_binds(shape, rows, timeline, builds):
     """The sm_90 build compiles with nvcc (not g++, which exports what nvcc may not), every function the host binds
     is exported under its name (`dd.bind` looks up each of `dd.EXPORTS`), and its SMEM_BYTES, Params size and
-    compiled shape are what the host side assumes; the profiling build (timeline) too."""
-    nvcc = dd.find_nvcc()
-    assert nvcc is not None, "DUSTIN_REQUIRE_NVCC=1 but no nvcc (set CUDA_HOME)"
+    compiled shape are what the host side assumes; the profiling build (timeline) too. The libraries are the
+    `builds` fixture's: nvcc with `dd.compile_flags(shape, tiling, timeline)`, as `dd.build` runs it."""
     t = dd.tiling(shape, rows)
-    out = tmp_path / "k.so"
-    r = subprocess.run([nvcc, *dd.compile_flags(shape, t, timeline), "-o", str(out), str(dd.SOURCE)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lib = dd.bind(ctypes.CDLL(str(out)))  # raises BuildError naming any missing export
-    exported = subprocess.run(["nm", "-D", "--defined-only", str(out)], capture_output=True, text=True).stdout
+    out = builds.libs[shape, rows, timeline]
+    assert out.endswith(".so") and Path(out).is_file(), out  # else nvcc's error
+    lib = dd.bind(ctypes.CDLL(out))  # raises BuildError naming any missing export
+    exported = subprocess.run(["nm", "-D", "--defined-only", out], capture_output=True, text=True).stdout
     assert set(dd.EXPORTS) <= {line.split()[-1] for line in exported.splitlines() if line.strip()}
     assert lib.draft_layers_smem_bytes() == dd.smem_bytes(shape, t)
     assert lib.draft_layers_params_bytes() == ctypes.sizeof(dd._Params)
@@ -634,13 +655,14 @@ def test_the_option_leaves_a_cpu_engine_as_it_was(tiny_pair):
 
 
 @needs_nvcc
-def test_build_all_fills_the_cache_once(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("draft_decoder_builds")
+def test_build_all_fills_the_cache_once(builds, monkeypatch):
     """`build_all` (what `dustin warmup` runs) compiles each build a shape may use into the cache directory, once:
-    a second call finds them there (the same files, not rewritten)."""
-    monkeypatch.setenv("DUSTIN_HOME", str(tmp_path))
-    first = dd.build_all(QWEN_05B)
+    a second call finds them there (the same files, not rewritten). Its first call, into an empty directory, is the
+    `builds` fixture's."""
+    first = builds.first
     assert set(first) == set(dd.ROWS) and all(Path(p).is_file() for p in first.values()), first
-    stamps = {p: Path(p).stat().st_mtime_ns for p in first.values()}
+    monkeypatch.setenv("DUSTIN_HOME", str(builds.home))
     assert dd.build_all(QWEN_05B) == first
-    assert {p: Path(p).stat().st_mtime_ns for p in first.values()} == stamps
+    assert {p: Path(p).stat().st_mtime_ns for p in first.values()} == builds.stamps
     assert dd.build_all(dd.Shape(8192, 64, 8, 128, 28672))[32].startswith("unsupported")
