@@ -169,8 +169,8 @@ def _simulate(shape, t, n_layers, M, nchunk, n_sms, seed, vocab=0):
     while live:
         # One move, by a program drawn uniformly from those that can move: `live` is shuffled lazily (a partial
         # Fisher-Yates shuffle), and the first program of that order that can move does (its writes land, or its
-        # next instruction's counter has reached its need). Shuffling every program before each move cost 60% of
-        # the time; the order each move is drawn from is the same.
+        # next instruction's counter has reached its need). The same draw as shuffling every program before each
+        # move and taking the first that can, which cost 60% of the time.
         for i in range(len(live)):
             j = rng.randrange(i, len(live))
             live[i], live[j] = live[j], live[i]
