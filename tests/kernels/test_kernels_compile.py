@@ -44,6 +44,8 @@ def launches() -> list[list[str]]:
     return [line.split("\t") for line in proc.stdout.splitlines() if line.strip()]
 
 
+# the tests that read `launches` run on one xdist worker: the compile subprocess (8-10 s) runs once, not once a worker
+@pytest.mark.xdist_group("kernels_compile")
 def test_every_kernel_compiles_for_sm90(launches):
     compiled = {name for name, *_ in launches}
     assert KERNELS <= compiled, f"not compiled: {sorted(KERNELS - compiled)}"
@@ -52,6 +54,7 @@ def test_every_kernel_compiles_for_sm90(launches):
     assert not over, f"over sm_90's {SM90_SHARED_LIMIT} B of shared memory: {over}"
 
 
+@pytest.mark.xdist_group("kernels_compile")
 def test_step_kernels_wait_for_their_predecessor_first(launches):
     """Compiled as an H200 launches them (PDL forced on), every kernel but prefill's is launched with PDL and its
     PTX waits (griddepcontrol.wait) before any load, store or atomic, then lets its successor launch

@@ -17,6 +17,7 @@ from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.policies import DustinSelection
 from tests.offline import offline
+from tests.selection.conftest import on_cpu_paths
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +39,28 @@ def _run(engine, prompts, **kw):
     return engine.generate(prompts, *offline(stop_at_eos=False, max_new_tokens=24, gamma=3, **kw))
 
 
+SHORT = _prompts([20, 47, 9])
+
+
+@pytest.fixture(scope="module")
+def classic_short(engine):
+    """Classic's output for SHORT, computed once for every policy compared with it."""
+    with on_cpu_paths():
+        return _run(engine, SHORT, method="classic", draft_kv="streaming", draft_window=16)
+
+
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
-def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, method):
+def test_budget_above_context_is_exactly_classic(engine, sparse_cfg, classic_short, method):
     """With k >= every sequence's length, each policy selects every cached position: classic's output."""
-    prompts = _prompts([20, 47, 9])
-    classic = _run(engine, prompts, method="classic", draft_kv="streaming", draft_window=16)
-    sparse = _run(engine, prompts, method=method, budget=200, sparse_config=sparse_cfg, draft_kv="streaming",
+    sparse = _run(engine, SHORT, method=method, budget=200, sparse_config=sparse_cfg, draft_kv="streaming",
                   draft_window=16)
-    assert [s.token_ids for s in sparse.sequences] == [s.token_ids for s in classic.sequences]
-    assert sparse.steps == classic.steps
+    assert [s.token_ids for s in sparse.sequences] == [s.token_ids for s in classic_short.sequences]
+    assert sparse.steps == classic_short.steps
     assert "sparse_verify" in sparse.time_split_s and "verify" not in sparse.time_split_s
 
 
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("method", ["dustin", "dustin-t", "dustin-d", "streaming", "quest", "specattn", "oracle"])
 def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
     """At k far below the context the output may change, but decoding works and the phases are reported. Guards
@@ -108,6 +119,7 @@ def test_small_budget_runs_and_reports_phases(engine, sparse_cfg, method):
                 assert set(chosen) == set(range(cf.sinks)) | set(range(L - (k - cf.sinks), L))
 
 
+@pytest.mark.usefixtures("cpu_paths")
 def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
     """Along classic's trajectory the oracle's set recovers the most attention; with k >= context all sets
     recover all of it; the probe does not change classic's output."""
@@ -133,6 +145,7 @@ def test_arr_probe_ranks_the_oracle_first(engine, sparse_cfg):
             assert arr["oracle-topk"] >= max(arr[m] for m in (*policies, "oracle")) - 1e-6
 
 
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("reuse", [False, True])
 def test_arr_probe_with_per_layer_planners(engine, sparse_cfg, reuse):
     """quest / specattn / snapkv plan per layer: the probe reports no single-set ARR for them (None) instead of
@@ -204,7 +217,8 @@ def test_bad_sparse_configs(engine, tmp_path):
 
 def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
     """dustin on the Triton kernels (score estimation, selection, sparse attention; CPU interpreter here)
-    decodes the same tokens as on the PyTorch paths."""
+    decodes the same tokens as on the PyTorch paths (the SDPA backend, with the interpreter off: the CPU's own
+    estimation and selection, as a user's CPU runs them)."""
     from dustin.attention.backend import AttentionBackend
     from tests.tiny_models import make_tiny_checkpoint, make_tiny_draft
 
@@ -218,9 +232,12 @@ def test_triton_kernels_give_the_same_sparse_decoding(tmp_path):
     engines = [Engine.from_models(load_model(target, backend=tri), load_model(draft, backend=tri)),
                Engine.from_models(load_model(target), load_model(draft))]
     prompts = _prompts([70, 55])
-    outs = [e.generate(prompts, *offline(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False,
-                                                 sparse_config=str(path), draft_window=24)) for e in engines]
-    assert [s.token_ids for s in outs[0].sequences] == [s.token_ids for s in outs[1].sequences]
+    run = offline(method="dustin", gamma=3, max_new_tokens=8, stop_at_eos=False, sparse_config=str(path),
+                  draft_window=24)
+    triton_out = engines[0].generate(prompts, *run)
+    with on_cpu_paths():
+        torch_out = engines[1].generate(prompts, *run)
+    assert [s.token_ids for s in triton_out.sequences] == [s.token_ids for s in torch_out.sequences]
 
 
 def test_draft_scores_sum_the_lookahead_attention(engine):
@@ -279,6 +296,7 @@ def _same_plans(a, b):
         assert torch.equal(ca, cb) and torch.equal(ia, ib)
 
 
+@pytest.mark.usefixtures("cpu_paths")
 def test_dustin_with_only_target_heads_is_dustin_t(engine):
     """No draft heads: dustin must not fill its m slots from an all-zero S_draft (arbitrary positions); its sets
     are dustin-t's, step for step (k = 32 < context, so the choice matters)."""
@@ -293,6 +311,7 @@ def test_dustin_with_only_target_heads_is_dustin_t(engine):
     assert all(c.tolist() == [32, 32] for _, c in plans[0][:4])
 
 
+@pytest.mark.usefixtures("cpu_paths")
 def test_dustin_with_only_draft_heads_is_dustin_d(engine):
     cfg = SparseConfig(target=(), draft=(ScoreHeads(1, (0, 5)),), budget=32, draft_topm=3)
     policy = DustinSelection(cfg, "dustin")

@@ -19,6 +19,7 @@ from dustin.models.loader import load_model
 from dustin.selection.config import ORACLE_TAIL_ROWS, TailRow
 from dustin.selection.tail import AdaptiveTail, DustinTail, LayerTailOracle, adaptive_m, draw_tail, tail_keys, with_tail
 from tests.offline import offline
+from tests.selection.conftest import on_cpu_paths
 
 
 @pytest.fixture(scope="module")
@@ -347,14 +348,24 @@ def test_adaptive_m_against_a_loop_and_its_extremes():
 # ---- end to end on the tiny pair
 
 
+WHOLE = _prompts([60, 97, 130])
+WHOLE_RUN = dict(stop_at_eos=False, max_new_tokens=24, gamma=3, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def vanilla_whole(engine):
+    """Vanilla's output for WHOLE, computed once for the three rows compared with it."""
+    with on_cpu_paths():
+        return engine.generate(WHOLE, *offline(method="vanilla", **WHOLE_RUN))
+
+
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("method", ["oracle-layer-tail75", "oracle-dustin-tail75", "oracle-dustin-tail75-w1"])
-def test_weight_one_over_the_whole_context_is_vanilla(engine, tiny_sparse_config, method):
+def test_weight_one_over_the_whole_context_is_vanilla(engine, tiny_sparse_config, vanilla_whole, method):
     """k = 200 split 50 exact + 150 sampled over contexts of 60-160 positions: the tail takes all of R with weight
     1 every step, through the float-mask path, and the greedy text is vanilla's token for token."""
-    prompts = _prompts([60, 97, 130])
-    cfg = dict(stop_at_eos=False, max_new_tokens=24, gamma=3, temperature=0.0)
-    vanilla = engine.generate(prompts, *offline(method="vanilla", **cfg))
-    tail_cfg, params = offline(method=method, budget=200, sparse_config=tiny_sparse_config, **cfg)
+    prompts, vanilla = WHOLE, vanilla_whole
+    tail_cfg, params = offline(method=method, budget=200, sparse_config=tiny_sparse_config, **WHOLE_RUN)
     policy = engine.pair.make_policy(tail_cfg)
     plans = []
     tailed = policy._tailed
@@ -370,6 +381,7 @@ def test_weight_one_over_the_whole_context_is_vanilla(engine, tiny_sparse_config
     assert any(int(p.counts.max()) > 50 for p in plans)  # the tail was drawn (|S| = 50)
 
 
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("method", ["oracle-dustin-tail", "oracle-layer-tail-auto"])
 def test_greedy_tail_rows_are_the_same_alone_batched_and_run_to_run(engine, tiny_sparse_config, method):
     prompts = _prompts([150, 210, 90], seed=8)
@@ -382,6 +394,7 @@ def test_greedy_tail_rows_are_the_same_alone_batched_and_run_to_run(engine, tiny
     assert batch != [s.token_ids for s in vanilla.sequences]  # 64 of 90-226 positions: the tail really changes it
 
 
+@pytest.mark.usefixtures("cpu_paths")
 def test_positions_read_are_reported(engine, tiny_sparse_config):
     """budget_stats: positions per (sequence, step, layer, KV head): |S| + m for the fixed rows, |S| + the m used
     (between the pilot and the cap) for the adaptive one."""
@@ -397,6 +410,7 @@ def test_positions_read_are_reported(engine, tiny_sparse_config):
     assert isinstance(engine.pair.make_policy(GenerationConfig(method="oracle-layer-tail", **base)), LayerTailOracle)
 
 
+@pytest.mark.usefixtures("cpu_paths")
 @pytest.mark.parametrize("budget", [96, 128])
 def test_every_row_reads_its_budget_at_the_backend(engine, tiny_sparse_config, monkeypatch, budget):
     """Equal positions read at equal budget, counted where the verify reads them: the distinct cached positions
