@@ -2,6 +2,7 @@
 checked against the reference implementation of the same files."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -241,6 +242,19 @@ def cpu_paths():
     interpreter. For engine tests whose property does not depend on which of the two selects (tests/kernels hold
     the kernels and the PyTorch code to the same reference): the interpreted selection kernel (one program per
     sequence and step, a tl.sort) cost ~0.3 s a row and a step, most of those tests' time."""
+    with on_cpu_paths():
+        yield
+
+
+@contextlib.contextmanager
+def on_cpu_paths():
+    """TRITON_INTERPRET unset inside (`without_interpreter`): the engine estimates and selects with the CPU's
+    PyTorch code, as `eval tasks` and a user's CPU run it. For end-to-end tests whose subject is not a kernel:
+    under the interpreter every decode step's selection ran Triton's interpreted tl.sort (select_dustin's
+    `_assemble_kernel`), ~1.7 s a row and layer on a 2-core machine (profiled: test_tail.py's budget test, 190 of
+    197 s). The Triton path keeps its own tests: tests/kernels holds each kernel to its PyTorch code,
+    test_selection.py's test_triton_kernels_give_the_same_sparse_decoding runs dustin on the Triton kernels in the
+    engine, and tests/engine/test_warmup.py's plan tests run each method's real steps under the interpreter."""
     with pytest.MonkeyPatch.context() as mp:
         without_interpreter(mp)
         yield

@@ -16,8 +16,8 @@ from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ScoreHeads, SparseConfig
 from dustin.selection.policies import DustinSelection
+from tests.conftest import on_cpu_paths
 from tests.offline import offline
-from tests.selection.conftest import on_cpu_paths
 
 
 @pytest.fixture(scope="module")

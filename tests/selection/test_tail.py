@@ -18,8 +18,8 @@ from dustin.errors import InputError
 from dustin.models.loader import load_model
 from dustin.selection.config import ORACLE_TAIL_ROWS, TailRow
 from dustin.selection.tail import AdaptiveTail, DustinTail, LayerTailOracle, adaptive_m, draw_tail, tail_keys, with_tail
+from tests.conftest import on_cpu_paths
 from tests.offline import offline
-from tests.selection.conftest import on_cpu_paths
 
 
 @pytest.fixture(scope="module")
