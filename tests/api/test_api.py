@@ -16,6 +16,7 @@ import torch
 from dustin import LLM, RequestResult, SamplingParams
 from dustin.engine.config import GenerationConfig
 from dustin.errors import InputError
+from tests.conftest import without_interpreter
 from tests.offline import offline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,9 +130,11 @@ def test_single_prompt_forms(llm):
     assert len(llm.generate([ids])[0].token_ids) <= 16  # params None: SamplingParams(), 16 tokens
 
 
-def test_default_method_and_vanilla(tiny_pair, llm):
+def test_default_method_and_vanilla(tiny_pair, llm, monkeypatch):
     """The default method (dustin, sparse verification) goes through the same `Engine.generate`; vanilla loads no
-    draft, and its greedy tokens are the speculative method's."""
+    draft, and its greedy tokens are the speculative method's. dustin selects with the CPU's PyTorch code, as on a
+    user's CPU (TRITON_INTERPRET unset): the interpreted selection kernel was most of this test's time."""
+    without_interpreter(monkeypatch)
     target, draft = tiny_pair
     prompts = _prompts([50, 80], seed=5)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

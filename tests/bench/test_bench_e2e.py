@@ -7,7 +7,16 @@ import json
 import pytest
 
 from dustin.cli.main import main
+from tests.conftest import without_interpreter
 from tests.offline import offline
+
+
+@pytest.fixture
+def cpu_paths(monkeypatch):
+    """The CPU's PyTorch selection and estimation (TRITON_INTERPRET unset, as on a user's CPU) for a benchmark run
+    that checks what the benchmark reports, not the kernels: the interpreted selection kernel (a bitonic sort per
+    sequence and step, tests/kernels hold it to the PyTorch code) took most of these tests' time."""
+    without_interpreter(monkeypatch)
 
 
 def _kinds() -> list[str]:
@@ -22,7 +31,7 @@ def _kinds() -> list[str]:
         return ["code"]
 
 
-def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys):
+def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys, cpu_paths):
     """Every row's fields are there, and agree with one another as their definitions say: tokens/s = τ x batch /
     (ms/step), τ x batch x steps a whole number of tokens, the speedup the ratio of the tokens/s of the row and
     of its group's vanilla row, the roofline share the bytes a step reads at the run's read-only bandwidth over the
@@ -95,7 +104,7 @@ def test_real_prompts_are_exact_and_distinct(text_pair):
     assert real_prompts(tok, "code", 80, 2, seed=0) == four[:2]  # a smaller batch is a prefix of a larger one
 
 
-def test_shared_prefill_is_exact(text_pair):
+def test_shared_prefill_is_exact(text_pair, cpu_paths):
     """A greedy session through the shared PrefillCache (as the benchmark runs every method) decodes exactly what
     a session with its own fresh prefill does, also when run twice; lossless methods agree with vanilla."""
     from transformers import AutoTokenizer
@@ -213,7 +222,7 @@ def test_bench_e2e_reports_the_gammas_of_gamma_auto(tiny_pair, tmp_path):
     assert "pct_of_byte_roofline" not in rows["magicdec"]
 
 
-def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys):
+def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys, cpu_paths):
     """quest and specattn (graph-safe now: their steps replay as one CUDA graph on a GPU) have speed rows, with
     their estimation bytes counted (page statistics; every draft layer's keys)."""
     target, draft = tiny_pair

@@ -3,7 +3,22 @@ from the command line's parsers, and README.md's results table from the result f
 After changing a flag, its help, or a result file the table reads: `python3 -m dustin.cli.docs`."""
 from __future__ import annotations
 
+import functools
+
+import pytest
+
 from dustin.cli import docs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _generated_once():
+    """README's results table and accuracy.md's RULER runs read the result files and bootstrap each RULER run's
+    interval in Python (seconds a context); three tests here read them: each is computed once for the module (the
+    same files, the same generator)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(docs, "ruler_runs", functools.cache(docs.ruler_runs))
+        mp.setattr(docs, "results", functools.cache(docs.results))
+        yield
 
 
 def test_cli_reference_is_generated():

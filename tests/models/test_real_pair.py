@@ -3,7 +3,7 @@
 Skipped unless `dustin models fetch` has run (CI fetches it). The longest prompt defaults to 1536 tokens to
 keep CI on 2 cores fast; DUSTIN_REAL_TEST_TOKENS=4096 runs the long version (docs/exactness.md). The batch is
 ragged (N, 2N/3 and N/2 tokens): per-sequence lengths are exercised, and the single-sequence run prefills the
-shortest prompt (two 512-token prefill chunks at the default N) instead of a full-length one.
+shortest prompt (more than N/4 tokens: two prefill chunks of N/4) instead of a full-length one.
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.realmodels, pytest.mark.slow]
 N_TOKENS = int(os.environ.get("DUSTIN_REAL_TEST_TOKENS", "1536"))
 SOURCES = ("argparse.py", "inspect.py", "tarfile.py")
 LENGTHS = (N_TOKENS, 2 * N_TOKENS // 3, N_TOKENS // 2)
-NEW_TOKENS = 32  # per sequence; each fp32 decode step of the pair takes ~0.3-1 s on 2 cores
+# per sequence; each fp32 decode step of the pair takes ~0.3-1 s on 2 cores. 16 tokens are 3-4 speculative steps
+# per sequence at Γ = 4, each with a full verify (the prefill of the long prompts costs more than all decode steps)
+NEW_TOKENS = 16
 
 
 @pytest.fixture
@@ -84,7 +86,12 @@ def test_speculative_equals_vanilla_on_real_code(engine, prompts, vanilla, share
 
 def test_batch_equals_single_on_real_code(engine, prompts, vanilla):
     """The shortest prompt decoded alone (on the serving loop, its own chunked prefill) equals its row of the
-    ragged batch."""
-    single = engine.generate([prompts[2]], *offline(method="classic", gamma=4, max_new_tokens=NEW_TOKENS))
+    ragged batch. Its chunks are N/4 tokens (the prompt is longer: two chunks, the second attending to the first
+    one's cache), each step's forward as long as a chunk (the CPU default pads every prefill forward to 512
+    tokens: 1024 computed for two chunks of a <= 768-token prompt)."""
+    chunk = N_TOKENS // 4
+    assert chunk < len(prompts[2]) <= 2 * chunk
+    single = engine.generate([prompts[2]], *offline(method="classic", gamma=4, max_new_tokens=NEW_TOKENS,
+                                                    prefill_chunk=chunk, prefill_tokens=chunk))
     assert_same_or_near_tie(vanilla.sequences[2].token_ids, single.sequences[0].token_ids, prompts[2],
                             _score_fn(engine), NEAR_TIE_EPS[torch.float32])

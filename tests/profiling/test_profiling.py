@@ -26,7 +26,7 @@ from dustin.models.loader import load_model, read_args
 from dustin.profiling.observe import RowRecorder, SpanMass
 from dustin.scoring import causal_probs
 from dustin.selection.oracle import ARR_WINDOW, WindowAttention, oracle_set, topk_set
-from tests.conftest import real_pair_or_skip
+from tests.conftest import real_pair_or_skip, without_interpreter
 from tests.offline import offline
 
 
@@ -777,7 +777,8 @@ def test_find_tuned_matches_fingerprints(pair_engine, config_dir):
     assert [(s.layer, s.heads) for s in cfg.draft] == [(0, (3,)), (1, (0, 7))]
 
 
-def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_path):
+def test_engine_uses_the_tuned_config_by_default(pair_engine, config_dir, tmp_path, monkeypatch):
+    without_interpreter(monkeypatch)  # the runs below check which config they report: the CPU's selection code
     e = pair_engine
     before = e.pair.make_policy(GenerationConfig(method="dustin")).cfg
     assert before.source == "built-in default"
