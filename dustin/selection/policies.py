@@ -56,7 +56,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         self.cfg, self.name = cfg, name or variant
         # with a sampled tail (cfg.tail_share), Eq. 6 picks the exact part of the budget and each layer draws the
         # rest (`stratified_tail`); without one, the exact part is the whole config
-        self.tail_m = cfg.tail_split()[1]
+        self.sampled = cfg.tail_split()[1]  # positions sampled per layer and KV head (0: no tail)
         cfg = cfg.exact_part()
         self.exact_cfg = cfg
         source = cfg.source or "the sparse config"
@@ -79,7 +79,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
 
     def use_auto_budget(self, rule: AutoBudget) -> None:
         """Size k per sequence and step by `rule` (dustin/selection/adaptive.py); the config's budget is k_max."""
-        if self.tail_m:
+        if self.sampled:
             raise InputError("--budget auto sizes an exact set; it takes no sampled tail (set tail_share to 0)")
         if rule.k_max != self.cfg.budget:
             raise ValueError(f"the config's budget ({self.cfg.budget}) must be the rule's k_max ({rule.k_max})")
@@ -118,13 +118,13 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
 
     def plan(self, state: StepState) -> SparsePlan:
         plan = self._exact_plan(state)
-        if not self.tail_m:
+        if not self.sampled:
             return plan
         state.timer.start("select")
         a = state.target.args
         offset, total = self._kv_heads(state)
         plan = stratified_tail(plan, state.sampler.row_keys(GREEDY_KEY), state.target_cache.lengths, a.n_layers,
-                               a.n_kv_heads, self.tail_m, offset, total)
+                               a.n_kv_heads, self.sampled, offset, total)
         state.timer.stop("select")
         return plan
 

@@ -183,7 +183,7 @@ def test_a_tail_covering_the_rest_is_vanilla(engine, tiny_sparse_config):
     vanilla = engine.generate(prompts, *offline(method="vanilla", **run))
     cfg = offline(method="dustin", budget=200, tail_share=0.5, sparse_config=tiny_sparse_config, **run)
     policy = engine.pair.make_policy(cfg[0])
-    assert isinstance(policy, DustinSelection) and policy.tail_m == 100 and policy.exact_cfg.budget == 100
+    assert isinstance(policy, DustinSelection) and policy.sampled == 100 and policy.exact_cfg.budget == 100
     plans = []
     plan = policy.plan
     policy.plan = lambda state: plans.append(plan(state)) or plans[-1]
