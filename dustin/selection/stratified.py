@@ -25,8 +25,8 @@ def stratified_tail(exact: SparsePlan, keys: torch.Tensor, lengths: torch.Tensor
     smoothly along the context. Strata are disjoint: no position is drawn twice.
     Why not `with_tail`'s uniform draw: that sorts a random key for every cached position of every layer and head
     (topk over [B, Hkv, S] per layer). Here each drawn position costs O(1) (its stratum's rank, mapped to a
-    position by one binary search over the exact set), so every layer's tail is drawn at once, inside the step
-    graph, for a few hundred microseconds a step.
+    position by one binary search over the exact set) and no sort touches the whole cache, so every layer's tail
+    is drawn at once, with fixed shapes, inside the step graph.
     Row-local and deterministic as `with_tail`'s: the random bits are `counter_bits` keyed by the row's key
     (`keys`: the request's seed, or `GREEDY_KEY`), its cache length, the layer and the KV head, here the global
     head `head_offset + h` of `heads_total` (tensor parallelism: each rank draws its own heads, the same positions
