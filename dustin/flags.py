@@ -173,12 +173,15 @@ def int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
-def budget_settings(args, sparse: bool = True) -> dict:
+def budget_settings(args, sparse: bool = True, tail: bool | None = None) -> dict:
     """The GenerationConfig keywords of --budget and its auto settings (--budget-p, --budget-min,
-    --budget-max), in one place so that no command drops the auto ones; a method that verifies against the
-    full cache (sparse=False) gets budget None."""
+    --budget-max) and --tail-share, in one place so that no command drops one; a method that verifies against the
+    full cache (sparse=False) gets budget None. tail: whether --tail-share applies (default: sparse); a command that
+    runs several methods passes it for the dustin ones only, so that the others run without a tail rather than
+    refuse it."""
     return {"budget": args.budget if sparse else None, "budget_p": args.budget_p, "budget_min": args.budget_min,
-            "budget_max": args.budget_max, "budget_dense": args.budget_dense and sparse}
+            "budget_max": args.budget_max, "budget_dense": args.budget_dense and sparse,
+            "tail_share": args.tail_share if (sparse if tail is None else tail) else None}
 
 
 def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: bool = True):
@@ -203,5 +206,10 @@ def add_sparse_args(p: argparse.ArgumentParser, sweep: str | None = None, auto: 
         g.add_argument("--budget-dense", action="store_true",
                        help=f"{which}: a sequence whose --budget-max best positions hold less than {mass} of its "
                             f"estimated attention verifies against the whole cache that step")
+    if sweep is None:
+        g.add_argument("--tail-share", type=float, default=None,
+                       help="dustin, dustin-t, dustin-d: the share of --budget drawn per layer and KV head as a "
+                            "sampled, reweighted tail from the positions outside the exact set (0: none; default: "
+                            "the config's tail_share, 0 unless it sets one). Sweeps compare it as the dustin-tail rows")
     g.add_argument("--config", default=None, help=SPARSE_CONFIG_HELP)
     return g

@@ -45,3 +45,10 @@ def counter_bits(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Te
 def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
     """U[0, 1) noise [B, n]: the top 24 bits of `counter_bits` as a float."""
     return _shr(counter_bits(seeds, offsets, n), 40).float() * (1.0 / (1 << 24))
+
+
+def below(bits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """A uniform integer in [0, n) from random int64 `bits` (any shape, `n` broadcast, 1 <= n < 2^31): the top 31
+    bits scaled by n, (u * n) >> 31, in integers, so that the same bits give the same number on every device. Its
+    bias, at most n / 2^31 in probability, is far below what any sample of a cache could resolve."""
+    return (_shr(bits, 33) * n) >> 31

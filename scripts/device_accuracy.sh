@@ -12,7 +12,8 @@
 #   ladder16  the oracle ladder: RULER's 13 tasks at 16k, SAMPLES (50) each, rows LADDER16
 #   ladder32  the same at 32k for LADDER32
 #   tail16    the sampled-tail rungs beside the ladder: RULER's 13 tasks at 16k, SAMPLES (50) each, rows TAIL16
-#             (top-k against top-k plus a reweighted tail at 1,024 and 2,048 positions read, then 512); resumable
+#             (top-k against top-k plus a reweighted tail at 1,024 and 2,048 positions read, then 512: the engine's
+#             stratified tail dustin-tail and the uniform analysis rows oracle-*-tail); resumable
 #   tail32    the same at 32k, SAMPLES (20) each, rows TAIL32 (set it to the best two of tail16 and their controls)
 #   diverge   the first divergence from vanilla's greedy text: 16 stdlib modules as code prompts (CODE16) of
 #             DCONTEXTS tokens (16384), 256 tokens, DMETHODS at DBUDGETS (512)
@@ -60,8 +61,8 @@ L512=$L512,oracle-layer-d2@512,oracle-kv-d2@512,oracle-head-d2@512
 LADDER16=${LADDER16:-vanilla,dustin@512,oracle@512,$L512,oracle-head-d1@256,oracle-head-d1@1024,oracle-kv-d1@1024}
 LADDER32=${LADDER32:-vanilla,dustin@512,oracle-head-d1@512}
 # the sampled-tail rungs (docs/accuracy.md): (e) oracle-layer-tail, (f) oracle-dustin-tail, (g) its adaptive m, (h) w = 1
-TAIL16=${TAIL16:-vanilla,dustin@1024,oracle-dustin-tail@1024,oracle-layer-tail@1024,oracle-dustin-tail-w1@1024,dustin@2048,oracle-dustin-tail@2048,oracle-dustin-tail-auto@2048,oracle-layer-tail@2048,dustin@512,oracle-dustin-tail@512,oracle-layer-tail@512}
-TAIL32=${TAIL32:-vanilla,dustin@2048,oracle-dustin-tail@2048}
+TAIL16=${TAIL16:-vanilla,dustin@1024,dustin-tail@1024,oracle-dustin-tail@1024,oracle-layer-tail@1024,oracle-dustin-tail-w1@1024,dustin@2048,dustin-tail@2048,oracle-dustin-tail@2048,oracle-dustin-tail-auto@2048,oracle-layer-tail@2048,dustin@512,dustin-tail@512,oracle-dustin-tail@512,oracle-layer-tail@512}
+TAIL32=${TAIL32:-vanilla,dustin@2048,dustin-tail@2048,oracle-dustin-tail@2048}
 DENSE16=${DENSE16:-vanilla,dustin@512,dustin@auto:0.9,dustin@auto:0.95}
 # 16 long standard-library modules as code prompts (eval fidelity --sources), and the divergence rows
 CODE16=${CODE16:-typing.py,inspect.py,argparse.py,tarfile.py,pydoc.py,subprocess.py,_pydecimal.py,doctest.py,mailbox.py,turtle.py,pickletools.py,difflib.py,logging/__init__.py,unittest/mock.py,email/_header_value_parser.py,urllib/request.py}

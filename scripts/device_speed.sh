@@ -37,10 +37,14 @@
 #                                        # auto (p 0.95), 16 x 16k / 32k, the pair's shapes at τ 3.6 (+ vanilla)
 #   bash scripts/device_speed.sh warmup  # no weights: the kernel warm-up's GPU test (its plan compiles on threads
 #                                        # without an error, and the first steps compile nothing on the main thread)
+#   bash scripts/device_speed.sh tail    # no weights: the sampled tail (--tail-share) through the step graph
+#                                        # (tokens equal to eager and per-forward graphs), then what it costs: bench
+#                                        # e2e 16 x 16k / 29.5k, vanilla and dustin@1024 with and without a 50% tail,
+#                                        # with phases; random weights of the pair's shapes at τ 3.6
 # Each mode fits the device's 600 s per call; results and logs land in $OUT.
 set -uo pipefail
 mode=${1:-code}
-case $mode in random|draft|draft8b|budget|warmup) weights=no ;; *) weights=yes ;; esac
+case $mode in random|draft|draft8b|budget|warmup|tail) weights=no ;; *) weights=yes ;; esac
 if [ $weights = yes ] && [ ! -f /root/dh/models/qwen2.5-coder-0.5b-instruct/dustin-source.json ]; then
   for a in .carry2/assemble.py .carry/assemble.py; do  # whichever chunking the staging calls carried
     [ -f $a ] && { python3 $a || exit 1; break; }
@@ -180,6 +184,13 @@ elif [ "$mode" = budget ]; then
       --batches 16 --tau 3.6 --warmup 3 --steps 12 --methods $([ $b = 512 ] && echo vanilla,)dustin --budget $b \
       $([ $b = auto ] && echo --budget-p 0.95) --json-out "$OUT/budget_$b.json" --plot-out "$OUT/budget_$b.png"
   done
+elif [ "$mode" = tail ]; then
+  run 120 python3 scripts/gpu_step_graph_check.py dustin,dustin-tail,dustin-tail-sampled
+  e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --contexts 16384,29500 --batches 16
+    --tau 3.6 --warmup 4 --steps 30 --budget 1024"
+  run 200 $e2e --methods vanilla,dustin --json-out "$OUT/tail_exact_1024.json"
+  run 120 $e2e --methods dustin --tail-share 0.5 --json-out "$OUT/tail_50_1024.json"
+  run $((590 - SECONDS)) $e2e --methods dustin --tail-share 0.5 --no-step-graph --json-out "$OUT/tail_50_1024_phases.json"
 elif [ "$mode" = warmup ]; then
   run 240 env TRITON_INTERPRET=0 python3 -m pytest -q tests/engine/test_warmup.py -k on_a_gpu -p no:cacheprovider
 elif [ "$mode" = random ]; then

@@ -50,7 +50,10 @@ def main() -> int:
              "dustin-sampled": dict(method="dustin", budget=128, temperature=0.7, top_k=50, seed=4),
              "dustin-accept-controlled": dict(method="dustin", budget=128, accept_prob=0.7),
              "classic-gamma-auto": dict(method="classic", gamma="auto"),
-             "dustin-gamma-auto": dict(method="dustin", budget=128, gamma="auto")}
+             "dustin-gamma-auto": dict(method="dustin", budget=128, gamma="auto"),
+             # the sampled tail: per-layer plans with log-weights, drawn inside the step graph
+             "dustin-tail": dict(method="dustin", budget=128, tail_share=0.5),
+             "dustin-tail-sampled": dict(method="dustin", budget=128, tail_share=0.5, temperature=0.7, seed=4)}
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # e.g. "quest,specattn": those cases only
     cases = {k: v for k, v in cases.items() if only is None or k in only}
     for name, kw in cases.items():

@@ -18,8 +18,12 @@ from dustin.kernels.prefill_plan import PrefillPlan
 
 @dataclass
 class SparsePlan:
-    """Cached positions the new tokens attend to, shared by all layers: one set per sequence (indices [B, K], counts
-    [B]), or one per sequence and KV head (indices [B, Hkv, K], counts [B, Hkv]; query head h reads its KV head's).
+    """Cached positions the new tokens attend to: one set per sequence (indices [B, K], counts [B]), or one per
+    sequence and KV head (indices [B, Hkv, K], counts [B, Hkv]; query head h reads its KV head's), both shared by
+    all layers; or one per layer, sequence and KV head (indices [n_layers, B, Hkv, K], counts [n_layers, B, Hkv]:
+    `at_layer` gives a layer's, so that attention only ever sees the first two forms). A per-layer plan is still one
+    object of fixed shape made once per step, so a step graph or a forward's graph replays it like the others
+    (dustin's sampled tail draws each layer's own: dustin/selection/tail.py).
     Sorted; entries past the count are padding. Rows marked `dense` attend to the whole cache.
 
     `bias`, when set, weights each gathered position: an additive log-weight on its attention score, read next to
@@ -36,6 +40,17 @@ class SparsePlan:
     # `--budget auto --budget-dense`, for rows whose estimated attention is too spread out for k_max positions
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None  # float32 like `indices`, or None: the log-weight of each gathered position
+
+    @property
+    def per_layer(self) -> bool:
+        return self.indices.dim() == 4
+
+    def at_layer(self, layer: int) -> "SparsePlan":
+        """The plan layer `layer` reads: its slice of a per-layer plan (views, no copy), else this plan."""
+        if not self.per_layer:
+            return self
+        return SparsePlan(self.indices[layer], self.counts[layer], self.dense,
+                          None if self.bias is None else self.bias[layer])
 
 
 class LayerPlanner(Protocol):

@@ -55,6 +55,7 @@ from dustin.errors import InputError
 from dustin.flags import add_draft_kernel_arg, add_model_args, add_sparse_args, add_speculation_args, budget_settings
 from dustin.models.args import named_config, pair_context, with_rope_scaling
 from dustin.models.fetch import resolve_model_path
+from dustin.selection.config import DUSTIN_POLICIES
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +164,7 @@ def _config(method: str, a, accept_prob: float | None = None):
                                                      draft_kernel=a.draft_kernel,
                                                      fused_ops=not getattr(a, "no_fused_ops", False)),
                             sparse_config=a.config if sparse else None,
-                            **budget_settings(a, sparse))
+                            **budget_settings(a, sparse, ENGINE_METHODS[method].policy in DUSTIN_POLICIES))
 
 
 def gamma_max(a) -> int:

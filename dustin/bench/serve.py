@@ -48,6 +48,7 @@ from dustin.flags import (
     budget_settings,
     method_list,
 )
+from dustin.selection.config import DUSTIN_POLICIES
 
 SCENARIOS = {  # name -> (prompt tokens MIN,MAX, requests, max tokens, rate)
     "burst": ("8000,19250", 16, 64, float("inf")),
@@ -107,7 +108,8 @@ def _scenarios(args) -> list[dict]:
 
 
 def _serve_config(args, method: str, max_waiting: int):
-    return GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window, **budget_settings(args),
+    return GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
+                            **budget_settings(args, tail=METHODS[method].policy in DUSTIN_POLICIES),
                             sparse_config=args.config, max_slots=args.max_slots, max_context=args.max_context,
                             prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
                             max_waiting=max_waiting, options=ExecutionOptions(draft_kernel=args.draft_kernel))
@@ -274,7 +276,8 @@ def run(args) -> int:
             row["slots"], row["context"] = llm.max_slots, llm.max_context
             if not args.no_offline:  # the engine's own speed on the same work: Engine.generate, batched, warm
                 cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
-                                       **budget_settings(args, METHODS[method].policy != "full"),
+                                       **budget_settings(args, METHODS[method].policy != "full",
+                                                         METHODS[method].policy in DUSTIN_POLICIES),
                                        sparse_config=args.config,
                                        options=ExecutionOptions(draft_kernel=args.draft_kernel))
                 params = SamplingParams(temperature=0, max_tokens=sc["max_tokens"], ignore_eos=True)

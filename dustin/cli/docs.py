@@ -27,7 +27,7 @@ from dustin.engine.kv_manager import cache_capacity
 from dustin.eval.stats import paired_difference_interval
 from dustin.models.args import named_config
 from dustin.parallel.tp_selection import TP_POLICIES
-from dustin.selection.config import DUSTIN_POLICIES
+from dustin.selection.config import DUSTIN_POLICIES, DUSTIN_TAIL_ROWS
 from dustin.selection.registry import policy_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,6 +164,10 @@ METHOD_NOTES = {
 def method_note(method: str) -> tuple[str, str]:
     if method in METHOD_NOTES:
         return METHOD_NOTES[method]
+    if method in DUSTIN_TAIL_ROWS:  # dustin's own tail at a fixed share (selection/stratified.py)
+        return (f"dustin's set plus a stratified sample of the rest per layer and KV head, reweighted: "
+                f"{DUSTIN_TAIL_ROWS[method]:.0%} of k sampled", f"a sweep row: `--method dustin --tail-share "
+                f"{DUSTIN_TAIL_ROWS[method]:g}`")
     if "-tail" in method:  # the sampled-tail rows beside the ladder (selection/tail.py)
         src = "the oracle ladder's per-layer set" if method.startswith("oracle-layer-") else "dustin's set"
         weight = "not reweighted (w = 1, a control)" if method.endswith("-w1") else "reweighted"

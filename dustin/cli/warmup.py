@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from dustin.engine.config import METHODS, GenerationConfig
 from dustin.errors import InputError
-from dustin.flags import add_model_args, add_sparse_args, add_speculation_args, int_list, method_list
+from dustin.flags import (
+    add_model_args,
+    add_sparse_args,
+    add_speculation_args,
+    budget_settings,
+    int_list,
+    method_list,
+)
+from dustin.selection.config import DUSTIN_POLICIES
 
 
 def add_arguments(p) -> None:
@@ -62,10 +70,10 @@ def run(args) -> int:
 
     print(f"Triton's kernel cache: {knobs.cache.dir}")
     for method in methods:
+        policy = METHODS[method].policy
         cfg = GenerationConfig(method=method, gamma=args.gamma, draft_window=args.draft_window,
-                               budget=args.budget if METHODS[method].policy != "full" else None,
-                               budget_p=args.budget_p, budget_min=args.budget_min, budget_max=args.budget_max,
-                               sparse_config=args.config if METHODS[method].policy != "full" else None)
+                               **budget_settings(args, policy != "full", policy in DUSTIN_POLICIES),
+                               sparse_config=args.config if policy != "full" else None)
         gamma = cfg.gamma if cfg.spec.speculative else 0
         # the capacity `Engine.generate` gives prompts of this many positions (rounded up as it keeps engines)
         need = cache_capacity([args.context], [0], gamma)

@@ -14,7 +14,14 @@ from dustin.defaults import (
     GAMMA_AUTO_MAX,
 )
 from dustin.errors import InputError
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS, AutoBudget
+from dustin.selection.config import (
+    DUSTIN_POLICIES,
+    DUSTIN_TAIL_ROWS,
+    ORACLE_RUNGS,
+    ORACLE_TAIL_ROWS,
+    AutoBudget,
+    SparseConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ METHODS: dict[str, MethodSpec] = {
     # the exact set of rung (b) with the ladder's full draft, or dustin's own with dustin's streaming one
     **{name: MethodSpec(speculative=True, draft_kv="full" if row.source == "layer" else "streaming", policy=name)
        for name, row in ORACLE_TAIL_ROWS.items()},
+    # the engine's own tail at a fixed share (sweep rows: dustin-tail is dustin with --tail-share 0.5)
+    **{name: MethodSpec(speculative=True, draft_kv="streaming", policy=name) for name in DUSTIN_TAIL_ROWS},
 }
 DRAFT_KV_MODES = ("full", "streaming")
 # the methods that verify against the whole cache (lossless: greedy output is vanilla's whatever the budget)
@@ -132,6 +141,9 @@ class GenerationConfig:
     # --budget auto only: a row whose budget_max best positions hold less than budget_p of its estimated mass
     # verifies against the whole cache that step
     budget_dense: bool = False
+    # dustin, dustin-t, dustin-d: the share of the budget drawn per layer and KV head as a sampled, reweighted tail
+    # (selection/stratified.py); None: the sparse config's `tail_share` (0 unless the config sets it)
+    tail_share: float | None = None
     sparse_config: str | None = None  # JSON file of score heads / m (None: built-in default for the pair)
     # serving sizes: max_slots None: 16 on a GPU, 8 on a CPU; max_context None: the models' context (capped at
     # 8192 on a CPU, where the slots' caches live in host memory). An offline batch (`Engine.generate`) takes one
@@ -183,6 +195,16 @@ class GenerationConfig:
             raise InputError(f"--budget must be >= 21 (4 sinks + 16 recent + 1), or auto; got {self.budget!r}")
         elif self.budget is not None and self.spec.policy in ORACLE_TAIL_ROWS:
             ORACLE_TAIL_ROWS[self.spec.policy].split(self.budget, 21)  # the exact part >= 4 sinks + 16 recent + 1
+        if self.tail_share is not None:
+            if self.spec.policy not in DUSTIN_POLICIES:
+                raise InputError(f"--tail-share goes with dustin, dustin-t or dustin-d, not {self.method!r}")
+            if self.budget == "auto" and self.tail_share:
+                raise InputError("--budget auto sizes an exact set; it takes no sampled tail (--tail-share 0)")
+        share = DUSTIN_TAIL_ROWS.get(self.spec.policy, self.tail_share)
+        if share and isinstance(self.budget, int):  # the split at this k, by the sparse config's own rule
+            SparseConfig(budget=self.budget, draft_topm=0, tail_share=share)
+        elif share is not None and not 0.0 <= share < 1.0:
+            raise InputError(f"--tail-share must be in [0, 1), got {share}")
         if self.options.accept_prob is not None and not self.spec.speculative:
             raise InputError(f"acceptance control needs a speculative method, not {self.method!r}")
         if self.draft_kv == "streaming" and not 0 <= self.draft_sinks < self.draft_window:

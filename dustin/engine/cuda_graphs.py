@@ -20,10 +20,12 @@ from dustin.models.transformer import Transformer
 class GraphedForward:
     def __init__(self, model: Transformer, cache: KVCache, batch: int, num_new: int, *, sinks: int = 0,
                  window: int = 0, sparse_shape: tuple[int, ...] | None = None, sparse_dense: bool = False,
-                 observers=(), warmup: int = 2, float_logits: bool = True, greedy: int | None = None) -> None:
+                 sparse_bias: bool = False, observers=(), warmup: int = 2, float_logits: bool = True,
+                 greedy: int | None = None) -> None:
         """sparse_shape: capture sparse verification over a static index plan of this shape, [batch, K] (a set per
-        sequence) or [batch, Hkv, K] (a set per KV head), with per-row `dense` flags when sparse_dense; the plan is
-        copied in per call.
+        sequence), [batch, Hkv, K] (a set per KV head) or [n_layers, batch, Hkv, K] (per layer), with per-row
+        `dense` flags when sparse_dense and per-position log-weights when sparse_bias; the plan is copied in per
+        call.
         observers: graph-safe `QueryObserver`s (they only write device buffers of fixed address, so the
         replay repeats their writes; warm-up and capture also run them, on dummy inputs). float_logits, greedy: as
         `Transformer.forward`'s (greedy: the replay's output is each row's greedy token)."""
@@ -39,7 +41,8 @@ class GraphedForward:
         if sparse_shape is not None:
             self.plan = SparsePlan(torch.zeros(sparse_shape, dtype=torch.int32, device=dev),
                                    torch.zeros(sparse_shape[:-1], dtype=torch.int32, device=dev),
-                                   torch.zeros(batch, dtype=torch.bool, device=dev) if sparse_dense else None)
+                                   torch.zeros(batch, dtype=torch.bool, device=dev) if sparse_dense else None,
+                                   torch.zeros(sparse_shape, device=dev) if sparse_bias else None)
         self.ctx = ForwardContext(cache, self.positions, self.lengths, cache.capacity, sinks=sinks, window=window,
                                   sparse=self.plan, observers=list(observers))
         stream = torch.cuda.Stream()
@@ -65,6 +68,8 @@ class GraphedForward:
             self.plan.counts.copy_(plan.counts)
             if plan.dense is not None:
                 self.plan.dense.copy_(plan.dense)
+            if plan.bias is not None:
+                self.plan.bias.copy_(plan.bias)
         self.graph.replay()
         return self.logits.clone() if self.copy_out else self.logits
 

@@ -40,13 +40,15 @@ class ModelRunner:
         at its last position instead, [B] (`Transformer.forward`).
         graphed=False: run eagerly even when graphs are on (the step loop captures a whole step around it)."""
         if graphed and self.use_graphs and (sparse is None or isinstance(sparse, SparsePlan)):
-            sparse_shape = None if sparse is None else tuple(sparse.indices.shape)  # [B, K] or [B, Hkv, K]
+            sparse_shape = None if sparse is None else tuple(sparse.indices.shape)  # [B, K], [B, Hkv, K] or per layer
             dense = sparse is not None and sparse.dense is not None
-            key = (tokens.shape[1], sparse_shape, dense, float_logits, greedy)
+            bias = sparse is not None and sparse.bias is not None
+            key = (tokens.shape[1], sparse_shape, dense, bias, float_logits, greedy)
             if key not in self._graphs:
                 t0 = time.perf_counter()
                 self._graphs[key] = GraphedForward(self.model, self.cache, self.batch, tokens.shape[1], sinks=sinks,
                                                    window=window, sparse_shape=sparse_shape, sparse_dense=dense,
+                                                   sparse_bias=bias,
                                                    observers=observers, float_logits=float_logits, greedy=greedy)
                 self.capture_s += time.perf_counter() - t0
             return self._graphs[key](tokens, positions, lengths, sparse)

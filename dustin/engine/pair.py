@@ -6,6 +6,7 @@ of them (tokenizer, EOS ids, the verification policy of a method, KV-memory fit,
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -170,6 +171,8 @@ class ModelPair:
             sc = sc.with_budget(rule.k_max)
         elif cfg.budget is not None:
             sc = sc.with_budget(cfg.budget)
+        if cfg.tail_share is not None:
+            sc = replace(sc, tail_share=cfg.tail_share)
         sc.validate_for(self.target_args, d_args)
         policy = build(cfg.spec.policy, sc)
         if rule is not None:

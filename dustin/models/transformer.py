@@ -140,8 +140,8 @@ class Attention(nn.Module):
             if self.layer in obs.layers:
                 obs(self.layer, q, k_cache, ctx)
         plan = ctx.sparse
-        if plan is not None and not isinstance(plan, SparsePlan):
-            plan = plan.plan_layer(self.layer, q, ctx)
+        if plan is not None:
+            plan = plan.at_layer(self.layer) if isinstance(plan, SparsePlan) else plan.plan_layer(self.layer, q, ctx)
         if ctx.fresh:
             return backend.prefill(q, k, v)
         if plan is not None:

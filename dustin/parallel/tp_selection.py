@@ -8,6 +8,8 @@ Design (dustin, dustin-t, dustin-d):
 - The selection kernel then runs on every rank over identical inputs; as a safety net the final SparsePlan
   (indices, counts) is broadcast from rank 0, so the index sets are identical even if a backend's all_reduce
   were not bitwise identical across ranks.
+- A sampled tail (the config's tail_share) is drawn by each rank for its own KV heads from that broadcast set, keyed
+  by their global indices: the positions a single device draws for them.
 Sparse configs name global head indices and are validated/defaulted against the unsharded shape (the Engine
 does that with `TensorParallel.full_args`), so a run with and without TP picks the same heads.
 `streaming` needs no scores (lengths only) and works unchanged. `quest`, `specattn`, `snapkv` and `oracle` are not
@@ -68,8 +70,14 @@ class TPDustinSelection(DustinSelection):
         return TPTargetHistoricalScores(self.cfg.target, a.gqa_group, state.B, state.target_cache.capacity,
                                         state.device, self.rank, a.n_heads, self.group)
 
-    def plan(self, state: StepState) -> SparsePlan:
-        return broadcast_plan(super().plan(state), self.group)
+    def _exact_plan(self, state: StepState) -> SparsePlan:
+        return broadcast_plan(super()._exact_plan(state), self.group)
+
+    def _kv_heads(self, state: StepState) -> tuple[int, int]:
+        """A sampled tail is drawn by each rank for its own KV heads, from rank 0's exact set: the positions a
+        single device would draw for those heads, with no more to broadcast."""
+        n_kv = state.target.args.n_kv_heads  # this rank's
+        return self.rank * n_kv, n_kv * dist.get_world_size(self.group)
 
 
 def broadcast_plan(plan: SparsePlan, group=None) -> SparsePlan:

@@ -32,6 +32,10 @@ class SparseConfig:
     draft_topm: int = 128  # m: positions filled from S_draft before S_target fills the rest
     sinks: int = 4
     window: int = 16
+    # the sampled tail's share of k (selection/tail.py `stratified_tail`): round(tail_share * k) of the k positions
+    # are drawn per layer and KV head from outside the exact set and reweighted, the other k - that are Eq. 6's
+    # exact set (its draft_topm scaled as `with_budget` scales it); 0: no tail, k exact positions
+    tail_share: float = 0.0
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +44,24 @@ class SparseConfig:
         if not 0 <= self.draft_topm <= self.budget - self.sinks - self.window:
             raise InputError(f"draft_topm (m = {self.draft_topm}) must be in [0, budget - sinks - window = "
                              f"{self.budget - self.sinks - self.window}]")
+        if not 0.0 <= self.tail_share < 1.0:
+            raise InputError(f"tail_share must be in [0, 1), got {self.tail_share}")
+        self.tail_split()
+
+    def tail_split(self) -> tuple[int, int]:
+        """(exact positions, sampled positions) of the budget: k - m and m = round(tail_share * k); one InputError
+        line when the exact set would not hold the sinks, the window and one more."""
+        m = round(self.tail_share * self.budget)
+        if m and self.budget - m < self.sinks + self.window + 1:
+            raise InputError(f"--budget {self.budget} with a {self.tail_share:.0%} tail leaves {self.budget - m} exact "
+                             f"positions: they must exceed sinks + window = {self.sinks + self.window}; raise --budget "
+                             f"or lower tail_share")
+        return self.budget - m, m
+
+    def exact_part(self) -> "SparseConfig":
+        """The config of the tail's exact set: k - m positions, no tail (itself when there is no tail)."""
+        exact, m = self.tail_split()
+        return replace(self, tail_share=0.0).with_budget(exact) if m else self
 
     @property
     def free_budget(self) -> int:
@@ -74,6 +96,8 @@ class SparseConfig:
             heads = {role: tuple(ScoreHeads(int(e["layer"]), tuple(int(h) for h in e["heads"]))
                                  for e in raw.get(role, [])) for role in ("target", "draft")}
             scalars = {k: int(raw[k]) for k in ("budget", "draft_topm", "sinks", "window") if k in raw}
+            if "tail_share" in raw:
+                scalars["tail_share"] = float(raw["tail_share"])
         except OSError as e:
             raise InputError(f"sparse config {path} cannot be read: {e.strerror or e}") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -172,3 +196,7 @@ _TAIL_VARIANTS = {"": {}, "-w1": {"weighted": False}, "-auto": {"adaptive": True
 ORACLE_TAIL_ROWS: dict[str, TailRow] = {
     f"oracle-{src}-tail{suffix}{variant}": TailRow(src, share, **kw)
     for src in TAIL_SOURCES for suffix, share in TAIL_SHARES.items() for variant, kw in _TAIL_VARIANTS.items()}
+# The engine's own tail (`--method dustin` with tail_share: dustin's exact set plus a stratified sample per layer
+# and KV head, selection/stratified.py) at the rows' shares, as named rows for sweeps that compare it with the
+# others in one run: dustin-tail is `--method dustin --tail-share 0.5`, dustin-tail75 the same at 0.75
+DUSTIN_TAIL_ROWS: dict[str, float] = {f"dustin-tail{suffix}": share for suffix, share in TAIL_SHARES.items()}

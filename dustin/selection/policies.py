@@ -24,6 +24,7 @@ from dustin.selection.base import SelectionPolicy, StepState, draft_query_shape
 from dustin.selection.config import AutoBudget, SparseConfig
 from dustin.selection.estimators import DraftLookahead, DraftLookaheadScores, TargetHistoricalScores
 from dustin.selection.oracle import oracle_set, window_attention
+from dustin.selection.stratified import GREEDY_KEY, stratified_tail
 
 
 def _select(s_target, s_draft, lengths, cfg: SparseConfig, m: int) -> SparsePlan:
@@ -51,8 +52,13 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
     dense_rows = True
     row_local = True  # score rows and queries are per sequence; a row's prefill sets its S_target query
 
-    def __init__(self, cfg: SparseConfig, variant: str = "dustin") -> None:
-        self.cfg, self.name = cfg, variant
+    def __init__(self, cfg: SparseConfig, variant: str = "dustin", name: str | None = None) -> None:
+        self.cfg, self.name = cfg, name or variant
+        # with a sampled tail (cfg.tail_share), Eq. 6 picks the exact part of the budget and each layer draws the
+        # rest (`stratified_tail`); without one, the exact part is the whole config
+        self.sampled = cfg.tail_split()[1]  # positions sampled per layer and KV head (0: no tail)
+        cfg = cfg.exact_part()
+        self.exact_cfg = cfg
         source = cfg.source or "the sparse config"
         if variant in ("dustin", "dustin-t") and not cfg.target and (variant == "dustin-t" or not cfg.draft):
             raise InputError(f"{source} has no target score heads, which {variant} needs")
@@ -73,6 +79,8 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
 
     def use_auto_budget(self, rule: AutoBudget) -> None:
         """Size k per sequence and step by `rule` (dustin/selection/adaptive.py); the config's budget is k_max."""
+        if self.sampled:
+            raise InputError("--budget auto sizes an exact set; it takes no sampled tail (set tail_share to 0)")
         if rule.k_max != self.cfg.budget:
             raise ValueError(f"the config's budget ({self.cfg.budget}) must be the rule's k_max ({rule.k_max})")
         self.auto = rule
@@ -109,6 +117,23 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         return [self._target_scores] if self._target_scores is not None else []
 
     def plan(self, state: StepState) -> SparsePlan:
+        plan = self._exact_plan(state)
+        if not self.sampled:
+            return plan
+        state.timer.start("select")
+        a = state.target.args
+        offset, total = self._kv_heads(state)
+        plan = stratified_tail(plan, state.sampler.row_keys(GREEDY_KEY), state.target_cache.lengths, a.n_layers,
+                               a.n_kv_heads, self.sampled, offset, total)
+        state.timer.stop("select")
+        return plan
+
+    def _kv_heads(self, state: StepState) -> tuple[int, int]:
+        """(the first of this device's KV heads, KV heads in all): each draws its tail keyed by its global index."""
+        return 0, state.target.args.n_kv_heads
+
+    def _exact_plan(self, state: StepState) -> SparsePlan:
+        """Eq. 6's set at the exact part of the budget, one per row, shared by every layer and head."""
         self._setup(state)  # a plain step (Γ = 0) plans before any draft forward asked for its captures
         L = state.target_cache.lengths
         s_target = s_draft = self._zeros
@@ -121,7 +146,7 @@ class DustinSelection(DraftLookahead, SelectionPolicy):
         state.timer.stop("estimate")
         state.timer.start("select")
         if self.auto is None:
-            plan = _select(s_target, s_draft, L, self.cfg, self.m)
+            plan = _select(s_target, s_draft, L, self.exact_cfg, self.m)
         else:
             plan = self._select_auto(s_target, s_draft, L, state.done)
         state.timer.stop("select")

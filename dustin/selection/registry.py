@@ -3,16 +3,18 @@
 `DustinSelection`) and the registry import each other in one direction only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dustin.selection.base import FullSelection, SelectionPolicy
-from dustin.selection.config import DUSTIN_POLICIES, ORACLE_RUNGS, ORACLE_TAIL_ROWS, SparseConfig
+from dustin.selection.config import DUSTIN_POLICIES, DUSTIN_TAIL_ROWS, ORACLE_RUNGS, ORACLE_TAIL_ROWS, SparseConfig
 from dustin.selection.ladder import LadderOracle
 from dustin.selection.layerwise import QuestSelection, SpecAttnSelection
 from dustin.selection.policies import DustinSelection, OracleSelection, StreamingSelection
 from dustin.selection.snapkv import SnapKVSelection
 from dustin.selection.tail import DustinTail, LayerTailOracle
 
-POLICIES = ("full", "streaming", *DUSTIN_POLICIES, "quest", "specattn", "snapkv", "oracle", *ORACLE_RUNGS,
-            *ORACLE_TAIL_ROWS)
+POLICIES = ("full", "streaming", *DUSTIN_POLICIES, *DUSTIN_TAIL_ROWS, "quest", "specattn", "snapkv", "oracle",
+            *ORACLE_RUNGS, *ORACLE_TAIL_ROWS)
 
 
 def policy_class(name: str) -> type[SelectionPolicy]:
@@ -22,7 +24,7 @@ def policy_class(name: str) -> type[SelectionPolicy]:
         return FullSelection
     if name == "streaming":
         return StreamingSelection
-    if name in DUSTIN_POLICIES:
+    if name in DUSTIN_POLICIES or name in DUSTIN_TAIL_ROWS:
         return DustinSelection
     if name == "oracle":
         return OracleSelection
@@ -43,6 +45,8 @@ def make_policy(name: str, cfg: SparseConfig | None) -> SelectionPolicy:
         return FullSelection()
     if cfg is None:
         raise ValueError(f"policy {name!r} needs a SparseConfig")
+    if name in DUSTIN_TAIL_ROWS:
+        return DustinSelection(replace(cfg, tail_share=DUSTIN_TAIL_ROWS[name]), "dustin", name=name)
     if cls is DustinSelection or name in ORACLE_RUNGS or name in ORACLE_TAIL_ROWS:
         return cls(cfg, name)
     return cls(cfg)

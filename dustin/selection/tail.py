@@ -54,9 +54,7 @@ from dustin.selection.config import ORACLE_TAIL_ROWS, SparseConfig, TailRow
 from dustin.selection.ladder import rung_set
 from dustin.selection.oracle import window_probs
 from dustin.selection.policies import DustinSelection
-
-GREEDY_KEY = 0x7A11_5EED  # every greedy row's key: its draws depend on its cache length, layer and KV head only
-_LAST = torch.iinfo(torch.int64).max  # the place in the random order of a position outside R: after all of R
+from dustin.selection.stratified import GREEDY_KEY, PAST_ALL
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ def draw_tail(keys: torch.Tensor, outside: torch.Tensor, m: int) -> tuple[torch.
     the rest are padding."""
     B, H, S = outside.shape
     order = counter_bits(keys.reshape(-1), torch.zeros_like(keys.reshape(-1)), S).view(B, H, S)
-    order = torch.where(outside, order, _LAST)
+    order = torch.where(outside, order, PAST_ALL)
     picks = order.topk(min(m, S), dim=-1, largest=False, sorted=True).indices
     return picks, outside.sum(-1)
 
@@ -152,7 +150,7 @@ def with_tail(exact: SparsePlan, seeds: torch.Tensor, lengths: torch.Tensor, lay
     pos = torch.cat([idx.long(), picks], dim=-1)
     on = torch.cat([valid, tail_on], dim=-1)
     bias = torch.cat([torch.zeros(B, n_kv, Ke, device=dev), log_w[:, :, None].expand(-1, -1, picks.shape[-1])], -1)
-    order = torch.where(on, pos, _LAST).argsort(dim=-1)  # valid entries ascending, then the padding
+    order = torch.where(on, pos, PAST_ALL).argsort(dim=-1)  # valid entries ascending, then the padding
     pos, on, bias = pos.gather(-1, order), on.gather(-1, order), bias.gather(-1, order)
     return SparsePlan(torch.where(on, pos, 0).to(torch.int32), on.sum(-1).to(torch.int32), exact.dense,
                       torch.where(on, bias, 0.0))

@@ -1,5 +1,6 @@
 """Tensor-parallel target (dustin/parallel/tp.py) on CPU with gloo: 2 and 4 spawned ranks must produce exactly the
-single-process tokens (greedy, fp32) for vanilla, classic, magicdec and dustin, and agree with each other."""
+single-process tokens (greedy, fp32) for vanilla, classic, magicdec and dustin (with and without a sampled tail),
+and agree with each other."""
 from __future__ import annotations
 
 import faulthandler
@@ -28,6 +29,8 @@ RUNS = {  # name -> GenerationConfig kwargs
     "magicdec": {"method": "magicdec", "gamma": 3, "draft_window": 12},
     "dustin": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26},
     "dustin-t": {"method": "dustin-t", "gamma": 3, "draft_window": 12, "budget": 24},
+    # a sampled tail: each rank draws its own KV heads' positions from rank 0's exact set, the single process's
+    "dustin-tail": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 44, "tail_share": 0.5},
     "sampled": {"method": "classic", "gamma": 3, "temperature": 0.8, "seed": 5},
     # acceptance-controlled benchmark mode: the random accept decisions must be identical on every rank
     "controlled": {"method": "dustin", "gamma": 3, "draft_window": 12, "budget": 26,

@@ -21,10 +21,10 @@ fixed-shape forward may replay as its own graph (`ModelRunner`).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from dustin.attention.context import SparsePlan
 from dustin.engine.cuda_graphs import StepGraph
 from dustin.engine.draft_step import DraftStep
 from dustin.engine.logprobs import token_logprobs
@@ -152,7 +152,7 @@ class DeviceStep:
             plan = policy.plan(s)  # times its own phases ("estimate", "select") with the batch's timer
             if self.dense_plain:  # a plain row's positions were chosen by no draft: it reads the whole cache
                 plain = s.row_gamma == 0
-                plan = SparsePlan(plan.indices, plan.counts, plain if plan.dense is None else plan.dense | plain)
+                plan = replace(plan, dense=plain if plan.dense is None else plan.dense | plain)
             phase = "verify" if plan is None else "sparse_verify"
             timer.start(phase)
             logits = self.forward("target", inp, pos, L, max_len + gmax + 1, sparse=plan,
