@@ -184,13 +184,17 @@ elif [ "$mode" = budget ]; then
       --batches 16 --tau 3.6 --warmup 3 --steps 12 --methods $([ $b = 512 ] && echo vanilla,)dustin --budget $b \
       $([ $b = auto ] && echo --budget-p 0.95) --json-out "$OUT/budget_$b.json" --plot-out "$OUT/budget_$b.png"
   done
-elif [ "$mode" = tail ]; then
-  run 120 python3 scripts/gpu_step_graph_check.py dustin,dustin-tail,dustin-tail-sampled
+elif [ "$mode" = tail ]; then  # PARTS picks and orders the parts (default "check e2e")
   e2e="python3 -m dustin bench e2e --device cuda --pairs qwen2.5-1.5b:qwen2.5-0.5b --contexts 16384,29500 --batches 16
     --tau 3.6 --warmup 4 --steps 30 --budget 1024"
-  run 200 $e2e --methods vanilla,dustin --json-out "$OUT/tail_exact_1024.json"
-  run 120 $e2e --methods dustin --tail-share 0.5 --json-out "$OUT/tail_50_1024.json"
-  run $((590 - SECONDS)) $e2e --methods dustin --tail-share 0.5 --no-step-graph --json-out "$OUT/tail_50_1024_phases.json"
+  for part in ${PARTS:-check e2e}; do
+    case $part in
+      check) run 120 python3 scripts/gpu_step_graph_check.py dustin,dustin-tail,dustin-tail-sampled ;;
+      e2e) run 200 $e2e --methods vanilla,dustin --json-out "$OUT/tail_exact_1024.json"
+           run 120 $e2e --methods dustin --tail-share 0.5 --json-out "$OUT/tail_50_1024.json"
+           run 150 $e2e --methods dustin --tail-share 0.5 --no-step-graph --json-out "$OUT/tail_50_1024_phases.json" ;;
+    esac
+  done
 elif [ "$mode" = warmup ]; then
   run 240 env TRITON_INTERPRET=0 python3 -m pytest -q tests/engine/test_warmup.py -k on_a_gpu -p no:cacheprovider
 elif [ "$mode" = random ]; then
