@@ -7,16 +7,18 @@ import json
 import pytest
 
 from dustin.cli.main import main
-from tests.conftest import without_interpreter
+from tests.conftest import on_cpu_paths
 from tests.offline import offline
 
 
 @pytest.fixture
-def cpu_paths(monkeypatch):
-    """The CPU's PyTorch selection and estimation (TRITON_INTERPRET unset, as on a user's CPU) for a benchmark run
-    that checks what the benchmark reports, not the kernels: the interpreted selection kernel (a bitonic sort per
-    sequence and step, tests/kernels hold it to the PyTorch code) took most of these tests' time."""
-    without_interpreter(monkeypatch)
+def cpu_selection():
+    """The CPU's PyTorch selection and estimation for one test (`on_cpu_paths`; the module's other tests keep the
+    interpreter): a benchmark run that checks what the benchmark reports, not the kernels. The interpreted
+    selection kernel (a bitonic sort per sequence and step, tests/kernels hold it to the PyTorch code) took most of
+    these tests' time."""
+    with on_cpu_paths():
+        yield
 
 
 def _kinds() -> list[str]:
@@ -31,7 +33,7 @@ def _kinds() -> list[str]:
         return ["code"]
 
 
-def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys, cpu_paths):
+def test_bench_e2e_real_end_to_end(text_pair, tmp_path, capsys, cpu_selection):
     """Every row's fields are there, and agree with one another as their definitions say: tokens/s = τ x batch /
     (ms/step), τ x batch x steps a whole number of tokens, the speedup the ratio of the tokens/s of the row and
     of its group's vanilla row, the roofline share the bytes a step reads at the run's read-only bandwidth over the
@@ -104,7 +106,7 @@ def test_real_prompts_are_exact_and_distinct(text_pair):
     assert real_prompts(tok, "code", 80, 2, seed=0) == four[:2]  # a smaller batch is a prefix of a larger one
 
 
-def test_shared_prefill_is_exact(text_pair, cpu_paths):
+def test_shared_prefill_is_exact(text_pair, cpu_selection):
     """A greedy session through the shared PrefillCache (as the benchmark runs every method) decodes exactly what
     a session with its own fresh prefill does, also when run twice; lossless methods agree with vanilla."""
     from transformers import AutoTokenizer
@@ -222,7 +224,7 @@ def test_bench_e2e_reports_the_gammas_of_gamma_auto(tiny_pair, tmp_path):
     assert "pct_of_byte_roofline" not in rows["magicdec"]
 
 
-def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys, cpu_paths):
+def test_bench_e2e_per_layer_baselines(tiny_pair, tmp_path, capsys, cpu_selection):
     """quest and specattn (graph-safe now: their steps replay as one CUDA graph on a GPU) have speed rows, with
     their estimation bytes counted (page statistics; every draft layer's keys)."""
     target, draft = tiny_pair
