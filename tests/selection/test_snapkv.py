@@ -16,20 +16,15 @@ from dustin.scoring import causal_probs
 from dustin.selection.config import SparseConfig
 from dustin.selection.registry import POLICIES, make_policy
 from dustin.selection.snapkv import SNAPKV_KERNEL, SNAPKV_WINDOW, SnapKVSelection
-from tests.offline import offline
+from tests.offline import offline, random_prompts
 
 K = 48  # budget: > the 32-token window, < the long prompts below
 RAGGED = [90, 130, 40]  # two prompts longer than k (compressed), one shorter (kept whole)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
-
 
 def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def _cfg(**kw):

@@ -12,14 +12,12 @@ from dustin.attention.backend import sparse_mask
 from dustin.attention.context import SparsePlan
 from dustin.cli.main import main
 from dustin.engine.config import METHODS, GenerationConfig
-from dustin.engine.engine import Engine
 from dustin.errors import InputError
-from dustin.models.loader import load_model
 from dustin.rng import below, counter_bits
 from dustin.selection.config import DUSTIN_TAIL_ROWS, SparseConfig
 from dustin.selection.policies import DustinSelection
 from dustin.selection.stratified import stratified_tail
-from tests.offline import offline
+from tests.offline import offline, random_prompts
 
 
 def _exact(lengths, k, seed=0):
@@ -164,14 +162,9 @@ def test_a_bad_share_is_one_error_line(capsys):
 # ---- the engine
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
-
 
 def _prompts(lengths, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 @pytest.mark.usefixtures("cpu_paths")

@@ -12,24 +12,16 @@ from dustin.attention.context import SparsePlan
 from dustin.attention.reference import sparse_verify_attention_reference, verify_attention_reference
 from dustin.cli.main import main
 from dustin.engine.config import METHODS, GenerationConfig
-from dustin.engine.engine import Engine
 from dustin.engine.request import SamplingParams
 from dustin.errors import InputError
-from dustin.models.loader import load_model
 from dustin.selection.config import ORACLE_TAIL_ROWS, TailRow
 from dustin.selection.tail import AdaptiveTail, DustinTail, LayerTailOracle, adaptive_m, draw_tail, tail_keys, with_tail
 from tests.conftest import on_cpu_paths
-from tests.offline import offline
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    return Engine.from_models(load_model(tiny_pair[0]), load_model(tiny_pair[1]))
+from tests.offline import offline, random_prompts
 
 
 def _prompts(lengths, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def _cache(B, Hq, Hkv, T, D, lengths, gen):
